@@ -1,0 +1,84 @@
+"""Per-block gradients of a pairwise feature matrix: the numeric core.
+
+V has shape (N, D). The pair matrix M[i, j] = concat(V[i], V[j]) has shape
+(N, N, 2D) and is never built whole: each block is built on its own, detached
+as its own autograd leaf, and differentiated alone (the seed's answer). The
+accumulated gradient on V is the chain rule from each block's gradient back to
+the rows and columns it came from, which equals calling
+backward(retain_graph=True) once per block on one shared graph.
+
+Pure module: tensors and ints in, tensors out. No Flask, no JSON.
+"""
+import math
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from .objectives import Objective
+
+BLOCK_CAP = 6  # the seed's rule: factor = ceil(N / 6)
+
+
+def default_factor(n: int) -> int:
+    return max(1, math.ceil(n / BLOCK_CAP))
+
+
+def block_bounds(n: int, factor: int) -> list[int]:
+    """F + 1 boundaries; the last block takes the remainder, as in the seed."""
+    base = n // factor
+    return [k * base for k in range(factor)] + [n]
+
+
+def largest_block_side(n: int, factor: int) -> int:
+    base = n // factor
+    return max(base, n - (factor - 1) * base)
+
+
+@dataclass(frozen=True)
+class Block:
+    row: int
+    col: int
+    rows: tuple[int, int]  # [start, stop) into V
+    cols: tuple[int, int]
+    loss: torch.Tensor  # 0-d
+    gradient: torch.Tensor  # (rows, cols, 2D), dL/dblock
+
+
+def pair_block(vectors: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+    """M[rows, cols] built directly from V, without the rest of M."""
+    row_vecs = vectors[rows[0]:rows[1]]  # (h, D)
+    col_vecs = vectors[cols[0]:cols[1]]  # (w, D)
+    h, w, d = row_vecs.shape[0], col_vecs.shape[0], vectors.shape[1]
+    return torch.cat(
+        (row_vecs[:, None, :].expand(h, w, d),  # (h, w, D): V[i]
+         col_vecs[None, :, :].expand(h, w, d)),  # (h, w, D): V[j]
+        dim=-1,
+    )  # (h, w, 2D)
+
+
+def block_gradient(block: torch.Tensor, objective: Objective, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss and dL/dblock with the block detached as a leaf of its own graph."""
+    leaf = block.detach().requires_grad_(True)  # (h, w, 2D)
+    with torch.enable_grad():
+        loss = objective(leaf, offset)  # ()
+        (grad,) = torch.autograd.grad(loss, leaf)  # (h, w, 2D)
+    return loss.detach(), grad
+
+
+def iter_blocks(vectors: torch.Tensor, factor: int, objective: Objective, offset: float) -> Iterator[Block]:
+    """Every block's loss and gradient, row-block-major like the seed's loops."""
+    bounds = block_bounds(vectors.shape[0], factor)
+    for r in range(factor):
+        rows = (bounds[r], bounds[r + 1])
+        for c in range(factor):
+            cols = (bounds[c], bounds[c + 1])
+            loss, grad = block_gradient(pair_block(vectors, rows, cols), objective, offset)
+            yield Block(r, c, rows, cols, loss, grad)
+
+
+def add_to_vectors(accumulated: torch.Tensor, block: Block) -> None:
+    """Chain rule: block entry (i, j) holds V[i] in its first D and V[j] in its last D."""
+    d = accumulated.shape[1]
+    accumulated[block.rows[0]:block.rows[1]] += block.gradient[:, :, :d].sum(dim=1)  # (h, D)
+    accumulated[block.cols[0]:block.cols[1]] += block.gradient[:, :, d:].sum(dim=0)  # (w, D)

@@ -1,0 +1,47 @@
+"""One place that turns every failure into the JSON error object."""
+import logging
+
+import orjson
+from flask import Flask, Response
+from werkzeug.exceptions import HTTPException
+
+from .errors import ApiError
+
+log = logging.getLogger("blockgrad")
+
+HTTP_CODES = {
+    400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
+    413: "too_large", 415: "unsupported_media_type", 503: "unavailable",
+}
+
+
+def error_response(error: ApiError) -> Response:
+    response = Response(orjson.dumps(error.body(), option=orjson.OPT_NON_STR_KEYS), status=error.status, mimetype="application/json")
+    response.headers.update(error.headers)
+    return response
+
+
+def from_http_exception(exc: HTTPException) -> ApiError:
+    status = exc.code or 500
+    code = HTTP_CODES.get(status) or (exc.name or "error").lower().replace(" ", "_")
+    message = exc.description or exc.name
+    if status == 413:
+        message = "The request body is over BLOCKGRAD_MAX_BODY_BYTES; send fewer or shorter vectors."
+    valid_methods = getattr(exc, "valid_methods", None)
+    headers = {"Allow": ", ".join(valid_methods)} if valid_methods else {}
+    return ApiError(status, code, message, headers=headers)
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(ApiError)
+    def handle_api_error(exc: ApiError):
+        return error_response(exc)
+
+    @app.errorhandler(HTTPException)
+    def handle_http_exception(exc: HTTPException):
+        return error_response(from_http_exception(exc))
+
+    @app.errorhandler(Exception)
+    def handle_unexpected(exc: Exception):
+        log.exception("unhandled error")  # internals go to the log, never the body
+        return error_response(ApiError(500, "internal_error", "The server failed on this request; it has been logged."))

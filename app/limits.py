@@ -1,0 +1,54 @@
+"""Admission control: refuse, from the sizes alone, what this worker cannot serve.
+
+Runs before any tensor is allocated, so a refusal costs milliseconds at any size.
+"""
+from collections.abc import Mapping
+
+from .engine import largest_block_side
+from .errors import ApiError
+
+
+def output_elements(n: int, dim: int, factor: int, outputs: tuple[str, ...]) -> int:
+    sizes = {"blocks": n * n * 2 * dim, "accumulated": n * dim, "losses": factor * factor}
+    return sum(sizes[name] for name in outputs)
+
+
+def block_elements(n: int, dim: int, factor: int) -> int:
+    side = largest_block_side(n, factor)
+    return side * side * 2 * dim
+
+
+def smallest_fitting_factor(n: int, dim: int, factor: int, limit: int) -> int | None:
+    return next((f for f in range(factor, n + 1) if block_elements(n, dim, f) <= limit), None)
+
+
+def limit_exceeded(message: str, limit: str, value: int, allowed: int) -> ApiError:
+    return ApiError(413, "limit_exceeded", message, {"limit": limit, "value": value, "allowed": allowed})
+
+
+def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], config: Mapping) -> None:
+    """Raise 413 limit_exceeded naming the limit and what to change, or return."""
+    max_n, max_d = config["BLOCKGRAD_MAX_N"], config["BLOCKGRAD_MAX_D"]
+    if n > max_n:
+        raise limit_exceeded(f"{n} vectors is over BLOCKGRAD_MAX_N = {max_n}; send at most {max_n}.",
+                             "BLOCKGRAD_MAX_N", n, max_n)
+    if dim > max_d:
+        raise limit_exceeded(f"Vectors of length {dim} are over BLOCKGRAD_MAX_D = {max_d}; send at most {max_d}.",
+                             "BLOCKGRAD_MAX_D", dim, max_d)
+    max_block = config["BLOCKGRAD_MAX_BLOCK_ELEMENTS"]
+    per_block = block_elements(n, dim, factor)
+    if per_block > max_block:
+        fitting = smallest_fitting_factor(n, dim, factor, max_block)
+        advice = (f"use a factor of at least {fitting}" if fitting
+                  else "send shorter vectors: even one pair is too large")
+        raise limit_exceeded(
+            f"With factor {factor} the largest block holds {per_block} numbers, over "
+            f"BLOCKGRAD_MAX_BLOCK_ELEMENTS = {max_block}; {advice}.",
+            "BLOCKGRAD_MAX_BLOCK_ELEMENTS", per_block, max_block)
+    max_output = config["BLOCKGRAD_MAX_OUTPUT_ELEMENTS"]
+    total = output_elements(n, dim, factor, outputs)
+    if total > max_output:
+        raise limit_exceeded(
+            f"The answer would hold {total} numbers, over BLOCKGRAD_MAX_OUTPUT_ELEMENTS = {max_output}; "
+            "ask for fewer outputs (for example only accumulated and losses) or send fewer vectors.",
+            "BLOCKGRAD_MAX_OUTPUT_ELEMENTS", total, max_output)

@@ -1,0 +1,49 @@
+"""Serialise results to JSON bytes with orjson, streaming blocks one at a time.
+
+The head (sizes, bounds, accumulated, losses) goes out first; then each block
+is serialised as it is computed and flushed in chunks of about CHUNK_BYTES, so
+a worker holds roughly one block of output at a time whatever N is.
+"""
+from typing import Iterator
+
+import numpy as np
+import orjson
+import torch
+
+from .engine import Block
+
+NUMPY = orjson.OPT_SERIALIZE_NUMPY
+CHUNK_BYTES = 256 * 1024
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    # orjson needs C-contiguous arrays; autograd may hand back expanded views.
+    return tensor.detach().cpu().contiguous().numpy()
+
+
+def block_json(block: Block) -> bytes:
+    return orjson.dumps({
+        "row": block.row, "col": block.col,
+        "rows": block.rows, "cols": block.cols,
+        "loss": to_numpy(block.loss)[()],  # numpy scalar: shortest digits of its dtype
+        "gradient": to_numpy(block.gradient),  # (rows, cols, 2D)
+    }, option=NUMPY)
+
+
+def head_json(head: dict) -> bytes:
+    return orjson.dumps(head, option=NUMPY)
+
+
+def stream_with_blocks(head: dict, blocks: Iterator[Block]) -> Iterator[bytes]:
+    """One JSON object: the head's keys, then "blocks": [...] written as computed."""
+    buffer = [head_json(head)[:-1], b',"blocks":[']
+    size = 0
+    for k, block in enumerate(blocks):
+        part = block_json(block)
+        buffer.append(b"," + part if k else part)
+        size += len(part)
+        if size >= CHUNK_BYTES:
+            yield b"".join(buffer)
+            buffer, size = [], 0
+    buffer.append(b"]}")
+    yield b"".join(buffer)

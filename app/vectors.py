@@ -1,0 +1,70 @@
+"""Turn the JSON `vectors` value into an (N, D) float64 array in one vectorised pass.
+
+Checks happen on whole rows or the whole matrix at C speed; only when a check
+fails do we walk the values to name the first offending row and column.
+"""
+from itertools import chain
+
+import numpy as np
+
+NUMBER_TYPES = frozenset((float, int))
+JSON_TYPE_NAMES = {bool: "a boolean", str: "a string", type(None): "null", list: "a list", dict: "an object"}
+
+
+class MatrixError(ValueError):
+    """A message a person can act on, naming the offending row and column."""
+
+
+def parse_matrix(value: object) -> np.ndarray:
+    if not isinstance(value, list) or not value:
+        raise MatrixError("Must be a non-empty list of rows, each a list of numbers.")
+    for i, row in enumerate(value):
+        if type(row) is not list:
+            raise MatrixError(f"Row {i} is {json_type(row)}, not a list of numbers.")
+    width = len(value[0])
+    if width == 0:
+        raise MatrixError("Rows must not be empty.")
+    if any(len(row) != width for row in value):
+        i = next(i for i, row in enumerate(value) if len(row) != width)
+        raise MatrixError(f"Rows must all have the same length: row 0 has {width} numbers, row {i} has {len(value[i])}.")
+    if not set(map(type, chain.from_iterable(value))) <= NUMBER_TYPES:
+        i, j, x = first_cell(value, lambda x: type(x) not in NUMBER_TYPES)
+        raise MatrixError(f"Row {i}, column {j} is {json_type(x)}; only numbers are allowed.")
+    try:
+        matrix = np.array(value, dtype=np.float64)  # (N, D)
+    except OverflowError:  # an integer beyond float64
+        i, j, _ = first_cell(value, lambda x: not np.isfinite(float_or_inf(x)))
+        raise MatrixError(f"Row {i}, column {j} is too large for a 64-bit float.") from None
+    if not np.isfinite(matrix).all():
+        i, j = (int(k) for k in np.argwhere(~np.isfinite(matrix))[0])
+        raise MatrixError(f"Row {i}, column {j} is not a finite number.")
+    return matrix
+
+
+def fits_dtype(matrix: np.ndarray, dtype: np.dtype) -> tuple[int, int] | None:
+    """None if every value is finite in `dtype`, else the first (row, col) that overflows."""
+    with np.errstate(over="ignore"):
+        finite = np.isfinite(matrix.astype(dtype))
+    if finite.all():
+        return None
+    i, j = np.argwhere(~finite)[0]
+    return int(i), int(j)
+
+
+def first_cell(rows: list, bad) -> tuple[int, int, object]:
+    for i, row in enumerate(rows):
+        for j, x in enumerate(row):
+            if bad(x):
+                return i, j, x
+    raise AssertionError("no offending cell")
+
+
+def float_or_inf(x: int | float) -> float:
+    try:
+        return float(x)
+    except OverflowError:
+        return float("inf")
+
+
+def json_type(x: object) -> str:
+    return JSON_TYPE_NAMES.get(type(x), "a number")

@@ -1,0 +1,32 @@
+"""Probes: /healthz (the process answers) and /readyz (torch and the device work)."""
+import torch
+from flask import current_app
+
+from ..device import resolve_device
+from ..errors import ApiError
+from ..parsing import ApiBlueprint
+from ..schemas import ErrorSchema, HealthSchema, ReadySchema
+
+blp = ApiBlueprint("health", __name__, description="Liveness and readiness probes.")
+
+
+@blp.route("/healthz", methods=["GET"])
+@blp.response(200, HealthSchema)
+def healthz():
+    """The process is alive."""
+    return {"status": "ok"}
+
+
+@blp.route("/readyz", methods=["GET"])
+@blp.response(200, ReadySchema)
+@blp.alt_response(503, schema=ErrorSchema, description="not_ready: the device is not usable.")
+def readyz():
+    """torch is loaded and the configured device runs a small computation."""
+    try:
+        device = resolve_device(current_app.config["BLOCKGRAD_DEVICE"])
+        probe = torch.ones(2, device=device).sum().item()
+    except (ValueError, RuntimeError) as exc:
+        raise ApiError(503, "not_ready", f"The compute device is not usable: {exc}") from None
+    if probe != 2.0:
+        raise ApiError(503, "not_ready", "The compute device gave a wrong answer to a probe.")
+    return {"status": "ready", "device": str(device)}

@@ -1,0 +1,168 @@
+"""The numeric core against the literal seed loops, and against finite differences."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from app.compute import Deadline, load_vectors, summarize
+from app.engine import add_to_vectors, block_bounds, default_factor, iter_blocks
+from app.errors import ApiError
+from app.objectives import OBJECTIVES
+from app.schemas import GradientRequest
+
+from .reference import reference_accumulated, reference_blocks
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+TOLERANCE = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
+SHAPES = [  # (N, D, F): default split, N not divisible by F, F = 1, F = N, N = 1
+    (10, 5, 2), (11, 3, 3), (13, 4, 4), (7, 2, 1), (6, 3, 6), (1, 4, 1), (9, 1, 2),
+]
+
+
+def engine_run(vectors, factor, objective, offset=5.0):
+    blocks, accumulated = [], torch.zeros_like(vectors)
+    for block in iter_blocks(vectors, factor, OBJECTIVES[objective], offset):
+        blocks.append(block)
+        add_to_vectors(accumulated, block)
+    return blocks, accumulated
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("n,d,factor", SHAPES)
+def test_engine_matches_seed_loops(n, d, factor, objective, dtype):
+    torch.manual_seed(n * 100 + d * 10 + factor)
+    vectors = torch.randn(n, d, dtype=DTYPES[dtype])
+    tol = TOLERANCE[DTYPES[dtype]]
+
+    blocks, accumulated = engine_run(vectors, factor, objective, offset=2.5)
+    expected_blocks = reference_blocks(vectors, factor, objective, offset=2.5)
+
+    assert len(blocks) == len(expected_blocks) == factor * factor
+    for block, (loss, grad) in zip(blocks, expected_blocks):
+        assert block.gradient.dtype == vectors.dtype
+        assert block.gradient.shape == grad.shape
+        torch.testing.assert_close(block.loss, loss, **tol)
+        torch.testing.assert_close(block.gradient, grad, **tol)
+    torch.testing.assert_close(accumulated, reference_accumulated(vectors, factor, objective, offset=2.5), **tol)
+
+
+def test_seed_example_values():
+    vectors = torch.randn(10, 5)
+    blocks, accumulated = engine_run(vectors, default_factor(10), "sum")
+    assert default_factor(10) == 2
+    assert [b.gradient.shape for b in blocks] == [torch.Size([5, 5, 10])] * 4
+    assert all(bool((b.gradient == 1).all()) for b in blocks)
+    assert bool((accumulated == 20).all())
+
+
+@pytest.mark.parametrize("n,factor,expected", [
+    (10, 2, [0, 5, 10]), (11, 3, [0, 3, 6, 11]), (7, 1, [0, 7]), (6, 6, [0, 1, 2, 3, 4, 5, 6]), (1, 1, [0, 1]),
+])
+def test_block_bounds(n, factor, expected):
+    assert block_bounds(n, factor) == expected
+
+
+@pytest.mark.parametrize("n,expected", [(1, 1), (6, 1), (7, 2), (10, 2), (12, 2), (13, 3), (4096, 683)])
+def test_default_factor_is_ceil_n_over_6(n, expected):
+    assert default_factor(n) == expected == math.ceil(n / 6)
+
+
+def test_l2_norm_gradient_is_zero_not_nan_at_zero():
+    blocks, accumulated = engine_run(torch.zeros(4, 3, dtype=torch.float64), 2, "l2_norm")
+    for block in blocks:
+        assert float(block.loss) == 0.0
+        assert bool((block.gradient == 0).all())
+    assert bool((accumulated == 0).all())
+
+
+class EngineTotalLoss(torch.autograd.Function):
+    """S(V) = sum of block losses, with the engine's accumulated gradient as backward."""
+
+    @staticmethod
+    def forward(ctx, vectors, factor, objective):
+        blocks, accumulated = engine_run(vectors.detach(), factor, objective)
+        ctx.save_for_backward(accumulated)
+        return torch.stack([b.loss for b in blocks]).sum()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (accumulated,) = ctx.saved_tensors
+        return grad_out * accumulated, None, None
+
+
+class EngineBlockLoss(torch.autograd.Function):
+    """L(B) for one block, with the engine's block gradient as backward."""
+
+    @staticmethod
+    def forward(ctx, vectors, factor, objective, index):
+        block = engine_run(vectors.detach(), factor, objective)[0][index]
+        ctx.save_for_backward(block.gradient)
+        ctx.rows, ctx.cols, ctx.n = block.rows, block.cols, vectors.shape[0]
+        return block.loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # Map dL/dB onto V for this one block, the same chain rule written out.
+        (grad,) = ctx.saved_tensors
+        d = grad.shape[2] // 2
+        out = torch.zeros(ctx.n, d, dtype=grad.dtype)
+        out[ctx.rows[0]:ctx.rows[1]] += grad[:, :, :d].sum(1)
+        out[ctx.cols[0]:ctx.cols[1]] += grad[:, :, d:].sum(0)
+        return grad_out * out, None, None, None
+
+
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_gradcheck_accumulated_and_blocks(objective):
+    torch.manual_seed(7)
+    vectors = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda v: EngineTotalLoss.apply(v, 2, objective), (vectors,))
+    for index in (0, 3):  # a square block and the ragged last one
+        assert torch.autograd.gradcheck(lambda v: EngineBlockLoss.apply(v, 2, objective, index), (vectors,))
+
+
+def make_request(vectors, **kwargs):
+    fields = dict(factor=2, objective="sum", offset=5.0, outputs=("blocks", "accumulated"), dtype="float32")
+    fields.update(kwargs)
+    return GradientRequest(vectors=np.asarray(vectors, dtype=np.float64), **fields)
+
+
+def test_summarize_names_the_non_finite_block():
+    vectors = np.zeros((4, 2))
+    vectors[3, 0] = 1e20  # (1e20)^2 overflows float32; V[3] is a column of block (0, 1) first
+    req = make_request(vectors, objective="sum_of_squares")
+    with pytest.raises(ApiError) as info:
+        summarize(load_vectors(req, torch.device("cpu")), req, Deadline(60))
+    assert info.value.code == "non_finite_result"
+    assert info.value.details == {"block": {"row": 0, "col": 1}}
+
+
+def test_summarize_float64_keeps_what_float32_cannot():
+    vectors = np.zeros((4, 2))
+    vectors[3, 0] = 1e20
+    req = make_request(vectors, objective="sum_of_squares", dtype="float64")
+    summary = summarize(load_vectors(req, torch.device("cpu")), req, Deadline(60))
+    assert summary.losses.dtype == torch.float64
+    assert float(summary.losses[1, 1]) == pytest.approx(2 * 2 * 1e40)
+
+
+def test_deadline_stops_between_blocks():
+    req = make_request(np.ones((6, 2)), factor=3)
+    deadline = Deadline(60)
+    deadline.expires = 0  # already past
+    with pytest.raises(ApiError) as info:
+        summarize(load_vectors(req, torch.device("cpu")), req, deadline)
+    assert info.value.status == 503 and info.value.code == "deadline_exceeded"
+    assert int(info.value.headers["Retry-After"]) >= 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("objective", OBJECTIVES)
+def test_cuda_matches_cpu(objective):
+    vectors = torch.randn(37, 8, dtype=torch.float64)
+    cpu_blocks, cpu_acc = engine_run(vectors, 5, objective)
+    gpu_blocks, gpu_acc = engine_run(vectors.cuda(), 5, objective)
+    torch.testing.assert_close(gpu_acc.cpu(), cpu_acc)
+    for a, b in zip(gpu_blocks, cpu_blocks):
+        torch.testing.assert_close(a.gradient.cpu(), b.gradient)
