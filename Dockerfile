@@ -13,6 +13,8 @@ FROM python:3.11-slim
 # image); a CUDA index (e.g. .../whl/cu128, one your driver supports) for GPU nodes.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
+# The writable places are all under /tmp (an emptyDir on Kubernetes): the metrics files, and
+# gunicorn's control socket, which otherwise goes to $HOME/.gunicorn and fails to start.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -20,7 +22,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     BLOCKGRAD_BIND=0.0.0.0:8000 \
-    PROMETHEUS_MULTIPROC_DIR=/tmp/blockgrad-metrics
+    PROMETHEUS_MULTIPROC_DIR=/tmp/blockgrad-metrics \
+    XDG_RUNTIME_DIR=/tmp
 
 # Unprivileged user with a fixed numeric id, so Kubernetes' runAsNonRoot can verify it.
 RUN groupadd --system --gid 10001 blockgrad \

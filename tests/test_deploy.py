@@ -265,13 +265,18 @@ def test_pod_contract(name):
     assert env_of(deployment)["BLOCKGRAD_BIND"] == f"0.0.0.0:{port['http']}"
     for probe, path in [("livenessProbe", "/healthz"), ("readinessProbe", "/readyz"), ("startupProbe", "/healthz")]:
         assert main[probe]["httpGet"] == {"path": path, "port": "http"}, probe
-    # the only writable places are emptyDirs: /tmp, and the metrics folder inside it
+    # the only writable places are emptyDirs: /tmp, with the metrics folder and gunicorn's
+    # control socket (XDG_RUNTIME_DIR) inside it
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounts = {m["mountPath"]: volumes[m["name"]] for m in main["volumeMounts"]}
     assert "emptyDir" in mounts["/tmp"]
-    metrics_dir = env_of(deployment)["PROMETHEUS_MULTIPROC_DIR"]
-    assert metrics_dir == dockerfile_env()["PROMETHEUS_MULTIPROC_DIR"]
-    assert any(metrics_dir.startswith(path + "/") and "emptyDir" in vol for path, vol in mounts.items())
+    assert env_of(deployment)["PROMETHEUS_MULTIPROC_DIR"] == dockerfile_env()["PROMETHEUS_MULTIPROC_DIR"]
+    env = {**dockerfile_env(), **env_of(deployment)}
+    for name in ("PROMETHEUS_MULTIPROC_DIR", "XDG_RUNTIME_DIR"):
+        assert any(
+            (env[name] == path or env[name].startswith(path + "/")) and "emptyDir" in volume
+            for path, volume in mounts.items()
+        ), f"{name}={env[name]} is not on a writable volume"
 
 
 @pytest.mark.parametrize("name", ["blockgrad", "blockgrad-gpu"])
