@@ -452,3 +452,18 @@ def test_v1_errors_keep_their_shape(client):
     assert body["error"]["code"] == "not_found"
     body = strict_json(client.post("/v1/gradients", json={"vectors": []}).get_data())
     assert body["error"]["code"] == "validation_error"
+
+
+def test_client_helpers_round_trip(client):
+    """app/v2/client.py (for the benchmark) agrees with the struct reader above."""
+    from app.v2.client import binary_infer_request, read_infer_response
+
+    vectors = np.random.default_rng(3).standard_normal((6, 2))
+    body, headers = binary_infer_request(vectors, {"factor": 2}, outputs=["losses", "block_gradients"])
+    response = client.post(INFER, data=body, headers=headers)
+    assert response.status_code == 200
+    header, tensors = read_infer_response(response.get_data(), response.headers)
+    _, expected = read_response(response)
+    assert list(tensors) == ["losses", "block_gradients"] and tensors["losses"].dtype == np.float64
+    for name in tensors:
+        assert np.array_equal(tensors[name], expected[name])

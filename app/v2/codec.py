@@ -15,7 +15,7 @@ import orjson
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 BINARY_CONTENT_TYPE = "application/octet-stream"
-CHUNK_BYTES = 4 * 1024 * 1024  # WSGI wants bytes objects: copy this much at a time, not the whole tensor
+CHUNK_BYTES = 1024 * 1024  # WSGI wants bytes objects: copy this much at a time, never the whole tensor
 
 
 class CodecError(ValueError):
