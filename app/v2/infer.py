@@ -157,14 +157,16 @@ def run_inference(request: InferRequest, config: Mapping) -> tuple[dict, list[Ou
         grid = torch.empty((req.n, req.n, 2 * req.dim), dtype=vectors.dtype)
     summary = summarize(vectors, req, deadline, on_block=None if grid is None else grid_writer(grid))
     datatype = DATATYPE_OF_DTYPE[req.dtype]
-    arrays = {
-        "block_gradients": lambda: grid.numpy(),
-        "accumulated": lambda: to_numpy(summary.accumulated),
-        "bounds": lambda: np.array(summary.bounds, dtype=np.int64),
-        "losses": lambda: to_numpy(summary.losses),
-    }
+
+    def output_array(name: str) -> np.ndarray:
+        if name == "block_gradients":
+            return grid.numpy()  # shares the tensor's memory
+        if name == "bounds":
+            return np.array(summary.bounds, dtype=np.int64)
+        return to_numpy(summary.accumulated if name == "accumulated" else summary.losses)
+
     tensors = [OutputTensor(output.name, "INT64" if output.name == "bounds" else datatype,
-                            arrays[output.name](), output.binary) for output in request.outputs]
+                            output_array(output.name), output.binary) for output in request.outputs]
     head = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION}
     if request.id is not None:
         head["id"] = request.id
