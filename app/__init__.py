@@ -7,6 +7,7 @@ from flask_smorest import Api
 from .config import Config
 from .http_errors import register_error_handlers
 from .schemas import ErrorSchema
+from .v2.views import blp as v2_blueprint
 from .views import gradients, health
 
 
@@ -24,5 +25,6 @@ def create_app(config: Mapping | None = None) -> Flask:
     api = BlockgradApi(app)
     api.register_blueprint(gradients.blp)
     api.register_blueprint(health.blp)
+    api.register_blueprint(v2_blueprint)
     register_error_handlers(app)  # after Api, which installs its own HTTP error handler
     return app

@@ -9,7 +9,7 @@ JSON; holding every block would cost N x N x 2D numbers of memory).
 import math
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -50,8 +50,12 @@ def blocks(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline) -> I
         deadline.check()
 
 
-def summarize(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline) -> Summary:
-    """Pass one: losses (F, F) and accumulated (N, D); 422 if anything is not finite."""
+def summarize(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline,
+              on_block: Callable[[Block], None] | None = None) -> Summary:
+    """Pass one: losses (F, F) and accumulated (N, D); 422 if anything is not finite.
+
+    `on_block` sees every block as it is computed (/v2 writes the gradients into
+    one preallocated grid instead of computing them again in a second pass)."""
     f = req.factor
     losses = torch.empty((f, f), dtype=vectors.dtype, device=vectors.device)  # (F, F)
     finite = torch.empty((f, f), dtype=torch.bool, device=vectors.device)  # (F, F), no per-block sync
@@ -60,6 +64,8 @@ def summarize(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline) -
         losses[block.row, block.col] = block.loss
         finite[block.row, block.col] = torch.isfinite(block.loss) & torch.isfinite(block.gradient).all()
         add_to_vectors(accumulated, block)
+        if on_block is not None:
+            on_block(block)
     if not bool(finite.all()):
         r, c = (int(k) for k in torch.nonzero(~finite)[0])
         raise ApiError(422, "non_finite_result",

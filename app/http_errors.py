@@ -2,7 +2,7 @@
 import logging
 
 import orjson
-from flask import Flask, Response
+from flask import Flask, Response, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
 from .errors import ApiError
@@ -15,8 +15,18 @@ HTTP_CODES = {
 }
 
 
+def is_protocol_request() -> bool:
+    """/v2 is the Open Inference Protocol: its errors are {"error": "<message>"}, and an
+    invalid request is a 400 there (a 422 elsewhere)."""
+    return has_request_context() and (request.path == "/v2" or request.path.startswith("/v2/"))
+
+
 def error_response(error: ApiError) -> Response:
-    response = Response(orjson.dumps(error.body(), option=orjson.OPT_NON_STR_KEYS), status=error.status, mimetype="application/json")
+    if is_protocol_request():
+        body, status = {"error": error.message}, 400 if error.status == 422 else error.status
+    else:
+        body, status = error.body(), error.status
+    response = Response(orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS), status=status, mimetype="application/json")
     response.headers.update(error.headers)
     return response
 

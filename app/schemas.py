@@ -11,7 +11,7 @@ from marshmallow.validate import Length, OneOf, Range
 
 from .engine import default_factor
 from .objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET, OBJECTIVES
-from .vectors import MatrixError, fits_dtype, parse_matrix
+from .vectors import MatrixError, check_matrix, fits_dtype, parse_matrix
 
 OUTPUTS = ("blocks", "accumulated", "losses")
 DEFAULT_OUTPUTS = ("blocks", "accumulated")
@@ -21,7 +21,7 @@ DEFAULT_DTYPE = "float32"
 
 @dataclass(frozen=True)
 class GradientRequest:
-    vectors: np.ndarray  # (N, D) float64, finite, fits `dtype`
+    vectors: np.ndarray  # (N, D) float64 (or float32 from /v2 binary data), finite, fits `dtype`
     factor: int
     objective: str
     offset: float
@@ -38,10 +38,15 @@ class GradientRequest:
 
 
 class Vectors(fields.Field):
-    """A list of N rows of D JSON numbers, loaded as one (N, D) float64 array."""
+    """A list of N rows of D JSON numbers, loaded as one (N, D) float64 array.
+
+    An (N, D) float array (binary tensor data, /v2) is checked by the same rules as is.
+    """
 
     def _deserialize(self, value, attr, data, **kwargs) -> np.ndarray:
         try:
+            if isinstance(value, np.ndarray):
+                return check_matrix(value)
             return parse_matrix(value)
         except MatrixError as exc:
             raise ValidationError(str(exc)) from None

@@ -35,6 +35,19 @@ def parse_matrix(value: object) -> np.ndarray:
     except OverflowError:  # an integer beyond float64
         i, j, _ = first_cell(value, lambda x: not np.isfinite(float_or_inf(x)))
         raise MatrixError(f"Row {i}, column {j} is too large for a 64-bit float.") from None
+    return check_finite(matrix)
+
+
+def check_matrix(matrix: np.ndarray) -> np.ndarray:
+    """An (N, D) array decoded elsewhere (binary tensor data): the same rules as parse_matrix."""
+    if matrix.ndim != 2 or matrix.shape[0] == 0:
+        raise MatrixError("Must be a non-empty list of rows, each a list of numbers.")
+    if matrix.shape[1] == 0:
+        raise MatrixError("Rows must not be empty.")
+    return check_finite(matrix)
+
+
+def check_finite(matrix: np.ndarray) -> np.ndarray:
     if not np.isfinite(matrix).all():
         i, j = (int(k) for k in np.argwhere(~np.isfinite(matrix))[0])
         raise MatrixError(f"Row {i}, column {j} is not a finite number.")

@@ -22,6 +22,11 @@ def healthz():
 @blp.alt_response(503, schema=ErrorSchema, description="not_ready: the device is not usable.")
 def readyz():
     """torch is loaded and the configured device runs a small computation."""
+    return {"status": "ready", "device": str(usable_device())}
+
+
+def usable_device() -> torch.device:
+    """The configured device, once it has run a small computation; 503 not_ready if it cannot."""
     try:
         device = resolve_device(current_app.config["BLOCKGRAD_DEVICE"])
         probe = torch.ones(2, device=device).sum().item()
@@ -29,4 +34,4 @@ def readyz():
         raise ApiError(503, "not_ready", f"The compute device is not usable: {exc}") from None
     if probe != 2.0:
         raise ApiError(503, "not_ready", "The compute device gave a wrong answer to a probe.")
-    return {"status": "ready", "device": str(device)}
+    return device

@@ -1,0 +1,202 @@
+"""One inference request: protocol document -> the shared GradientRequest -> output tensors.
+
+The envelope (inputs, outputs, parameters) is the protocol's; the numbers and the
+model's parameters go through the /v1 schema, so the rules, defaults and
+messages are the same, and so are the limits (`admit`) and the computation.
+"""
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from marshmallow import ValidationError
+
+from ..compute import Deadline, load_vectors, summarize
+from ..device import resolve_device
+from ..engine import Block
+from ..errors import ApiError
+from ..limits import admit
+from ..parsing import decode_json
+from ..render import to_numpy
+from ..schemas import OUTPUTS as GRADIENT_OUTPUTS
+from ..schemas import GradientRequest, GradientRequestSchema
+from .codec import CodecError, OutputTensor, decode_tensor, split_body
+from .model import (DATATYPE_OF_DTYPE, FLOAT_DATATYPES, GRADIENT_PARAMETERS, INPUT_NAME, MODEL_NAME,
+                    MODEL_VERSION, OUTPUTS)
+from .schemas import InferRequestSchema
+
+
+def invalid(message: str) -> ApiError:
+    """The protocol answers a bad request with 400 and {"error": message}."""
+    return ApiError(400, "validation_error", message)
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    name: str
+    binary: bool
+
+
+@dataclass(frozen=True)
+class InferRequest:
+    gradient: GradientRequest  # outputs: only what the requested tensors need computed
+    outputs: tuple[RequestedOutput, ...]  # in the order they are answered
+    id: str | None
+
+
+def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
+    try:
+        header, binary = split_body(body, header_length)
+    except CodecError as exc:
+        raise invalid(str(exc)) from None
+    document = decode_json(header)  # 400 bad_json, as /v1
+    try:
+        envelope = InferRequestSchema().load(document)
+    except ValidationError as exc:
+        raise invalid(f"The inference request is not valid: {flatten(exc.messages)}") from None
+    matrix, datatype = input_matrix(envelope["inputs"], binary)
+    parameters = dict(envelope["parameters"])
+    binary_output = parameters.pop("binary_data_output", False)
+    if not isinstance(binary_output, bool):
+        raise invalid("Parameter 'binary_data_output' must be true or false.")
+    unknown = sorted(set(parameters) - set(GRADIENT_PARAMETERS))
+    if unknown:
+        raise invalid(f"Unknown parameters {unknown}; this model takes {list(GRADIENT_PARAMETERS)} "
+                      "and binary_data_output.")
+    fields = {"vectors": matrix, "dtype": FLOAT_DATATYPES[datatype][1], **parameters}
+    try:
+        gradient = GradientRequestSchema().load(fields)  # the /v1 rules, defaults and messages
+    except ValidationError as exc:
+        raise invalid(" ".join(f"{field_label(name)}: {' '.join(flat_messages(messages))}"
+                               for name, messages in sorted(exc.messages.items()))) from None
+    outputs = requested_outputs(envelope.get("outputs"), binary_output)
+    needed = {OUTPUTS[output.name] for output in outputs}
+    gradient = replace(gradient, outputs=tuple(name for name in GRADIENT_OUTPUTS if name in needed))
+    return InferRequest(gradient, outputs, envelope.get("id"))
+
+
+def input_matrix(inputs: list[dict], binary: memoryview) -> tuple[np.ndarray | list, str]:
+    """The `vectors` input as an (N, D) array (binary) or rows of JSON numbers, and its datatype."""
+    names = [tensor["name"] for tensor in inputs]
+    if names != [INPUT_NAME]:
+        raise invalid(f"The model takes exactly one input, '{INPUT_NAME}'; got {names}.")
+    tensor = inputs[0]
+    datatype, shape, parameters = tensor["datatype"], tensor["shape"], dict(tensor["parameters"])
+    if datatype not in FLOAT_DATATYPES:
+        raise invalid(f"Input '{INPUT_NAME}' must have datatype FP32 or FP64, got {datatype!r}.")
+    if len(shape) != 2:
+        raise invalid(f"Input '{INPUT_NAME}' must have shape [N, D], got {shape}.")
+    size = parameters.pop("binary_data_size", None)
+    if parameters:
+        raise invalid(f"Unknown parameters {sorted(parameters)} on input '{INPUT_NAME}'.")
+    if size is None:
+        if "data" not in tensor:
+            raise invalid(f"Input '{INPUT_NAME}' has neither data nor binary_data_size.")
+        if len(binary):
+            raise invalid(f"{len(binary)} bytes follow the JSON header but no input has binary_data_size.")
+        return json_rows(tensor["data"], shape), datatype
+    if "data" in tensor:
+        raise invalid(f"Input '{INPUT_NAME}' has both data and binary_data_size; send one.")
+    if type(size) is not int or size < 0:
+        raise invalid(f"binary_data_size of input '{INPUT_NAME}' must be a whole number of bytes.")
+    if size != len(binary):
+        raise invalid(f"binary_data_size of input '{INPUT_NAME}' is {size} but {len(binary)} bytes "
+                      "follow the JSON header.")
+    try:
+        return decode_tensor(binary, FLOAT_DATATYPES[datatype][0], shape), datatype
+    except CodecError as exc:
+        raise invalid(f"Input '{INPUT_NAME}': {exc}") from None
+
+
+def json_rows(data: object, shape: list[int]) -> list:
+    """Tensor data, nested [[...], ...] or flat [...], as N rows of D values for the /v1 parser."""
+    n, d = shape
+    if not isinstance(data, list):
+        raise invalid(f"Input '{INPUT_NAME}': data must be a list of numbers, flat or nested.")
+    if data and isinstance(data[0], list):  # nested: must be exactly the declared shape
+        lengths = {len(row) if isinstance(row, list) else -1 for row in data}
+        if len(data) != n or lengths != {d}:
+            raise invalid(f"Input '{INPUT_NAME}': nested data does not have the declared shape {shape}.")
+        return data
+    if len(data) != n * d:
+        raise invalid(f"Input '{INPUT_NAME}': shape {shape} takes {n * d} numbers, data has {len(data)}.")
+    return [data[i * d:(i + 1) * d] for i in range(n)]
+
+
+def requested_outputs(outputs: list[dict] | None, binary_default: bool) -> tuple[RequestedOutput, ...]:
+    if outputs is None:
+        return tuple(RequestedOutput(name, binary_default) for name in OUTPUTS)
+    chosen = []
+    for output in outputs:
+        name, parameters = output["name"], dict(output["parameters"])
+        if name not in OUTPUTS:
+            raise invalid(f"Unknown output {name!r}; the model has {list(OUTPUTS)}.")
+        if name in (c.name for c in chosen):
+            raise invalid(f"Output {name!r} is asked for twice.")
+        binary = parameters.pop("binary_data", binary_default)
+        if not isinstance(binary, bool):
+            raise invalid(f"Parameter 'binary_data' of output {name!r} must be true or false.")
+        if parameters:
+            raise invalid(f"Unknown parameters {sorted(parameters)} on output {name!r}.")
+        chosen.append(RequestedOutput(name, binary))
+    return tuple(chosen)
+
+
+def run_inference(request: InferRequest, config: Mapping) -> tuple[dict, list[OutputTensor]]:
+    """Admit, compute in one pass, and return the response head and its output tensors."""
+    req = request.gradient
+    admit(req.n, req.dim, req.factor, req.outputs, config)
+    device = resolve_device(config["BLOCKGRAD_DEVICE"])
+    deadline = Deadline(config["BLOCKGRAD_REQUEST_TIMEOUT_S"])
+    vectors = load_vectors(req, device)  # (N, D)
+    names = {output.name for output in request.outputs}
+    grid = None
+    if "block_gradients" in names:
+        # (N, N, 2D): the full pair-matrix gradient; each block lands in place, so ragged
+        # last blocks need no padding. Filled from the one pass that also checks finiteness.
+        grid = torch.empty((req.n, req.n, 2 * req.dim), dtype=vectors.dtype)
+    summary = summarize(vectors, req, deadline, on_block=None if grid is None else grid_writer(grid))
+    datatype = DATATYPE_OF_DTYPE[req.dtype]
+
+    def output_array(name: str) -> np.ndarray:
+        if name == "block_gradients":
+            return grid.numpy()  # shares the tensor's memory
+        if name == "bounds":
+            return np.array(summary.bounds, dtype=np.int64)
+        return to_numpy(summary.accumulated if name == "accumulated" else summary.losses)
+
+    tensors = [OutputTensor(output.name, "INT64" if output.name == "bounds" else datatype,
+                            output_array(output.name), output.binary) for output in request.outputs]
+    head = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION}
+    if request.id is not None:
+        head["id"] = request.id
+    head["parameters"] = {"factor": req.factor, "objective": req.objective, "offset": req.offset,
+                          "device": str(device)}
+    return head, tensors
+
+
+def grid_writer(grid: torch.Tensor):
+    def write(block: Block) -> None:
+        grid[block.rows[0]:block.rows[1], block.cols[0]:block.cols[1]].copy_(block.gradient)
+    return write
+
+
+def field_label(name: str) -> str:
+    return f"Input '{INPUT_NAME}'" if name == "vectors" else f"Parameter '{name}'"
+
+
+def flat_messages(messages) -> list[str]:
+    if isinstance(messages, dict):
+        return [m for value in messages.values() for m in flat_messages(value)]
+    if isinstance(messages, list):
+        return [m for value in messages for m in flat_messages(value)]
+    return [str(messages)]
+
+
+def flatten(messages, path: tuple[str, ...] = ()) -> str:
+    """{"inputs": {0: {"shape": ["Not a valid integer."]}}} -> "inputs.0.shape: Not a valid integer." """
+    if isinstance(messages, dict):
+        return " ".join(flatten(value, path if key == "_schema" else (*path, str(key)))
+                        for key, value in messages.items())
+    text = " ".join(flat_messages(messages))
+    return f"{'.'.join(path)}: {text}" if path else text

@@ -1,0 +1,36 @@
+"""The one model this server speaks for, and its tensors in protocol terms."""
+import numpy as np
+
+MODEL_NAME = "blockgrad"
+MODEL_VERSION = "1"
+PLATFORM = "pytorch"
+EXTENSIONS = ("binary_tensor_data",)
+
+INPUT_NAME = "vectors"
+# Protocol datatype -> (little-endian numpy dtype of its binary form, the /v1 dtype name).
+FLOAT_DATATYPES = {"FP32": (np.dtype("<f4"), "float32"), "FP64": (np.dtype("<f8"), "float64")}
+DATATYPE_OF_DTYPE = {dtype: name for name, (_, dtype) in FLOAT_DATATYPES.items()}
+DEFAULT_DATATYPE = "FP32"
+
+# Output name -> the /v1 output it needs computed (None: always known, costs nothing).
+OUTPUTS = {"block_gradients": "blocks", "accumulated": "accumulated", "bounds": None, "losses": "losses"}
+
+# Request parameters that are the /v1 fields of the same name, with its defaults and rules.
+GRADIENT_PARAMETERS = ("factor", "objective", "offset")
+
+
+def model_metadata() -> dict:
+    """-1 marks a variable dimension: N vectors of length D, F blocks a side."""
+    float_type = DEFAULT_DATATYPE  # FP64 is accepted too; outputs follow the input's datatype
+    return {
+        "name": MODEL_NAME,
+        "versions": [MODEL_VERSION],
+        "platform": PLATFORM,
+        "inputs": [{"name": INPUT_NAME, "datatype": float_type, "shape": [-1, -1]}],
+        "outputs": [
+            {"name": "block_gradients", "datatype": float_type, "shape": [-1, -1, -1]},  # (N, N, 2D)
+            {"name": "accumulated", "datatype": float_type, "shape": [-1, -1]},  # (N, D)
+            {"name": "bounds", "datatype": "INT64", "shape": [-1]},  # (F + 1,)
+            {"name": "losses", "datatype": float_type, "shape": [-1, -1]},  # (F, F)
+        ],
+    }

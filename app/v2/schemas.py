@@ -1,0 +1,75 @@
+"""The protocol's JSON documents as marshmallow schemas.
+
+The request schemas check the envelope's structure (names, types, shapes); the
+numbers and the model's parameters are then checked by the /v1 schema. The
+response schemas document the routes in the OpenAPI document.
+"""
+from marshmallow import Schema, fields
+from marshmallow.validate import Length, Range
+
+Parameters = fields.Dict  # $parameters: {name: $string | $number | $boolean}
+
+
+class RequestInputSchema(Schema):
+    name = fields.String(required=True)
+    shape = fields.List(fields.Integer(strict=True, validate=Range(min=0)), required=True)
+    datatype = fields.String(required=True)
+    parameters = Parameters(keys=fields.String(), load_default=dict)
+    data = fields.Raw(metadata={"description": "Row-major numbers, flat or nested; absent when binary."})
+
+
+class RequestOutputSchema(Schema):
+    name = fields.String(required=True)
+    parameters = Parameters(keys=fields.String(), load_default=dict)
+
+
+class InferRequestSchema(Schema):
+    id = fields.String()
+    parameters = Parameters(keys=fields.String(), load_default=dict, metadata={
+        "description": "factor (integer), objective (string), offset (number): as in /v1/gradients; "
+                       "binary_data_output (boolean): every output as binary data."})
+    inputs = fields.List(fields.Nested(RequestInputSchema), required=True, validate=Length(min=1))
+    outputs = fields.List(fields.Nested(RequestOutputSchema), validate=Length(min=1))
+    # Some clients repeat the URL's model in the body (the extension's own examples do).
+    model_name = fields.String()
+    model_version = fields.String()
+
+
+class MetadataTensorSchema(Schema):
+    name = fields.String()
+    datatype = fields.String()
+    shape = fields.List(fields.Integer(), metadata={"description": "-1 marks a variable dimension."})
+
+
+class ServerMetadataSchema(Schema):
+    name = fields.String()
+    version = fields.String()
+    extensions = fields.List(fields.String())
+
+
+class ModelMetadataSchema(Schema):
+    name = fields.String()
+    versions = fields.List(fields.String())
+    platform = fields.String()
+    inputs = fields.List(fields.Nested(MetadataTensorSchema))
+    outputs = fields.List(fields.Nested(MetadataTensorSchema))
+
+
+class ResponseOutputSchema(Schema):
+    name = fields.String()
+    shape = fields.List(fields.Integer())
+    datatype = fields.String()
+    parameters = Parameters(metadata={"description": "binary_data_size when the data follows the JSON as bytes."})
+    data = fields.List(fields.Raw(), metadata={"description": "Flat, row-major; absent when binary."})
+
+
+class InferResponseSchema(Schema):
+    model_name = fields.String()
+    model_version = fields.String()
+    id = fields.String()
+    parameters = Parameters(metadata={"description": "factor, objective, offset and device as used."})
+    outputs = fields.List(fields.Nested(ResponseOutputSchema))
+
+
+class ProtocolErrorSchema(Schema):
+    error = fields.String(metadata={"description": "What went wrong and what to change."})

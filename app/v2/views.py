@@ -1,0 +1,127 @@
+"""The protocol's REST routes, under /v2, for the one model `blockgrad`.
+
+Health answers are a status with an empty body (200 true, 400 false); failures
+become {"error": "..."} in app/http_errors.py, like every other error.
+"""
+import logging
+
+from flask import Response, current_app, request
+
+from ..errors import ApiError
+from ..parsing import ApiBlueprint, is_json_mimetype
+from ..views.health import usable_device
+from .codec import BINARY_CONTENT_TYPE, HEADER_LENGTH, body_length, encode_response, iter_body
+from .infer import parse_infer_request, run_inference
+from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, model_metadata
+from .schemas import InferResponseSchema, ModelMetadataSchema, ProtocolErrorSchema, ServerMetadataSchema
+
+log = logging.getLogger("blockgrad")
+
+blp = ApiBlueprint("v2", __name__, url_prefix="/v2",
+                   description="Open Inference Protocol (KServe V2) with the binary tensor data extension.")
+
+ERRORS = {
+    400: "The request is not valid (or the result is not finite).",
+    404: "No such model or version.",
+    413: "Over the body size or a configured limit.",
+    415: "The body is neither application/json nor application/octet-stream.",
+    503: "The request ran past its deadline (see Retry-After).",
+}
+
+
+def document_errors(*statuses: int):
+    def decorate(view):
+        for status in statuses:
+            view = blp.alt_response(status, schema=ProtocolErrorSchema, description=ERRORS[status])(view)
+        return view
+    return decorate
+
+
+def health(ok: bool) -> Response:
+    return Response(status=200 if ok else 400, mimetype="text/plain")  # the protocol's boolean: an empty body
+
+
+def device_ready() -> bool:
+    try:
+        usable_device()
+    except ApiError as exc:
+        log.warning("not ready: %s", exc.message)
+        return False
+    return True
+
+
+def check_model(model: str, version: str | None) -> None:
+    if model != MODEL_NAME:
+        raise ApiError(404, "model_not_found", f"Unknown model {model!r}; this server serves {MODEL_NAME!r}.")
+    if version is not None and version != MODEL_VERSION:
+        raise ApiError(404, "model_not_found",
+                       f"Model {MODEL_NAME!r} has no version {version!r}; it has [{MODEL_VERSION!r}].")
+
+
+@blp.route("", methods=["GET"])
+@blp.alt_response(200, schema=ServerMetadataSchema, description="Server metadata.", success=True)
+def server_metadata():
+    """Server name, version and supported extensions."""
+    return {"name": "blockgrad", "version": current_app.config["API_VERSION"], "extensions": list(EXTENSIONS)}
+
+
+@blp.route("/health/live", methods=["GET"])
+@blp.alt_response(200, description="Live (empty body).", success=True)
+def server_live():
+    """The server answers."""
+    return health(True)
+
+
+@blp.route("/health/ready", methods=["GET"])
+@blp.alt_response(200, description="Ready (empty body).", success=True)
+@blp.alt_response(400, description="Not ready: the compute device is not usable (empty body).")
+def server_ready():
+    """The model can run on the configured device."""
+    return health(device_ready())
+
+
+@blp.route("/models/<model>", methods=["GET"])
+@blp.route("/models/<model>/versions/<version>", methods=["GET"])
+@blp.alt_response(200, schema=ModelMetadataSchema, description="Model metadata; -1 marks a variable dimension.",
+                  success=True)
+@document_errors(404)
+def get_model_metadata(model: str, version: str | None = None):
+    """Inputs and outputs of the model: names, datatypes, shapes."""
+    check_model(model, version)
+    return model_metadata()
+
+
+@blp.route("/models/<model>/ready", methods=["GET"])
+@blp.route("/models/<model>/versions/<version>/ready", methods=["GET"])
+@blp.alt_response(200, description="Ready (empty body).", success=True)
+@blp.alt_response(400, description="Not ready (empty body).")
+@document_errors(404)
+def model_ready(model: str, version: str | None = None):
+    """The model can run on the configured device."""
+    check_model(model, version)
+    return health(device_ready())
+
+
+@blp.route("/models/<model>/infer", methods=["POST"])
+@blp.route("/models/<model>/versions/<version>/infer", methods=["POST"])
+@blp.alt_response(200, schema=InferResponseSchema, success=True, description=(
+    "The outputs asked for (all by default). With binary outputs the body is "
+    "application/octet-stream: the JSON header, its length in Inference-Header-Content-Length, "
+    "then each binary output's bytes in order (little-endian, row-major)."))
+@document_errors(400, 404, 413, 415, 503)
+def infer(model: str, version: str | None = None):
+    """Per-block gradients as output tensors; JSON or binary tensor data both ways."""
+    check_model(model, version)
+    mimetype = request.mimetype
+    if mimetype and not is_json_mimetype(mimetype) and mimetype != BINARY_CONTENT_TYPE:
+        raise ApiError(415, "unsupported_media_type",
+                       f"Send the body as application/json or {BINARY_CONTENT_TYPE} (got {mimetype!r}).")
+    parsed = parse_infer_request(request.get_data(cache=False), request.headers.get(HEADER_LENGTH))
+    head, tensors = run_inference(parsed, current_app.config)
+    header, payload = encode_response(head, tensors)
+    if not payload:
+        return Response(header, mimetype="application/json")
+    response = Response(iter_body(header, payload), content_type=BINARY_CONTENT_TYPE)
+    response.headers[HEADER_LENGTH] = str(len(header))
+    response.content_length = body_length(header, payload)
+    return response

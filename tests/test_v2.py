@@ -1,0 +1,469 @@
+"""The Open Inference Protocol (/v2) through the Flask test client.
+
+Binary bodies are built and read here byte by byte with struct, following the
+binary tensor data extension, independently of app/v2/codec.py. Numbers are
+compared with tests/reference.py (the seed's loops) and with /v1/gradients.
+"""
+import json
+import math
+import struct
+
+import numpy as np
+import pytest
+import torch
+
+from app import create_app
+
+from .reference import reference_accumulated, reference_blocks
+
+INFER = "/v2/models/blockgrad/infer"
+HEADER = "Inference-Header-Content-Length"
+FORMATS = {"FP32": "f", "FP64": "d", "INT64": "q"}  # struct codes, used with "<" (little-endian)
+NUMPY = {"FP32": np.float32, "FP64": np.float64, "INT64": np.int64}
+TORCH = {"FP32": torch.float32, "FP64": torch.float64}
+
+
+def strict_json(data: bytes):
+    def refuse(name):
+        raise ValueError(f"non-standard JSON constant {name}")
+    return json.loads(data, parse_constant=refuse)
+
+
+def vectors_input(shape, datatype="FP32", data=None, parameters=None):
+    tensor = {"name": "vectors", "shape": list(shape), "datatype": datatype}
+    if data is not None:
+        tensor["data"] = data
+    if parameters is not None:
+        tensor["parameters"] = parameters
+    return tensor
+
+
+def binary_request(values: np.ndarray, datatype="FP32", parameters=None, outputs=None, extra=None):
+    """Body and headers of a request whose input is binary tensor data, built with struct."""
+    n, d = values.shape
+    flat = [float(x) for x in values.reshape(-1)]
+    data = struct.pack(f"<{n * d}{FORMATS[datatype]}", *flat)
+    document = {"inputs": [vectors_input((n, d), datatype, parameters={"binary_data_size": len(data)})]}
+    if parameters is not None:
+        document["parameters"] = parameters
+    if outputs is not None:
+        document["outputs"] = outputs
+    document.update(extra or {})
+    header = json.dumps(document).encode()
+    return header + data, {HEADER: str(len(header)), "Content-Type": "application/octet-stream"}
+
+
+def read_response(response) -> tuple[dict, dict[str, np.ndarray]]:
+    """Header and tensors of a response, binary parts read with struct in header order."""
+    body = response.get_data()
+    if HEADER not in response.headers:
+        assert response.mimetype == "application/json"
+        header, offset = strict_json(body), len(body)
+    else:
+        assert response.mimetype == "application/octet-stream"
+        offset = int(response.headers[HEADER])
+        header = strict_json(body[:offset])
+    assert int(response.headers["Content-Length"]) == len(body)
+    tensors = {}
+    for output in header["outputs"]:
+        shape, datatype = output["shape"], output["datatype"]
+        count = math.prod(shape)
+        if "data" in output:
+            assert "parameters" not in output or "binary_data_size" not in output["parameters"]
+            values = np.array(output["data"], dtype=NUMPY[datatype])
+        else:
+            size = output["parameters"]["binary_data_size"]
+            assert size == count * struct.calcsize(FORMATS[datatype])
+            values = np.array(struct.unpack_from(f"<{count}{FORMATS[datatype]}", body, offset), dtype=NUMPY[datatype])
+            offset += size
+        tensors[output["name"]] = values.reshape(shape)
+    assert offset == len(body), "bytes left over after the last binary output"
+    return header, tensors
+
+
+def reference_outputs(vectors: torch.Tensor, factor: int, objective: str, offset: float, bounds: list[int]):
+    """What every output must hold, from the seed's loops."""
+    n, d = vectors.shape
+    grid = torch.empty((n, n, 2 * d), dtype=vectors.dtype)
+    losses = torch.empty((factor, factor), dtype=vectors.dtype)
+    for k, (loss, grad) in enumerate(reference_blocks(vectors, factor, objective, offset)):
+        r, c = divmod(k, factor)
+        grid[bounds[r]:bounds[r + 1], bounds[c]:bounds[c + 1]] = grad
+        losses[r, c] = loss
+    return {"block_gradients": grid, "accumulated": reference_accumulated(vectors, factor, objective, offset),
+            "losses": losses, "bounds": torch.tensor(bounds)}
+
+
+def assert_matches_reference(tensors, expected, datatype):
+    tol = dict(rtol=2e-5, atol=2e-5) if datatype == "FP32" else dict(rtol=1e-12, atol=1e-12)
+    for name, array in tensors.items():
+        if name == "bounds":
+            assert array.dtype == np.int64 and array.tolist() == expected["bounds"].tolist()
+        else:
+            assert array.dtype == NUMPY[datatype]
+            torch.testing.assert_close(torch.from_numpy(array.copy()), expected[name], **tol)
+
+
+GOOD = {"inputs": [vectors_input((3, 2), data=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])], "parameters": {"factor": 2}}
+
+
+def assert_still_serving(client):
+    response = client.post(INFER, json=GOOD)
+    assert response.status_code == 200
+    header, tensors = read_response(response)
+    assert tensors["bounds"].tolist() == [0, 1, 3]
+
+
+# ---------------------------------------------------------------- metadata and health
+
+
+def test_server_metadata(client):
+    response = client.get("/v2")
+    assert response.status_code == 200
+    body = strict_json(response.get_data())
+    assert body["name"] == "blockgrad" and isinstance(body["version"], str)
+    assert "binary_tensor_data" in body["extensions"]
+
+
+@pytest.mark.parametrize("url", ["/v2/health/live", "/v2/health/ready", "/v2/models/blockgrad/ready",
+                                 "/v2/models/blockgrad/versions/1/ready"])
+def test_health_is_status_with_empty_body(client, url):
+    response = client.get(url)
+    assert response.status_code == 200 and response.get_data() == b""
+
+
+def test_not_ready_is_a_4xx_with_empty_body():
+    client = create_app({"BLOCKGRAD_DEVICE": "tpu"}).test_client()
+    assert client.get("/v2/health/live").status_code == 200
+    for url in ["/v2/health/ready", "/v2/models/blockgrad/ready"]:
+        response = client.get(url)
+        assert response.status_code == 400 and response.get_data() == b""
+
+
+@pytest.mark.parametrize("url", ["/v2/models/blockgrad", "/v2/models/blockgrad/versions/1"])
+def test_model_metadata(client, url):
+    response = client.get(url)
+    assert response.status_code == 200
+    assert strict_json(response.get_data()) == {
+        "name": "blockgrad", "versions": ["1"], "platform": "pytorch",
+        "inputs": [{"name": "vectors", "datatype": "FP32", "shape": [-1, -1]}],
+        "outputs": [
+            {"name": "block_gradients", "datatype": "FP32", "shape": [-1, -1, -1]},
+            {"name": "accumulated", "datatype": "FP32", "shape": [-1, -1]},
+            {"name": "bounds", "datatype": "INT64", "shape": [-1]},
+            {"name": "losses", "datatype": "FP32", "shape": [-1, -1]},
+        ],
+    }
+
+
+@pytest.mark.parametrize("method,url,status", [
+    ("get", "/v2/models/other", 404), ("get", "/v2/models/other/ready", 404),
+    ("get", "/v2/models/blockgrad/versions/2", 404), ("post", "/v2/models/other/infer", 404),
+    ("post", "/v2/models/blockgrad/versions/7/infer", 404), ("get", "/v2/nowhere", 404),
+    ("get", INFER, 405), ("post", "/v2", 405),
+])
+def test_unknown_model_route_and_method(client, method, url, status):
+    response = getattr(client, method)(url, json=GOOD if method == "post" else None)
+    assert_protocol_error(response, status)
+    assert_still_serving(client)
+
+
+# ---------------------------------------------------------------- inference, JSON and binary
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_json_infer_matches_reference(client, nested):
+    vectors = torch.randn(7, 3, dtype=torch.float64).to(torch.float32)
+    data = vectors.tolist() if nested else vectors.reshape(-1).tolist()
+    response = client.post(INFER, json={
+        "id": "req-1", "inputs": [vectors_input((7, 3), data=data)],
+        "parameters": {"factor": 3, "objective": "logsumexp"}})
+    assert response.status_code == 200
+    header, tensors = read_response(response)
+    assert header["model_name"] == "blockgrad" and header["id"] == "req-1"
+    assert header["parameters"]["factor"] == 3 and header["parameters"]["objective"] == "logsumexp"
+    assert [o["name"] for o in header["outputs"]] == ["block_gradients", "accumulated", "bounds", "losses"]
+    assert {o["name"]: (o["datatype"], o["shape"]) for o in header["outputs"]} == {
+        "block_gradients": ("FP32", [7, 7, 6]), "accumulated": ("FP32", [7, 3]),
+        "bounds": ("INT64", [4]), "losses": ("FP32", [3, 3])}
+    assert tensors["bounds"].tolist() == [0, 2, 4, 7]  # base 7 // 3 = 2, the last block takes 3
+    assert_matches_reference(tensors, reference_outputs(vectors, 3, "logsumexp", 5.0, [0, 2, 4, 7]), "FP32")
+
+
+def test_seed_example_defaults(client):
+    """10 x 5, default factor ceil(10 / 6) = 2 and objective sum: gradients all 1, accumulated all 20."""
+    vectors = np.random.default_rng(0).standard_normal((10, 5))
+    body, headers = binary_request(vectors, "FP32")
+    response = client.post(INFER, data=body, headers=headers)
+    assert response.status_code == 200
+    header, tensors = read_response(response)
+    assert header["parameters"]["factor"] == 2 and header["parameters"]["objective"] == "sum"
+    assert tensors["bounds"].tolist() == [0, 5, 10]
+    assert np.all(tensors["block_gradients"] == 1.0) and tensors["block_gradients"].shape == (10, 10, 10)
+    assert np.all(tensors["accumulated"] == 20.0)
+
+
+@pytest.mark.parametrize("datatype", ["FP32", "FP64"])
+@pytest.mark.parametrize("objective", ["sum", "mean", "sum_of_squares", "l2_norm", "logsumexp"])
+def test_binary_request_and_response_byte_by_byte(client, datatype, objective):
+    vectors = torch.randn(9, 4, dtype=torch.float64).to(TORCH[datatype])
+    body, headers = binary_request(vectors.numpy(), datatype,
+                                   parameters={"factor": 4, "objective": objective, "offset": 1.5,
+                                               "binary_data_output": True})
+    response = client.post(INFER, data=body, headers=headers)
+    assert response.status_code == 200, response.get_data()
+    header, tensors = read_response(response)
+    assert all("binary_data_size" in o["parameters"] for o in header["outputs"])
+    assert tensors["bounds"].tolist() == [0, 2, 4, 6, 9]
+    assert_matches_reference(tensors, reference_outputs(vectors, 4, objective, 1.5, [0, 2, 4, 6, 9]), datatype)
+
+
+def test_binary_answer_equals_v1(client):
+    """The same numbers, bit for bit, as /v1/gradients' JSON (shortest round-trip digits)."""
+    vectors = np.random.default_rng(1).standard_normal((8, 3)).astype(np.float32)
+    body, headers = binary_request(vectors, parameters={"factor": 3, "objective": "sum_of_squares",
+                                                        "binary_data_output": True})
+    _, tensors = read_response(client.post(INFER, data=body, headers=headers))
+    v1 = strict_json(client.post("/v1/gradients", json={
+        "vectors": vectors.tolist(), "factor": 3, "objective": "sum_of_squares",
+        "outputs": ["blocks", "accumulated", "losses"]}).get_data())
+    assert tensors["bounds"].tolist() == v1["bounds"]
+    assert np.array_equal(tensors["accumulated"], np.array(v1["accumulated"], dtype=np.float32))
+    assert np.array_equal(tensors["losses"], np.array(v1["losses"], dtype=np.float32))
+    for block in v1["blocks"]:
+        (r0, r1), (c0, c1) = block["rows"], block["cols"]
+        assert np.array_equal(tensors["block_gradients"][r0:r1, c0:c1], np.array(block["gradient"], dtype=np.float32))
+
+
+def test_outputs_selection_order_and_binary_flags(client):
+    vectors = np.arange(12, dtype=np.float64).reshape(4, 3) / 10
+    body, headers = binary_request(vectors, "FP64", parameters={"factor": 2, "binary_data_output": True}, outputs=[
+        {"name": "losses", "parameters": {"binary_data": False}},  # overrides binary_data_output
+        {"name": "accumulated"},
+    ])
+    response = client.post(INFER, data=body, headers=headers)
+    header, tensors = read_response(response)
+    assert [o["name"] for o in header["outputs"]] == ["losses", "accumulated"]
+    assert "data" in header["outputs"][0] and "binary_data_size" in header["outputs"][1]["parameters"]
+    expected = reference_outputs(torch.from_numpy(vectors), 2, "sum", 5.0, [0, 2, 4])
+    assert_matches_reference(tensors, expected, "FP64")
+
+
+def test_only_json_outputs_give_a_json_body(client):
+    response = client.post(INFER, json=dict(GOOD, outputs=[{"name": "bounds"}, {"name": "accumulated"}]))
+    assert response.mimetype == "application/json" and HEADER not in response.headers
+    header, tensors = read_response(response)
+    assert set(tensors) == {"bounds", "accumulated"}
+    assert tensors["accumulated"].tolist() == [[6.0, 6.0]] * 3
+
+
+def test_one_binary_output_from_a_json_request(client):
+    response = client.post(INFER, json=dict(GOOD, outputs=[{"name": "bounds", "parameters": {"binary_data": True}}]))
+    body = response.get_data()
+    length = int(response.headers[HEADER])
+    assert struct.unpack("<3q", body[length:]) == (0, 1, 3)
+
+
+def test_versioned_infer_and_body_model_name(client):
+    response = client.post("/v2/models/blockgrad/versions/1/infer",
+                           json=dict(GOOD, model_name="blockgrad", outputs=[{"name": "bounds"}]))
+    assert response.status_code == 200
+    assert read_response(response)[1]["bounds"].tolist() == [0, 1, 3]
+
+
+# ---------------------------------------------------------------- bad input: status and {"error": ...}
+
+
+def assert_protocol_error(response, status):
+    assert response.status_code == status, response.get_data()
+    assert response.mimetype == "application/json"
+    body = strict_json(response.get_data())
+    assert set(body) == {"error"} and isinstance(body["error"], str) and len(body["error"]) > 10
+    return body["error"]
+
+
+def with_input(**changes):
+    return dict(GOOD, inputs=[dict(GOOD["inputs"][0], **changes)])
+
+
+def with_parameters(**changes):
+    return dict(GOOD, parameters=dict(GOOD["parameters"], **changes))
+
+
+BAD_DOCUMENTS = [
+    ({}, "inputs"),
+    ({"inputs": []}, "inputs"),
+    ({"inputs": "vectors"}, "inputs"),
+    (dict(GOOD, extra=1), "extra"),
+    ({"inputs": [dict(GOOD["inputs"][0], name="x")]}, "vectors"),
+    ({"inputs": GOOD["inputs"] * 2}, "vectors"),
+    (with_input(datatype="INT32"), "FP32"),
+    (with_input(datatype="FP16"), "FP32"),
+    (with_input(shape=[6]), "shape"),
+    (with_input(shape=[3, 2, 1]), "shape"),
+    (with_input(shape=[3, "2"]), "shape"),
+    (with_input(shape=[-1, 2]), "shape"),
+    (with_input(shape=[3, True]), "shape"),
+    (with_input(data=[1.0, 2.0, 3.0]), "takes 6"),
+    (with_input(data=[[1.0, 2.0], [3.0, 4.0]]), "shape"),
+    (with_input(data=[[1.0, 2.0], [3.0, 4.0], [5.0]]), "shape"),
+    (with_input(data=[1.0, 2.0, 3.0, 4.0, 5.0, "6"]), "column 1"),
+    (with_input(data=[1.0, 2.0, 3.0, True, 5.0, 6.0]), "Row 1, column 1"),
+    (with_input(data=[1.0, None, 3.0, 4.0, 5.0, 6.0]), "Row 0, column 1"),
+    (with_input(data=[1.0, 2.0, 3.0, 4.0, 5.0, 1e39]), "overflows float32"),
+    (with_input(data="1,2,3,4,5,6"), "data"),
+    (with_input(data=[]), "takes 6"),
+    (with_input(shape=[0, 2], data=[]), "non-empty"),
+    ({"inputs": [vectors_input((3, 2))]}, "neither"),
+    (with_input(parameters={"binary_data_size": 24}), "both"),
+    (with_input(parameters={"scale": 2}), "scale"),
+    (with_parameters(factor=0), "factor"),
+    (with_parameters(factor=4), "factor"),
+    (with_parameters(factor=1.5), "factor"),
+    (with_parameters(factor="2"), "factor"),
+    (with_parameters(factor=True), "factor"),
+    (with_parameters(objective="max"), "objective"),
+    (with_parameters(objective="__import__('os')"), "objective"),
+    (with_parameters(offset="5"), "offset"),
+    (with_parameters(offset=1e39), "offset"),
+    (with_parameters(dtype="float64"), "dtype"),
+    (with_parameters(binary_data_output="yes"), "binary_data_output"),
+    (dict(GOOD, outputs=[]), "outputs"),
+    (dict(GOOD, outputs=[{"name": "gradients"}]), "gradients"),
+    (dict(GOOD, outputs=[{"name": "losses"}, {"name": "losses"}]), "twice"),
+    (dict(GOOD, outputs=[{"name": "losses", "parameters": {"binary_data": "true"}}]), "binary_data"),
+    (dict(GOOD, outputs=[{"name": "losses", "parameters": {"classification": 2}}]), "classification"),
+    (dict(GOOD, outputs=["losses"]), "outputs"),
+    (dict(GOOD, id=7), "id"),
+]
+
+
+@pytest.mark.parametrize("document,mentions", BAD_DOCUMENTS)
+def test_bad_documents(client, document, mentions):
+    message = assert_protocol_error(client.post(INFER, json=document), 400)
+    assert mentions in message
+    assert_still_serving(client)
+
+
+@pytest.mark.parametrize("data,content_type,status", [
+    (b"{", "application/json", 400),
+    (b"", "application/json", 400),
+    (b"null", "application/json", 400),
+    (b"[1]", "application/json", 400),
+    (b'{"inputs": [{"name": "vectors", "shape": [1, 1], "datatype": "FP32", "data": [NaN]}]}', "application/json", 400),
+    (b'{"inputs": [{"name": "vectors", "shape": [1, 1], "datatype": "FP64", "data": [1e400]}]}', "application/json", 400),
+    (json.dumps(GOOD).encode(), "text/plain", 415),
+    (json.dumps(GOOD).encode(), "application/x-www-form-urlencoded", 415),
+])
+def test_bad_bodies(client, data, content_type, status):
+    assert_protocol_error(client.post(INFER, data=data, headers={"Content-Type": content_type}), status)
+    assert_still_serving(client)
+
+
+def test_json_body_without_content_type_is_accepted(client):
+    """Standard clients (tritonclient) send the body with no Content-Type."""
+    response = client.post(INFER, data=json.dumps(GOOD).encode())
+    assert response.status_code == 200
+
+
+def bad_binary_cases():
+    good = np.ones((3, 2))
+    body, headers = binary_request(good)
+    length = int(headers[HEADER])
+    yield "short data", body[:-4], headers, "binary_data_size"
+    yield "extra data", body + b"\0\0\0\0", headers, "binary_data_size"
+    yield "header length not a number", body, dict(headers, **{HEADER: "abc"}), HEADER
+    yield "header length past the body", body, dict(headers, **{HEADER: str(len(body) + 1)}), HEADER
+    yield "raw binary request", body[length:], dict(headers, **{HEADER: "0"}), "raw binary"
+    yield "header cut short", body, dict(headers, **{HEADER: str(length - 1)}), "JSON"
+    # binary_data_size agrees with the bytes sent but not with the shape
+    document = {"inputs": [vectors_input((3, 3), parameters={"binary_data_size": 24})]}
+    header = json.dumps(document).encode()
+    yield "size not the shape's", header + bytes(24), {HEADER: str(len(header))}, "takes 36"
+    document = {"inputs": [vectors_input((3, 2), parameters={"binary_data_size": "24"})]}
+    header = json.dumps(document).encode()
+    yield "size a string", header + bytes(24), {HEADER: str(len(header))}, "binary_data_size"
+    header = json.dumps(GOOD).encode()
+    yield "bytes but no binary input", header + bytes(8), {HEADER: str(len(header))}, "binary_data_size"
+    for datatype, bad, cell in [("FP32", float("nan"), "Row 1, column 0"), ("FP64", float("inf"), "Row 1, column 0"),
+                                ("FP64", float("-inf"), "Row 1, column 0")]:
+        values = np.ones((3, 2))
+        values[1, 0] = bad
+        body, headers = binary_request(values, datatype)
+        yield f"{datatype} {bad}", body, headers, cell
+
+
+@pytest.mark.parametrize("name,body,headers,mentions", list(bad_binary_cases()),
+                         ids=[case[0] for case in bad_binary_cases()])
+def test_bad_binary_requests(client, name, body, headers, mentions):
+    message = assert_protocol_error(client.post(INFER, data=body, headers=headers), 400)
+    assert mentions in message
+    assert_still_serving(client)
+
+
+def test_non_finite_result_is_a_400(client):
+    body, headers = binary_request(np.array([[0.0], [0.0], [3e19]]), "FP32",
+                                   parameters={"factor": 3, "objective": "sum_of_squares"})
+    message = assert_protocol_error(client.post(INFER, data=body, headers=headers), 400)
+    assert "row 0, col 2" in message
+    assert_still_serving(client)
+
+
+@pytest.mark.parametrize("config,document,mentions", [
+    ({"BLOCKGRAD_MAX_N": 2}, GOOD, "BLOCKGRAD_MAX_N"),
+    ({"BLOCKGRAD_MAX_D": 1}, GOOD, "BLOCKGRAD_MAX_D"),
+    # N = 3, D = 2: factor 2 leaves a 2 x 2 x 4 = 16 block, factor 3 one of 4
+    ({"BLOCKGRAD_MAX_BLOCK_ELEMENTS": 10}, with_parameters(factor=1), "factor of at least 3"),
+    ({"BLOCKGRAD_MAX_OUTPUT_ELEMENTS": 20}, GOOD, "BLOCKGRAD_MAX_OUTPUT_ELEMENTS"),
+    ({"BLOCKGRAD_MAX_BODY_BYTES": 100}, GOOD, "BLOCKGRAD_MAX_BODY_BYTES"),
+])
+def test_limits_are_413(config, document, mentions):
+    client = create_app(config).test_client()
+    message = assert_protocol_error(client.post(INFER, json=document), 413)
+    assert mentions in message
+
+
+def test_output_limit_counts_only_asked_outputs():
+    client = create_app({"BLOCKGRAD_MAX_OUTPUT_ELEMENTS": 20}).test_client()  # blocks alone are 36
+    response = client.post(INFER, json=dict(GOOD, outputs=[{"name": "accumulated"}, {"name": "bounds"}]))
+    assert response.status_code == 200
+
+
+def test_deadline_is_503_with_retry_after():
+    client = create_app({"BLOCKGRAD_REQUEST_TIMEOUT_S": 1e-9}).test_client()
+    response = client.post(INFER, json=GOOD)
+    assert_protocol_error(response, 503)
+    assert int(response.headers["Retry-After"]) >= 1
+
+
+def test_internal_error_hides_internals(client, monkeypatch, caplog):
+    def explode(*args, **kwargs):
+        raise RuntimeError("secret internal detail")
+    monkeypatch.setattr("app.v2.infer.summarize", explode)
+    message = assert_protocol_error(client.post(INFER, json=GOOD), 500)
+    assert "secret" not in message and "secret internal detail" in caplog.text
+    monkeypatch.undo()
+    assert_still_serving(client)
+
+
+def test_v1_errors_keep_their_shape(client):
+    """The protocol's error body is only for /v2."""
+    body = strict_json(client.get("/v2x").get_data())
+    assert body["error"]["code"] == "not_found"
+    body = strict_json(client.post("/v1/gradients", json={"vectors": []}).get_data())
+    assert body["error"]["code"] == "validation_error"
+
+
+def test_client_helpers_round_trip(client):
+    """app/v2/client.py (for the benchmark) agrees with the struct reader above."""
+    from app.v2.client import binary_infer_request, read_infer_response
+
+    vectors = np.random.default_rng(3).standard_normal((6, 2))
+    body, headers = binary_infer_request(vectors, {"factor": 2}, outputs=["losses", "block_gradients"])
+    response = client.post(INFER, data=body, headers=headers)
+    assert response.status_code == 200
+    header, tensors = read_infer_response(response.get_data(), response.headers)
+    _, expected = read_response(response)
+    assert list(tensors) == ["losses", "block_gradients"] and tensors["losses"].dtype == np.float64
+    for name in tensors:
+        assert np.array_equal(tensors[name], expected[name])

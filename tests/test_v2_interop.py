@@ -1,0 +1,141 @@
+"""A published client of the protocol (tritonclient[http]) against the real service.
+
+gunicorn serves wsgi:app on 127.0.0.1 on a free port, started and stopped here.
+The client sends binary inputs and asks for binary outputs; the numbers must be
+/v1/gradients' exactly, and the seed's loops' (tests/reference.py).
+"""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+from .test_v2 import reference_outputs
+
+httpclient = pytest.importorskip("tritonclient.http")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+OUTPUT_NAMES = ["block_gradients", "accumulated", "bounds", "losses"]
+START_TIMEOUT_S = 60
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ready(url: str, process: subprocess.Popen, log_path: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"gunicorn exited with {process.returncode}:\n{Path(log_path).read_text()}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"gunicorn not ready after {START_TIMEOUT_S} s:\n{Path(log_path).read_text()}")
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = free_port()
+    env = dict(os.environ, BLOCKGRAD_BIND=f"127.0.0.1:{port}", WEB_CONCURRENCY="1", BLOCKGRAD_DEVICE="cpu")
+    with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
+        log_path = log.name
+        process = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"],
+                                   cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/v2/health/ready", process, log_path)
+        yield f"127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+        os.unlink(log_path)
+
+
+@pytest.fixture
+def client(server):
+    client = httpclient.InferenceServerClient(url=server)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def test_client_health_and_metadata(client):
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("blockgrad")
+    assert not client.is_model_ready("blockgrad", model_version="9")
+    assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
+    metadata = client.get_model_metadata("blockgrad")
+    assert metadata["inputs"] == [{"name": "vectors", "datatype": "FP32", "shape": [-1, -1]}]
+    assert [o["name"] for o in metadata["outputs"]] == OUTPUT_NAMES
+
+
+def test_binary_inputs_and_outputs_equal_v1_and_reference(client, server):
+    vectors = np.random.default_rng(2).standard_normal((9, 4)).astype(np.float32)
+    tensor = httpclient.InferInput("vectors", list(vectors.shape), "FP32")
+    tensor.set_data_from_numpy(vectors, binary_data=True)
+    outputs = [httpclient.InferRequestedOutput(name, binary_data=True) for name in OUTPUT_NAMES]
+    result = client.infer("blockgrad", [tensor], outputs=outputs, request_id="r1",
+                          parameters={"factor": 4, "objective": "l2_norm"})
+    assert all("binary_data_size" in result.get_output(name)["parameters"] for name in OUTPUT_NAMES)
+    got = {name: result.as_numpy(name) for name in OUTPUT_NAMES}
+    assert result.get_response()["id"] == "r1"
+
+    v1 = requests.post(f"http://{server}/v1/gradients", timeout=60, json={
+        "vectors": vectors.tolist(), "factor": 4, "objective": "l2_norm",
+        "outputs": ["blocks", "accumulated", "losses"]}).json()
+    assert got["bounds"].tolist() == v1["bounds"] == [0, 2, 4, 6, 9]
+    assert np.array_equal(got["accumulated"], np.array(v1["accumulated"], dtype=np.float32))
+    assert np.array_equal(got["losses"], np.array(v1["losses"], dtype=np.float32))
+    for block in v1["blocks"]:
+        (r0, r1), (c0, c1) = block["rows"], block["cols"]
+        assert np.array_equal(got["block_gradients"][r0:r1, c0:c1], np.array(block["gradient"], dtype=np.float32))
+
+    expected = reference_outputs(torch.from_numpy(vectors), 4, "l2_norm", 5.0, v1["bounds"])
+    for name in ["block_gradients", "accumulated", "losses"]:
+        torch.testing.assert_close(torch.from_numpy(got[name].copy()), expected[name], rtol=2e-5, atol=2e-5)
+
+
+def test_default_outputs_fp64_and_json_input(client):
+    """No outputs listed: the client asks for all as binary (binary_data_output)."""
+    vectors = np.linspace(-1, 1, 15).reshape(5, 3)
+    tensor = httpclient.InferInput("vectors", [5, 3], "FP64")
+    tensor.set_data_from_numpy(vectors, binary_data=False)  # JSON data this time
+    result = client.infer("blockgrad", [tensor], parameters={"objective": "sum_of_squares", "factor": 2})
+    expected = reference_outputs(torch.from_numpy(vectors), 2, "sum_of_squares", 5.0, [0, 2, 5])
+    for name in ["block_gradients", "accumulated", "losses"]:
+        array = result.as_numpy(name)
+        assert array.dtype == np.float64
+        torch.testing.assert_close(torch.from_numpy(array.copy()), expected[name], rtol=1e-12, atol=1e-12)
+    assert result.as_numpy("bounds").tolist() == [0, 2, 5]
+
+
+def test_errors_reach_the_client(client):
+    tensor = httpclient.InferInput("vectors", [2, 2], "FP32")
+    tensor.set_data_from_numpy(np.ones((2, 2), dtype=np.float32))
+    with pytest.raises(InferenceServerException) as raised:
+        client.infer("blockgrad", [tensor], parameters={"factor": 3})
+    assert raised.value.status() == "400" and "factor" in raised.value.message()
+    with pytest.raises(InferenceServerException) as raised:
+        client.infer("other", [tensor])
+    assert raised.value.status() == "404"
+    assert client.infer("blockgrad", [tensor]).as_numpy("bounds").tolist() == [0, 2]
