@@ -2,7 +2,7 @@
 import logging
 
 import orjson
-from flask import Flask, Response
+from flask import Flask, Response, g, has_app_context
 from werkzeug.exceptions import HTTPException
 
 from .errors import ApiError
@@ -16,6 +16,8 @@ HTTP_CODES = {
 
 
 def error_response(error: ApiError) -> Response:
+    if has_app_context():
+        g.error_code = error.code  # for the errors metric and the log line (app/observe.py)
     response = Response(orjson.dumps(error.body(), option=orjson.OPT_NON_STR_KEYS), status=error.status, mimetype="application/json")
     response.headers.update(error.headers)
     return response
