@@ -29,9 +29,19 @@ def request_id_from(header: str | None) -> str:
     return uuid.uuid4().hex
 
 
+class RequestIdFilter(logging.Filter):
+    """Stamp records logged during a request with its id, when they are made
+    (a handler may format them later, outside the request)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if has_request_context() and "request_id" in g:
+            record.request_id = g.request_id
+        return True
+
+
 class JsonFormatter(logging.Formatter):
-    """A record as one JSON line: time, level, logger, message, the record's
-    `fields` (extra={"fields": {...}}), the request id and any traceback."""
+    """A record as one JSON line: time, level, logger, message, the request id,
+    the record's `fields` (extra={"fields": {...}}) and any traceback."""
 
     def format(self, record: logging.LogRecord) -> str:
         line: dict[str, Any] = {
@@ -40,8 +50,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
-        if has_request_context() and "request_id" in g:
-            line["request_id"] = g.request_id
+        if hasattr(record, "request_id"):
+            line["request_id"] = record.request_id
         line.update(getattr(record, "fields", {}))
         if record.exc_info:
             line["exc_info"] = self.formatException(record.exc_info)
@@ -60,6 +70,8 @@ def configure_logging(level: str) -> None:
     logger.setLevel(level.upper())
     if not any(isinstance(handler, JsonStderrHandler) for handler in logger.handlers):
         logger.addHandler(JsonStderrHandler())
+    if not any(isinstance(f, RequestIdFilter) for f in logger.filters):
+        logger.addFilter(RequestIdFilter())  # records of "blockgrad" itself, e.g. tracebacks
 
 
 def log_request(fields: dict[str, Any]) -> None:
