@@ -12,8 +12,8 @@ comes from the fixed set of error codes.
 """
 import os
 
-from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge, Histogram,
-                               generate_latest, multiprocess)
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 # Requests may run up to BLOCKGRAD_REQUEST_TIMEOUT_S (60 s by default).
@@ -27,7 +27,7 @@ LATENCY = Histogram("blockgrad_request_duration_seconds",
 IN_FLIGHT = Gauge("blockgrad_requests_in_flight", "Requests being answered now (summed over live workers).",
                   multiprocess_mode="livesum")
 OUTPUT_NUMBERS = Counter("blockgrad_output_numbers", "Numbers written in complete 200 answers.")
-COMPUTE_SECONDS = Counter("blockgrad_compute_seconds", "Seconds spent in the gradient engine.")
+COMPUTE_SECONDS = Counter("blockgrad_compute_seconds", "Seconds spent in the gradient engine, failed requests too.")
 ERRORS = Counter("blockgrad_errors", "Error answers by error code (including errors that cut a stream).",
                  ["code"])
 DEVICE = Gauge("blockgrad_device_info", "1 for the torch device each live worker computes on (label device).",
@@ -57,9 +57,9 @@ def observe_device(device: str) -> None:
 
 
 def exposition() -> tuple[bytes, str]:
-    """The text format body for a scrape and its content type."""
+    """The text format (0.0.4, what generate_latest writes) body for a scrape and its content type."""
     if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
         registry = CollectorRegistry()  # fresh each scrape: it reads every worker's files
         multiprocess.MultiProcessCollector(registry)
-        return generate_latest(registry), CONTENT_TYPE_LATEST
-    return generate_latest(REGISTRY), CONTENT_TYPE_LATEST
+        return generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4
+    return generate_latest(REGISTRY), CONTENT_TYPE_PLAIN_0_0_4

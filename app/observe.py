@@ -96,8 +96,7 @@ def finisher(status: int) -> Callable[[str | None], None]:
                                   "status": status, "duration_ms": round(duration_s * 1000, 3)}
         if work is not None:
             complete = status == 200 and stream_error is None
-            if complete:
-                metrics.observe_work(work.output_numbers, work.compute_s)
+            metrics.observe_work(work.output_numbers if complete else 0, work.compute_s)
             fields.update(n=work.n, dim=work.dim, factor=work.factor, outputs=list(work.outputs),
                           output_numbers=work.output_numbers if complete else 0,
                           compute_ms=round(work.compute_s * 1000, 3))

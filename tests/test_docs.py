@@ -50,6 +50,8 @@ def test_every_route_is_documented(app, spec):
 
 def test_every_operation_documents_its_errors_with_the_error_body(spec):
     for path, operations in spec["paths"].items():
+        if path.startswith("/v2"):  # Open Inference Protocol routes: {"error": "..."} by that protocol
+            continue
         for method, operation in operations.items():
             responses = operation["responses"]
             assert "500" in responses, (path, method)
