@@ -4,11 +4,14 @@ from collections.abc import Mapping
 from flask import Flask
 from flask_smorest import Api
 
+from . import observe
 from .config import Config
+from .docs import api_description, register_docs
 from .http_errors import register_error_handlers
+from .request_log import configure_logging
 from .schemas import ErrorSchema
 from .v2.views import blp as v2_blueprint
-from .views import gradients, health
+from .views import gradients, health, metrics
 
 
 class BlockgradApi(Api):
@@ -21,10 +24,15 @@ def create_app(config: Mapping | None = None) -> Flask:
     if config:
         app.config.update(config)
     app.config["MAX_CONTENT_LENGTH"] = app.config["BLOCKGRAD_MAX_BODY_BYTES"]
+    app.config.setdefault("API_SPEC_OPTIONS", {"info": {"description": api_description(app.config)}})
+    configure_logging(app.config["BLOCKGRAD_LOG_LEVEL"])
+    observe.init_app(app)  # first, so that its hooks see every request
 
     api = BlockgradApi(app)
     api.register_blueprint(gradients.blp)
     api.register_blueprint(health.blp)
     api.register_blueprint(v2_blueprint)
+    api.register_blueprint(metrics.blp)
+    register_docs(app, api)
     register_error_handlers(app)  # after Api, which installs its own HTTP error handler
     return app

@@ -42,9 +42,13 @@ class Config:
     # Numbers in one block (rows x cols x 2D): 4M float64 is 32 MiB a tensor.
     BLOCKGRAD_MAX_BLOCK_ELEMENTS = env_int("BLOCKGRAD_MAX_BLOCK_ELEMENTS", 4 * 1024 * 1024)
     BLOCKGRAD_REQUEST_TIMEOUT_S = env_float("BLOCKGRAD_REQUEST_TIMEOUT_S", 60.0)
+    BLOCKGRAD_LOG_LEVEL = os.environ.get("BLOCKGRAD_LOG_LEVEL", "INFO")
 
     API_TITLE = "blockgrad"
     API_VERSION = "1.0.0"
     OPENAPI_VERSION = "3.0.3"
     OPENAPI_URL_PREFIX = "/"
     OPENAPI_JSON_PATH = "openapi.json"
+    OPENAPI_SWAGGER_UI_PATH = "docs"
+    OPENAPI_SWAGGER_UI_URL = "docs/assets/"  # relative to /docs; served by app/docs.py, no CDN
+    OPENAPI_SWAGGER_UI_CONFIG = {"validatorUrl": None}  # no badge fetched from swagger.io

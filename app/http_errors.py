@@ -2,7 +2,7 @@
 import logging
 
 import orjson
-from flask import Flask, Response, has_request_context, request
+from flask import Flask, Response, g, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
 from .errors import ApiError
@@ -22,10 +22,11 @@ def is_protocol_request() -> bool:
 
 
 def error_response(error: ApiError) -> Response:
-    if is_protocol_request():
-        body, status = {"error": error.message}, 400 if error.status == 422 else error.status
-    else:
-        body, status = error.body(), error.status
+    body, status = error.body(), error.status
+    if has_request_context():
+        g.error_code = error.code  # for the errors metric and the log line (app/observe.py)
+        if is_protocol_request():
+            body, status = {"error": error.message}, 400 if error.status == 422 else error.status
     response = Response(orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS), status=status, mimetype="application/json")
     response.headers.update(error.headers)
     return response

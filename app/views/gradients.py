@@ -1,12 +1,14 @@
 """POST /v1/gradients: parse (schema), admit (limits), compute, serialise."""
-from flask import Response, current_app
+from flask import Response, current_app, g
 
 from ..compute import Deadline, blocks, load_vectors, summarize
 from ..device import resolve_device
-from ..limits import admit
+from ..docs import documents_errors
+from ..limits import admit, output_elements
+from ..observe import Work
 from ..parsing import ApiBlueprint
 from ..render import head_json, stream_with_blocks, to_numpy
-from ..schemas import ErrorSchema, GradientRequest, GradientRequestSchema, GradientResponseSchema
+from ..schemas import GradientRequest, GradientRequestSchema, GradientResponseSchema
 
 blp = ApiBlueprint("gradients", __name__, url_prefix="/v1",
                    description="Per-block gradients of the pairwise feature matrix.")
@@ -15,19 +17,20 @@ blp = ApiBlueprint("gradients", __name__, url_prefix="/v1",
 @blp.route("/gradients", methods=["POST"])
 @blp.arguments(GradientRequestSchema)
 @blp.response(200, GradientResponseSchema)
-@blp.alt_response(400, schema=ErrorSchema, description="bad_json: the body is not valid JSON.")
-@blp.alt_response(413, schema=ErrorSchema, description="too_large or limit_exceeded: over a configured limit.")
-@blp.alt_response(415, schema=ErrorSchema, description="unsupported_media_type: not application/json.")
-@blp.alt_response(422, schema=ErrorSchema, description="validation_error or non_finite_result.")
-@blp.alt_response(503, schema=ErrorSchema, description="deadline_exceeded or device_out_of_memory; see Retry-After.")
+@documents_errors(blp, "bad_json", "too_large", "limit_exceeded", "unsupported_media_type", "validation_error",
+                  "non_finite_result", "deadline_exceeded", "internal_error")
 def post_gradients(req: GradientRequest):
     """Gradients of every block, each detached as its own leaf, and their sum on the vectors."""
     config = current_app.config
+    g.work = work = Work(req.n, req.dim, req.factor, req.outputs,
+                         output_elements(req.n, req.dim, req.factor, req.outputs))  # for the log line and metrics
     admit(req.n, req.dim, req.factor, req.outputs, config)
     device = resolve_device(config["BLOCKGRAD_DEVICE"])
+    g.device = str(device)
     deadline = Deadline(config["BLOCKGRAD_REQUEST_TIMEOUT_S"])
     vectors = load_vectors(req, device)  # (N, D)
-    summary = summarize(vectors, req, deadline)
+    with work.computing():
+        summary = summarize(vectors, req, deadline)
     head = {"n": req.n, "dim": req.dim, "factor": req.factor, "bounds": summary.bounds,
             "objective": req.objective, "dtype": req.dtype, "device": str(device)}
     if "accumulated" in req.outputs:
@@ -36,4 +39,4 @@ def post_gradients(req: GradientRequest):
         head["losses"] = to_numpy(summary.losses)
     if "blocks" not in req.outputs:
         return Response(head_json(head), mimetype="application/json")
-    return Response(stream_with_blocks(head, blocks(vectors, req, deadline)), mimetype="application/json")
+    return Response(stream_with_blocks(head, work.timed(blocks(vectors, req, deadline))), mimetype="application/json")

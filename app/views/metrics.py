@@ -1,0 +1,18 @@
+"""GET /metrics: Prometheus text format, all gunicorn workers added up (app/metrics.py)."""
+from flask import Response
+
+from ..docs import documents_errors
+from ..metrics import exposition
+from ..parsing import ApiBlueprint
+
+blp = ApiBlueprint("metrics", __name__, description="Prometheus metrics.")
+
+
+@blp.route("/metrics", methods=["GET"])
+@blp.response(200, {"type": "string"}, content_type="text/plain",
+              description="Prometheus text exposition format, version 0.0.4 (metric names in the README).")
+@documents_errors(blp, "internal_error")
+def get_metrics():
+    """Request counts, latencies, in-flight requests, outputs, compute time, errors and device."""
+    body, content_type = exposition()
+    return Response(body, content_type=content_type)

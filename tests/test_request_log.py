@@ -1,0 +1,108 @@
+"""One JSON log line per request, with the request id echoed; payloads never logged."""
+import json
+import logging
+import re
+
+import pytest
+
+from app import create_app
+from app.request_log import JsonFormatter
+
+# Values that appear nowhere but in the payload, to prove it is not logged.
+PAYLOAD = {"vectors": [[123.4567, 765.4321, 0.5], [31.4159, 27.1828, 1.25], [1.5, 2.5, 3.5]], "factor": 2,
+           "outputs": ["accumulated", "losses"], "dtype": "float64"}
+HEX32 = re.compile(r"[0-9a-f]{32}")
+
+
+def request_lines(caplog) -> list[dict]:
+    """Each request record as the JSON line the stderr handler writes."""
+    formatter = JsonFormatter()
+    return [json.loads(formatter.format(record)) for record in caplog.records if record.name == "blockgrad.request"]
+
+
+def test_one_line_per_request_with_its_sizes_and_the_callers_id(client, caplog):
+    caplog.set_level(logging.INFO, logger="blockgrad")
+    response = client.post("/v1/gradients", json=PAYLOAD, headers={"X-Request-ID": "order-42.retry:1"})
+    assert response.status_code == 200
+    assert response.headers["X-Request-ID"] == "order-42.retry:1"
+    [line] = request_lines(caplog)
+    assert line["request_id"] == "order-42.retry:1"
+    assert line["level"] == "info" and line["logger"] == "blockgrad.request"
+    assert (line["method"], line["route"], line["status"]) == ("POST", "/v1/gradients", 200)
+    assert (line["n"], line["dim"], line["factor"]) == (3, 3, 2)
+    assert line["outputs"] == ["accumulated", "losses"]
+    assert line["output_numbers"] == 3 * 3 + 2 * 2
+    assert isinstance(line["duration_ms"], float) and line["duration_ms"] >= 0
+    assert isinstance(line["compute_ms"], float) and line["compute_ms"] >= 0
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["ts"])
+    assert "error" not in line
+
+
+def test_payload_is_never_logged(client, caplog):
+    caplog.set_level(logging.DEBUG, logger="blockgrad")
+    client.post("/v1/gradients", json=PAYLOAD)
+    client.post("/v1/gradients", json=dict(PAYLOAD, factor=9))  # 422 names the field, not the values
+    text = "\n".join(JsonFormatter().format(record) for record in caplog.records)
+    assert len(request_lines(caplog)) == 2
+    for number in ("123.4567", "765.4321", "31.4159", "27.1828"):
+        assert number not in text
+
+
+@pytest.mark.parametrize("header", [None, "", "x" * 129, "has space", "tab\there", "caf\u00e9", "quote\"", "<script>"])
+def test_missing_or_unsafe_ids_are_replaced_by_a_fresh_one(client, caplog, header):
+    caplog.set_level(logging.INFO, logger="blockgrad")
+    headers = {} if header is None else {"X-Request-ID": header}
+    response = client.get("/healthz", headers=headers)
+    echoed = response.headers["X-Request-ID"]
+    assert HEX32.fullmatch(echoed)
+    [line] = request_lines(caplog)
+    assert line["request_id"] == echoed
+    assert (line["method"], line["route"], line["status"]) == ("GET", "/healthz", 200)
+    assert "n" not in line  # no computation, no sizes
+
+
+def test_ids_are_unique_and_the_longest_safe_id_is_kept(client):
+    ids = {client.get("/healthz").headers["X-Request-ID"] for _ in range(20)}
+    assert len(ids) == 20
+    longest = "a" * 128
+    assert client.get("/healthz", headers={"X-Request-ID": longest}).headers["X-Request-ID"] == longest
+
+
+def test_errors_are_logged_with_their_code_and_echo_the_id(client, caplog):
+    caplog.set_level(logging.INFO, logger="blockgrad")
+    response = client.post("/v1/gradients", data="[", content_type="application/json",
+                           headers={"X-Request-ID": "abc"})
+    assert response.status_code == 400 and response.headers["X-Request-ID"] == "abc"
+    assert client.get("/missing", headers={"X-Request-ID": "def"}).headers["X-Request-ID"] == "def"
+    first, second = request_lines(caplog)
+    assert (first["request_id"], first["status"], first["error"]) == ("abc", 400, "bad_json")
+    assert (second["request_id"], second["route"], second["status"], second["error"]) == ("def", "unmatched", 404, "not_found")
+
+
+def test_limit_refusal_logs_the_sizes_it_refused(caplog):
+    app = create_app({"TESTING": True, "BLOCKGRAD_MAX_N": 2})
+    caplog.set_level(logging.INFO, logger="blockgrad")
+    response = app.test_client().post("/v1/gradients", json=PAYLOAD)
+    assert response.status_code == 413
+    [line] = request_lines(caplog)
+    assert (line["n"], line["dim"], line["factor"], line["status"]) == (3, 3, 2, 413)
+    assert line["error"] == "limit_exceeded" and line["output_numbers"] == 0
+
+
+def test_internal_error_traceback_carries_the_request_id(caplog):
+    app = create_app({"TESTING": True})
+
+    @app.route("/boom")
+    def boom():
+        raise RuntimeError("secret internals")
+
+    caplog.set_level(logging.INFO, logger="blockgrad")
+    response = app.test_client().get("/boom", headers={"X-Request-ID": "trace-me"})
+    assert response.status_code == 500 and b"secret" not in response.get_data()
+    formatter = JsonFormatter()
+    lines = [json.loads(formatter.format(record)) for record in caplog.records]
+    [traceback_line] = [line for line in lines if "exc_info" in line]
+    assert traceback_line["request_id"] == "trace-me"
+    assert "RuntimeError: secret internals" in traceback_line["exc_info"]
+    [line] = request_lines(caplog)
+    assert (line["request_id"], line["status"], line["error"]) == ("trace-me", 500, "internal_error")
