@@ -4,6 +4,7 @@ from collections.abc import Mapping
 from flask import Flask
 from flask_smorest import Api
 
+from .auth import install_auth
 from .config import Config
 from .http_errors import register_error_handlers
 from .schemas import ErrorSchema
@@ -21,6 +22,7 @@ def create_app(config: Mapping | None = None) -> Flask:
         app.config.update(config)
     app.config["MAX_CONTENT_LENGTH"] = app.config["BLOCKGRAD_MAX_BODY_BYTES"]
 
+    install_auth(app)  # one app-level hook: every route, present or future, is behind it
     api = BlockgradApi(app)
     api.register_blueprint(gradients.blp)
     api.register_blueprint(health.blp)

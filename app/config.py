@@ -42,6 +42,8 @@ class Config:
     # Numbers in one block (rows x cols x 2D): 4M float64 is 32 MiB a tensor.
     BLOCKGRAD_MAX_BLOCK_ELEMENTS = env_int("BLOCKGRAD_MAX_BLOCK_ELEMENTS", 4 * 1024 * 1024)
     BLOCKGRAD_REQUEST_TIMEOUT_S = env_float("BLOCKGRAD_REQUEST_TIMEOUT_S", 60.0)
+    # Optional bearer token for every route but the probes (app/auth.py); unset = open.
+    BLOCKGRAD_API_TOKEN = os.environ.get("BLOCKGRAD_API_TOKEN") or None
 
     API_TITLE = "blockgrad"
     API_VERSION = "1.0.0"
