@@ -58,7 +58,7 @@ class JsonNumber(fields.Float):
 
 class GradientRequestSchema(Schema):
     vectors = Vectors(required=True, metadata={
-        "type": "array", "items": {"type": "array", "items": {"type": "number"}},
+        "type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": {"type": "number"}},
         "description": "N rows of D finite numbers (V, shape (N, D)); all rows the same length.",
         "example": [[0.5, -1.0], [2.0, 0.25], [1.5, 3.0]],
     })

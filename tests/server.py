@@ -45,6 +45,12 @@ def rss_kib(pid: int) -> int:
     raise ValueError(f"no VmRSS for {pid}")
 
 
+def cpu_ticks(pid: int) -> int:
+    """User + system CPU time of `pid` in clock ticks (/proc/<pid>/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
     """Poll `predicate` until it is true or `timeout_s` passes; bounded."""
     end = time.monotonic() + timeout_s
@@ -81,6 +87,22 @@ class Server:
             return requests.get(self.url + "/healthz", timeout=2).status_code == 200
         except requests.RequestException:
             return False
+
+    def busy_worker(self, timeout_s: float = 20, window_s: float = 0.3) -> int | None:
+        """The worker that is burning CPU (serving a long request), or None."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            pids = self.worker_pids()
+            try:
+                before = {pid: cpu_ticks(pid) for pid in pids}
+                time.sleep(window_s)
+                used = {pid: cpu_ticks(pid) - ticks for pid, ticks in before.items()}
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            busy = [pid for pid, ticks in used.items() if ticks >= 5]  # 100 Hz ticks: >= 50 ms of CPU
+            if len(busy) == 1:
+                return busy[0]
+        return None
 
     def wait_for_workers(self, count: int, timeout_s: float = START_TIMEOUT_S) -> bool:
         return wait_until(lambda: len(self.worker_pids()) == count, timeout_s)
