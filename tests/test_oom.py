@@ -54,3 +54,22 @@ def test_out_of_memory_mid_stream_frees_the_cache(client, monkeypatch, empty_cac
     assert empty_cache_calls
     monkeypatch.undo()
     assert_still_serving(client)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_real_cuda_out_of_memory_frees_the_cache_and_serves_on():
+    from app import create_app
+    client = create_app({"TESTING": True, "BLOCKGRAD_DEVICE": "cuda",
+                         "BLOCKGRAD_MAX_BLOCK_ELEMENTS": 2 ** 28}).test_client()
+    assert_still_serving(client)  # creates the CUDA context outside the cap
+    cap = 64 * 2 ** 20
+    torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(0).total_memory)
+    try:
+        # One 1024 x 1024 x 128 float32 block is 512 MiB: far over the 64 MiB cap.
+        body = {"vectors": [[1.0] * 64] * 1024, "factor": 1, "outputs": ["accumulated"]}
+        response = client.post("/v1/gradients", json=body)
+        assert_error(response, 503, "device_out_of_memory")
+        assert torch.cuda.memory_reserved() < cap  # nothing of the request is cached any more
+        assert_still_serving(client)  # the same process, right after
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
