@@ -1,26 +1,47 @@
 """gunicorn settings for blockgrad (the README explains each choice).
 
 Workers x torch threads never exceed the cores, so workers do not fight over them.
+This file must not import torch or the app: the master stays free of CUDA state.
 """
 import glob
+import math
 import os
 import shutil
 import tempfile
 
-cores = os.cpu_count() or 1
+
+def available_cores() -> int:
+    """Cores this process may use: the cgroup CPU quota in a container, else the affinity mask."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:  # cgroup v2: "<quota> <period>" or "max <period>"
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.floor(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+cores = available_cores()
 
 bind = os.environ.get("BLOCKGRAD_BIND", "127.0.0.1:8000")
 workers = int(os.environ.get("WEB_CONCURRENCY", min(2, cores)))
 worker_class = "sync"
 torch_threads = max(1, cores // workers)
 
-# No preload_app: the app (and torch's CUDA state) must be created after fork.
+# No preload_app: the app, torch and any CUDA context are created in each worker after
+# fork; a CUDA context inherited across fork is unusable.
 preload_app = False
-timeout = 120  # above BLOCKGRAD_REQUEST_TIMEOUT_S, which stops a request first
-graceful_timeout = 30
-max_requests = 1000  # recycle workers against slow memory growth
-max_requests_jitter = 100
-worker_tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+# The request deadline (checked between blocks) answers 503 long before gunicorn would
+# kill the worker; keep gunicorn's timeout at least twice the deadline.
+request_timeout_s = float(os.environ.get("BLOCKGRAD_REQUEST_TIMEOUT_S") or 60)
+timeout = max(120, math.ceil(2 * request_timeout_s))
+# On SIGTERM a worker finishes its request first: allow a whole deadline plus margin.
+graceful_timeout = math.ceil(request_timeout_s) + 10
+max_requests = 1000  # recycle workers against slow memory growth (allocator fragmentation)
+max_requests_jitter = 100  # so the workers do not all restart at once
+worker_tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None  # heartbeat off disk
 accesslog = None  # the app writes one JSON line per request instead (app/request_log.py)
 errorlog = "-"  # stderr, like the app's log
 created_metrics_dir = None  # set when on_starting made a temporary PROMETHEUS_MULTIPROC_DIR
@@ -39,8 +60,7 @@ def on_starting(server):
         path = created_metrics_dir = tempfile.mkdtemp(prefix="blockgrad-metrics-", dir=worker_tmp_dir)
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
     os.makedirs(path, exist_ok=True)
-    for stale in glob.glob(os.path.join(path, "*.db")):
-        os.remove(stale)
+    remove_metric_files(path)
 
 
 def child_exit(server, worker):
@@ -54,8 +74,12 @@ def on_exit(server):
     if created_metrics_dir:
         shutil.rmtree(created_metrics_dir, ignore_errors=True)
     elif path:
-        for stale in glob.glob(os.path.join(path, "*.db")):
-            os.remove(stale)
+        remove_metric_files(path)
+
+
+def remove_metric_files(path):
+    for stale in glob.glob(os.path.join(path, "*.db")):
+        os.remove(stale)
 
 
 def post_fork(server, worker):

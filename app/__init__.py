@@ -5,6 +5,7 @@ from flask import Flask
 from flask_smorest import Api
 
 from . import observe
+from .auth import install_auth
 from .config import Config
 from .docs import api_description, register_docs
 from .http_errors import register_error_handlers
@@ -28,6 +29,7 @@ def create_app(config: Mapping | None = None) -> Flask:
     configure_logging(app.config["BLOCKGRAD_LOG_LEVEL"])
     observe.init_app(app)  # first, so that its hooks see every request
 
+    install_auth(app)  # one app-level hook: every route, present or future, is behind it
     api = BlockgradApi(app)
     api.register_blueprint(gradients.blp)
     api.register_blueprint(health.blp)

@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .device import release_device_memory
 from .engine import Block, add_to_vectors, block_bounds, iter_blocks
 from .errors import ApiError, DeadlineExceeded
 from .objectives import OBJECTIVES
@@ -45,9 +46,14 @@ def load_vectors(req: GradientRequest, device: torch.device) -> torch.Tensor:
 
 
 def blocks(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline) -> Iterator[Block]:
-    for block in iter_blocks(vectors, req.factor, OBJECTIVES[req.objective], req.offset):
-        yield block
-        deadline.check()
+    try:
+        for block in iter_blocks(vectors, req.factor, OBJECTIVES[req.objective], req.offset):
+            yield block
+            deadline.check()
+    except torch.OutOfMemoryError as exc:
+        # Mid-stream nobody turns this into a 503; free the cache here as well.
+        release_device_memory(exc)
+        raise
 
 
 def summarize(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline,

@@ -43,6 +43,8 @@ class Config:
     BLOCKGRAD_MAX_BLOCK_ELEMENTS = env_int("BLOCKGRAD_MAX_BLOCK_ELEMENTS", 4 * 1024 * 1024)
     BLOCKGRAD_REQUEST_TIMEOUT_S = env_float("BLOCKGRAD_REQUEST_TIMEOUT_S", 60.0)
     BLOCKGRAD_LOG_LEVEL = os.environ.get("BLOCKGRAD_LOG_LEVEL", "INFO")
+    # Optional bearer token for every route but the probes (app/auth.py); unset = open.
+    BLOCKGRAD_API_TOKEN = os.environ.get("BLOCKGRAD_API_TOKEN") or None
 
     API_TITLE = "blockgrad"
     API_VERSION = "1.0.0"

@@ -4,8 +4,14 @@ Resolved lazily on first use, so that gunicorn's master never creates a CUDA
 context before it forks the workers.
 """
 import functools
+import gc
+import traceback
 
 import torch
+
+from .errors import ApiError
+
+OOM_RETRY_AFTER_S = 5
 
 
 @functools.cache
@@ -27,3 +33,19 @@ def resolve_device(setting: str) -> torch.device:
         raise ValueError(f"BLOCKGRAD_DEVICE={setting} but only {torch.cuda.device_count()} CUDA devices exist")
     return device
 
+
+def release_device_memory(exc: BaseException) -> None:
+    """Drop the failed request's tensors (held by the traceback's frames) and hand
+    the allocator's cached blocks back, so this worker can serve the next request."""
+    traceback.clear_frames(exc.__traceback__)
+    gc.collect()
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def device_out_of_memory(exc: BaseException) -> ApiError:
+    release_device_memory(exc)
+    return ApiError(503, "device_out_of_memory",
+                    "The compute device ran out of memory on this request; retry later, "
+                    "or send a larger factor, fewer outputs or fewer vectors.",
+                    headers={"Retry-After": str(OOM_RETRY_AFTER_S)})

@@ -2,9 +2,11 @@
 import logging
 
 import orjson
+import torch
 from flask import Flask, Response, g, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
+from .device import device_out_of_memory
 from .errors import ApiError
 
 log = logging.getLogger("blockgrad")
@@ -47,6 +49,11 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(ApiError)
     def handle_api_error(exc: ApiError):
         return error_response(exc)
+
+    @app.errorhandler(torch.OutOfMemoryError)  # torch.cuda.OutOfMemoryError is the same class
+    def handle_out_of_memory(exc: torch.OutOfMemoryError):
+        log.warning("device out of memory: %s", exc)
+        return handle_api_error(device_out_of_memory(exc))
 
     @app.errorhandler(HTTPException)
     def handle_http_exception(exc: HTTPException):

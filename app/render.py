@@ -35,9 +35,15 @@ def head_json(head: dict) -> bytes:
 
 
 def stream_with_blocks(head: dict, blocks: Iterator[Block]) -> Iterator[bytes]:
-    """One JSON object: the head's keys, then "blocks": [...] written as computed."""
-    buffer = [head_json(head)[:-1], b',"blocks":[']
-    size = 0
+    """One JSON object: the head's keys, then "blocks": [...] written as computed.
+
+    The head goes out before any block is computed, so the status line and
+    headers are sent first: a failure after that (deadline, device memory) can
+    only cut the stream, and the client sees a body without its closing "]}"
+    (and, over HTTP/1.1, without the final chunk), never a complete wrong one.
+    """
+    yield head_json(head)[:-1] + b',"blocks":['
+    buffer, size = [], 0
     for k, block in enumerate(blocks):
         part = block_json(block)
         buffer.append(b"," + part if k else part)

@@ -13,7 +13,7 @@ from ..views.health import usable_device
 from .codec import BINARY_CONTENT_TYPE, HEADER_LENGTH, body_length, encode_response, iter_body
 from .infer import parse_infer_request, run_inference
 from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, model_metadata
-from .schemas import InferResponseSchema, ModelMetadataSchema, ProtocolErrorSchema, ServerMetadataSchema
+from .schemas import InferRequestSchema, InferResponseSchema, ModelMetadataSchema, ProtocolErrorSchema, ServerMetadataSchema
 
 log = logging.getLogger("blockgrad")
 
@@ -27,6 +27,16 @@ ERRORS = {
     415: "The body is neither application/json nor application/octet-stream.",
     503: "The request ran past its deadline (see Retry-After).",
 }
+
+
+def path_parameter(name: str, value: str, description: str) -> dict:
+    # One value each: other names are valid paths that answer 404, not schema-valid requests.
+    return {"in": "path", "name": name, "required": True, "description": description,
+            "schema": {"type": "string", "enum": [value]}}
+
+
+MODEL = [path_parameter("model", MODEL_NAME, "The model's name.")]
+VERSIONED = MODEL + [path_parameter("version", MODEL_VERSION, "The model's version.")]
 
 
 def document_errors(*statuses: int):
@@ -80,8 +90,8 @@ def server_ready():
     return health(device_ready())
 
 
-@blp.route("/models/<model>", methods=["GET"])
-@blp.route("/models/<model>/versions/<version>", methods=["GET"])
+@blp.route("/models/<model>", methods=["GET"], parameters=MODEL)
+@blp.route("/models/<model>/versions/<version>", methods=["GET"], parameters=VERSIONED)
 @blp.alt_response(200, schema=ModelMetadataSchema, description="Model metadata; -1 marks a variable dimension.",
                   success=True)
 @document_errors(404)
@@ -91,8 +101,8 @@ def get_model_metadata(model: str, version: str | None = None):
     return model_metadata()
 
 
-@blp.route("/models/<model>/ready", methods=["GET"])
-@blp.route("/models/<model>/versions/<version>/ready", methods=["GET"])
+@blp.route("/models/<model>/ready", methods=["GET"], parameters=MODEL)
+@blp.route("/models/<model>/versions/<version>/ready", methods=["GET"], parameters=VERSIONED)
 @blp.alt_response(200, description="Ready (empty body).", success=True)
 @blp.alt_response(400, description="Not ready (empty body).")
 @document_errors(404)
@@ -102,12 +112,17 @@ def model_ready(model: str, version: str | None = None):
     return health(device_ready())
 
 
-@blp.route("/models/<model>/infer", methods=["POST"])
-@blp.route("/models/<model>/versions/<version>/infer", methods=["POST"])
+@blp.route("/models/<model>/infer", methods=["POST"], parameters=MODEL)
+@blp.route("/models/<model>/versions/<version>/infer", methods=["POST"], parameters=VERSIONED)
 @blp.alt_response(200, schema=InferResponseSchema, success=True, description=(
     "The outputs asked for (all by default). With binary outputs the body is "
     "application/octet-stream: the JSON header, its length in Inference-Header-Content-Length, "
     "then each binary output's bytes in order (little-endian, row-major)."))
+@blp.doc(requestBody={"required": True, "content": {
+    "application/json": {"schema": InferRequestSchema},
+    BINARY_CONTENT_TYPE: {"schema": {"type": "string", "format": "binary", "description": (
+        "The JSON request, then each binary input's bytes; Inference-Header-Content-Length "
+        "gives the JSON's length.")}}}})
 @document_errors(400, 404, 413, 415, 503)
 def infer(model: str, version: str | None = None):
     """Per-block gradients as output tensors; JSON or binary tensor data both ways."""

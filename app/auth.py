@@ -1,0 +1,51 @@
+"""Optional bearer-token authentication for every route except the probes.
+
+When BLOCKGRAD_API_TOKEN is set, one app-level hook checks
+`Authorization: Bearer <token>` before any view runs. The open paths are an
+explicit allow-list, so a route added later is protected by default. The token
+is compared in constant time and never logged.
+"""
+import hmac
+
+from flask import Flask, request
+
+from .errors import ApiError
+
+# Probes and metrics stay open so that orchestrators and scrapers need no secret.
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+OPEN_PREFIXES = ("/v2/health/",)
+
+
+def is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
+def bearer_token(header: str) -> bytes | None:
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip().encode("utf-8", "surrogateescape")
+
+
+def unauthorized(message: str, challenge: str) -> ApiError:
+    return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": challenge})
+
+
+def install_auth(app: Flask) -> None:
+    """Require the token on every non-open path, if one is configured."""
+    token = (app.config.get("BLOCKGRAD_API_TOKEN") or "").strip()
+    if not token:
+        return
+    expected = token.encode("utf-8", "surrogateescape")
+
+    @app.before_request
+    def require_bearer_token():
+        if is_open(request.path):
+            return
+        given = bearer_token(request.headers.get("Authorization", ""))
+        if given is None:
+            raise unauthorized("This route needs the header `Authorization: Bearer <token>`.",
+                               'Bearer realm="blockgrad"')
+        if not hmac.compare_digest(given, expected):
+            raise unauthorized("The bearer token is not valid.",
+                               'Bearer realm="blockgrad", error="invalid_token"')

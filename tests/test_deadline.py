@@ -1,0 +1,134 @@
+"""BLOCKGRAD_REQUEST_TIMEOUT_S: 503 before the stream starts, a cut stream after it,
+and nothing of the request left in memory either way."""
+import gc
+import http.client
+import json
+import socket
+import time
+import weakref
+
+import numpy as np
+import pytest
+import requests
+
+import app.views.gradients as gradients_view
+from app import create_app
+from app.compute import Deadline
+from app.errors import DeadlineExceeded
+
+from .server import gunicorn_server
+from .test_api import GOOD, assert_error, assert_still_serving, strict_json
+
+
+@pytest.fixture
+def tensor_refs(monkeypatch):
+    """Weak references to every request's vectors tensor, to prove it is freed."""
+    refs = []
+    real_load = gradients_view.load_vectors
+
+    def load_and_watch(req, device):
+        vectors = real_load(req, device)
+        refs.append(weakref.ref(vectors))
+        return vectors
+    monkeypatch.setattr(gradients_view, "load_vectors", load_and_watch)
+    return refs
+
+
+def assert_freed(refs):
+    gc.collect()
+    assert refs and all(ref() is None for ref in refs), "a request's tensors outlived it"
+
+
+def test_deadline_before_streaming_is_503_with_retry_after(tensor_refs):
+    client = create_app({"BLOCKGRAD_REQUEST_TIMEOUT_S": 1e-9}).test_client()
+    response = client.post("/v1/gradients", json={"vectors": [[1.0]] * 8, "factor": 8})
+    error = assert_error(response, 503, "deadline_exceeded")
+    assert int(response.headers["Retry-After"]) >= 1
+    assert error["details"] == {"timeout_s": 1e-9}
+    assert_freed(tensor_refs)
+
+
+class ExpiresAfter(Deadline):
+    """A deadline that passes after a fixed number of checks (no clocks in tests)."""
+    checks_allowed = 0
+
+    def check(self):
+        type(self).checks_allowed -= 1
+        if type(self).checks_allowed < 0:
+            raise DeadlineExceeded(self.timeout_s, retry_after_s=1)
+
+
+def test_deadline_mid_stream_cuts_the_body(monkeypatch, tensor_refs):
+    factor = 4
+    ExpiresAfter.checks_allowed = factor * factor + 2  # all of pass one, two blocks of pass two
+    monkeypatch.setattr(gradients_view, "Deadline", ExpiresAfter)
+    client = create_app({"TESTING": True}).test_client()
+    response = client.post("/v1/gradients", json={"vectors": np.ones((8, 2)).tolist(), "factor": factor,
+                                                  "outputs": ["blocks"]})
+    assert response.status_code == 200  # the head had gone out; the status cannot change now
+    chunks = []
+    with pytest.raises(DeadlineExceeded):
+        for chunk in response.response:
+            chunks.append(chunk)
+    response.close()
+    body = b"".join(chunks)
+    assert body.startswith(b'{"n":8,')
+    with pytest.raises(ValueError):
+        strict_json(body)  # incomplete, never a complete-looking wrong answer
+    assert_freed(tensor_refs)
+    monkeypatch.undo()
+    assert_still_serving(client)
+
+
+# Against a real gunicorn: one worker, a 2 s deadline and an API token (also proving
+# the token never reaches the server's log).
+TOKEN = "t0ken-that-must-not-be-logged"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def short_deadline_server():
+    with gunicorn_server(workers=1, env={"BLOCKGRAD_REQUEST_TIMEOUT_S": "2",
+                                         "BLOCKGRAD_API_TOKEN": TOKEN}) as server:
+        yield server
+        assert TOKEN not in server.log()
+
+
+@pytest.mark.slow
+def test_gunicorn_answers_503_before_streaming(short_deadline_server):
+    # 1024 x 1024 one-row blocks take about a minute; the deadline stops them at 2 s.
+    body = {"vectors": np.arange(1024.0)[:, None].tolist(), "factor": 1024, "outputs": ["accumulated"]}
+    response = requests.post(short_deadline_server.url + "/v1/gradients", json=body, headers=AUTH, timeout=30)
+    assert response.status_code == 503
+    assert response.json()["error"]["code"] == "deadline_exceeded"
+    assert int(response.headers["Retry-After"]) >= 1
+    ok = requests.post(short_deadline_server.url + "/v1/gradients", json=GOOD, headers=AUTH, timeout=30)
+    assert ok.status_code == 200 and ok.json()["n"] == 3
+
+
+@pytest.mark.slow
+def test_gunicorn_cuts_a_stream_that_passes_the_deadline(short_deadline_server):
+    """A slow reader: the worker blocks on a full socket, the deadline passes, the
+    stream is cut without its final chunk and the client's parser fails."""
+    body = json.dumps({"vectors": np.ones((512, 16)).tolist(), "factor": 16, "outputs": ["blocks"]})
+    conn = http.client.HTTPConnection("127.0.0.1", short_deadline_server.port, timeout=30)
+    try:
+        conn.connect()
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # a slow, small reader
+        conn.request("POST", "/v1/gradients", body=body,
+                     headers={"Content-Type": "application/json", **AUTH})
+        response = conn.getresponse()  # status and headers: the head was sent first
+        assert response.status == 200
+        assert response.getheader("Transfer-Encoding") == "chunked"
+        time.sleep(3)  # past the 2 s deadline while ~34 MB wait to be sent
+        with pytest.raises(http.client.IncompleteRead) as cut:
+            response.read()
+        partial = cut.value.partial
+        assert partial.startswith(b'{"n":512,')
+        with pytest.raises(ValueError):
+            strict_json(partial)
+    finally:
+        conn.close()
+    ok = requests.post(short_deadline_server.url + "/v1/gradients", json=GOOD, headers=AUTH, timeout=30)
+    assert ok.status_code == 200  # the same worker serves on
+    assert "deadline" in short_deadline_server.log().lower()

@@ -1,0 +1,50 @@
+"""gunicorn.conf.py: the settings the README documents, read as gunicorn reads them."""
+import os
+import runpy
+from pathlib import Path
+
+import pytest
+
+CONF = Path(__file__).resolve().parent.parent / "gunicorn.conf.py"
+
+
+def load(monkeypatch, **env):
+    for name in ("WEB_CONCURRENCY", "BLOCKGRAD_REQUEST_TIMEOUT_S"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return runpy.run_path(str(CONF))
+
+
+def test_defaults(monkeypatch):
+    conf = load(monkeypatch)
+    cores = os.cpu_count() or 1
+    assert conf["preload_app"] is False  # no CUDA state may cross fork
+    assert conf["workers"] == min(2, cores)
+    assert conf["workers"] * conf["torch_threads"] <= max(cores, conf["workers"])
+    assert conf["timeout"] >= 2 * 60  # the 60 s deadline answers long before gunicorn kills
+    assert conf["graceful_timeout"] > 60  # a request may use its whole deadline during shutdown
+    assert conf["max_requests"] > 0 and 0 < conf["max_requests_jitter"] < conf["max_requests"]
+    if os.path.isdir("/dev/shm"):
+        assert conf["worker_tmp_dir"] == "/dev/shm"
+
+
+@pytest.mark.parametrize("deadline,timeout,graceful", [("5", 120, 15), ("200", 400, 210), ("0.5", 120, 11)])
+def test_timeouts_follow_the_deadline(monkeypatch, deadline, timeout, graceful):
+    conf = load(monkeypatch, BLOCKGRAD_REQUEST_TIMEOUT_S=deadline)
+    assert (conf["timeout"], conf["graceful_timeout"]) == (timeout, graceful)
+
+
+def test_web_concurrency_is_honoured(monkeypatch):
+    conf = load(monkeypatch, WEB_CONCURRENCY="3")
+    assert conf["workers"] == 3
+    assert conf["torch_threads"] == max(1, (os.cpu_count() or 1) // 3)
+
+
+def test_the_master_does_not_import_torch(monkeypatch):
+    """preload_app is off and the config itself must not pull torch into the master."""
+    import subprocess
+    import sys
+    code = f"import runpy, sys; runpy.run_path({str(CONF)!r}); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False"
