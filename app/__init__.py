@@ -7,7 +7,7 @@ from flask_smorest import Api
 from . import observe
 from .auth import install_auth
 from .config import Config
-from .docs import api_description, register_docs
+from .docs import register_docs, spec_options
 from .http_errors import register_error_handlers
 from .request_log import configure_logging
 from .schemas import ErrorSchema
@@ -25,7 +25,7 @@ def create_app(config: Mapping | None = None) -> Flask:
     if config:
         app.config.update(config)
     app.config["MAX_CONTENT_LENGTH"] = app.config["BLOCKGRAD_MAX_BODY_BYTES"]
-    app.config.setdefault("API_SPEC_OPTIONS", {"info": {"description": api_description(app.config)}})
+    app.config.setdefault("API_SPEC_OPTIONS", spec_options(app.config))
     configure_logging(app.config["BLOCKGRAD_LOG_LEVEL"])
     observe.init_app(app)  # first, so that its hooks see every request
 

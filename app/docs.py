@@ -17,6 +17,9 @@ from .schemas import ErrorSchema
 ERROR_CATALOGUE: dict[str, tuple[int, str, str]] = {
     "bad_json": (400, "the body is not valid JSON (NaN and Infinity literals included)",
                  "The body is not valid JSON: unexpected character: line 1 column 2 (char 1)."),
+    "unauthorized": (401, "BLOCKGRAD_API_TOKEN is set and the request lacks `Authorization: Bearer <token>` "
+                          "with the right token (probes and /metrics stay open); see WWW-Authenticate",
+                     "This route needs the header `Authorization: Bearer <token>`."),
     "not_found": (404, "no such route (any path not in this document)",
                   "The requested URL was not found on the server."),
     "method_not_allowed": (405, "the path exists but not with this method; the Allow header lists the right ones",
@@ -37,6 +40,10 @@ ERROR_CATALOGUE: dict[str, tuple[int, str, str]] = {
     "deadline_exceeded": (503, "the request ran past BLOCKGRAD_REQUEST_TIMEOUT_S (see Retry-After)",
                           "The request did not finish within 60 s; retry later, or send a larger factor "
                           "or fewer outputs."),
+    "device_out_of_memory": (503, "the GPU ran out of memory on this request; its memory was freed "
+                                  "and the worker serves on (see Retry-After)",
+                             "The compute device ran out of memory; retry later, or send a larger factor "
+                             "or fewer outputs."),
     "not_ready": (503, "the compute device is not usable",
                   "The compute device is not usable: BLOCKGRAD_DEVICE=cuda but CUDA is not available."),
     "internal_error": (500, "a bug; the body holds no internals, the log has the traceback (same request id)",
@@ -50,8 +57,11 @@ EXAMPLE_DETAILS = {
 }
 ERROR_HEADERS = {
     "method_not_allowed": {"Allow": {"description": "The methods this path accepts.", "schema": {"type": "string"}}},
-    "deadline_exceeded": {"Retry-After": {"description": "Seconds to wait before retrying (deadline_exceeded).",
+    "deadline_exceeded": {"Retry-After": {"description": "Seconds to wait before retrying.",
                                           "schema": {"type": "integer"}}},
+    "device_out_of_memory": {"Retry-After": {"description": "Seconds to wait before retrying.",
+                                             "schema": {"type": "integer"}}},
+    "unauthorized": {"WWW-Authenticate": {"description": "The Bearer challenge.", "schema": {"type": "string"}}},
 }
 
 
@@ -118,8 +128,23 @@ Every response carries `X-Request-ID`: the request's own header when it is 1-128
 """
 
 
+BEARER_SCHEME = "bearerAuth"
+OPEN_ROUTE = {"security": []}  # blp.doc(**OPEN_ROUTE): probes and metrics never need the token
+
+
+def spec_options(config: Mapping) -> dict:
+    """API_SPEC_OPTIONS: the description, and the bearer requirement when a token is set."""
+    options = {"info": {"description": api_description(config)}}
+    if (config.get("BLOCKGRAD_API_TOKEN") or "").strip():
+        options["security"] = [{BEARER_SCHEME: []}]
+    return options
+
+
 def register_docs(app: Flask, api: Api) -> None:
     """Serve Swagger UI's files under /docs/assets/ and describe /openapi.json and /docs."""
+    api.spec.components.security_scheme(BEARER_SCHEME, {
+        "type": "http", "scheme": "bearer",
+        "description": "Required on every route but the probes and /metrics when BLOCKGRAD_API_TOKEN is set."})
     assets = Blueprint("docs_assets", __name__)
 
     @assets.route("/docs/assets/<path:filename>")

@@ -13,6 +13,7 @@ from app import create_app
 CONTRACT_ERRORS = {
     "bad_json": 400, "too_large": 413, "limit_exceeded": 413, "unsupported_media_type": 415,
     "validation_error": 422, "non_finite_result": 422, "deadline_exceeded": 503, "internal_error": 500,
+    "unauthorized": 401, "device_out_of_memory": 503,  # issue 3
 }
 UNDOCUMENTED_ENDPOINTS = {"static", "docs_assets.docs_asset"}  # files, not API operations
 
@@ -154,3 +155,15 @@ def test_docs_page_uses_only_local_assets(client):
     assert client.get("/docs/assets/swagger-ui-bundle.js").mimetype in ("text/javascript", "application/javascript")
     assert client.get("/docs/assets/nothing-here.js").status_code == 404
     assert client.get("/docs/assets/../../__init__.py").status_code == 404
+
+
+def test_bearer_scheme_is_declared_and_required_only_with_a_token(spec):
+    assert spec["components"]["securitySchemes"]["bearerAuth"] == {
+        "type": "http", "scheme": "bearer", "description": spec["components"]["securitySchemes"]["bearerAuth"]["description"]}
+    assert "security" not in spec  # no token configured: nothing required
+    locked = create_app({"TESTING": True, "BLOCKGRAD_API_TOKEN": "t0ken"}).test_client()
+    locked_spec = locked.get("/openapi.json", headers={"Authorization": "Bearer t0ken"}).get_json()
+    assert locked_spec["security"] == [{"bearerAuth": []}]
+    for path in ("/healthz", "/readyz", "/metrics", "/v2/health/live", "/v2/health/ready"):
+        assert locked_spec["paths"][path]["get"]["security"] == [], path  # probes stay open
+    assert "security" not in locked_spec["paths"]["/v1/gradients"]["post"]  # inherits the requirement

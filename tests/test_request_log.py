@@ -106,3 +106,15 @@ def test_internal_error_traceback_carries_the_request_id(caplog):
     assert "RuntimeError: secret internals" in traceback_line["exc_info"]
     [line] = request_lines(caplog)
     assert (line["request_id"], line["status"], line["error"]) == ("trace-me", 500, "internal_error")
+
+
+def test_protocol_requests_log_their_sizes_too(client, caplog):
+    caplog.set_level(logging.INFO, logger="blockgrad")
+    body = {"inputs": [{"name": "vectors", "datatype": "FP64", "shape": [4, 2], "data": list(range(8))}],
+            "parameters": {"factor": 2}, "outputs": [{"name": "accumulated"}, {"name": "losses"}]}
+    response = client.post("/v2/models/blockgrad/infer", json=body)
+    assert response.status_code == 200
+    [line] = request_lines(caplog)
+    assert (line["route"], line["n"], line["dim"], line["factor"]) == ("/v2/models/<model>/infer", 4, 2, 2)
+    assert line["outputs"] == ["accumulated", "losses"]
+    assert line["output_numbers"] == 4 * 2 + 2 * 2

@@ -5,9 +5,12 @@ become {"error": "..."} in app/http_errors.py, like every other error.
 """
 import logging
 
-from flask import Response, current_app, request
+from flask import Response, current_app, g, request
 
+from ..docs import OPEN_ROUTE
 from ..errors import ApiError
+from ..limits import output_elements
+from ..observe import Work
 from ..parsing import ApiBlueprint, is_json_mimetype
 from ..views.health import usable_device
 from .codec import BINARY_CONTENT_TYPE, HEADER_LENGTH, body_length, encode_response, iter_body
@@ -22,10 +25,11 @@ blp = ApiBlueprint("v2", __name__, url_prefix="/v2",
 
 ERRORS = {
     400: "The request is not valid (or the result is not finite).",
+    401: "BLOCKGRAD_API_TOKEN is set and the request has no valid `Authorization: Bearer <token>`.",
     404: "No such model or version.",
     413: "Over the body size or a configured limit.",
     415: "The body is neither application/json nor application/octet-stream.",
-    503: "The request ran past its deadline (see Retry-After).",
+    503: "The request ran past its deadline, or the device ran out of memory (see Retry-After).",
 }
 
 
@@ -76,6 +80,7 @@ def server_metadata():
 
 
 @blp.route("/health/live", methods=["GET"])
+@blp.doc(**OPEN_ROUTE)
 @blp.alt_response(200, description="Live (empty body).", success=True)
 def server_live():
     """The server answers."""
@@ -83,6 +88,7 @@ def server_live():
 
 
 @blp.route("/health/ready", methods=["GET"])
+@blp.doc(**OPEN_ROUTE)
 @blp.alt_response(200, description="Ready (empty body).", success=True)
 @blp.alt_response(400, description="Not ready: the compute device is not usable (empty body).")
 def server_ready():
@@ -94,7 +100,7 @@ def server_ready():
 @blp.route("/models/<model>/versions/<version>", methods=["GET"], parameters=VERSIONED)
 @blp.alt_response(200, schema=ModelMetadataSchema, description="Model metadata; -1 marks a variable dimension.",
                   success=True)
-@document_errors(404)
+@document_errors(401, 404)
 def get_model_metadata(model: str, version: str | None = None):
     """Inputs and outputs of the model: names, datatypes, shapes."""
     check_model(model, version)
@@ -105,7 +111,7 @@ def get_model_metadata(model: str, version: str | None = None):
 @blp.route("/models/<model>/versions/<version>/ready", methods=["GET"], parameters=VERSIONED)
 @blp.alt_response(200, description="Ready (empty body).", success=True)
 @blp.alt_response(400, description="Not ready (empty body).")
-@document_errors(404)
+@document_errors(401, 404)
 def model_ready(model: str, version: str | None = None):
     """The model can run on the configured device."""
     check_model(model, version)
@@ -123,7 +129,7 @@ def model_ready(model: str, version: str | None = None):
     BINARY_CONTENT_TYPE: {"schema": {"type": "string", "format": "binary", "description": (
         "The JSON request, then each binary input's bytes; Inference-Header-Content-Length "
         "gives the JSON's length.")}}}})
-@document_errors(400, 404, 413, 415, 503)
+@document_errors(400, 401, 404, 413, 415, 503)
 def infer(model: str, version: str | None = None):
     """Per-block gradients as output tensors; JSON or binary tensor data both ways."""
     check_model(model, version)
@@ -132,7 +138,12 @@ def infer(model: str, version: str | None = None):
         raise ApiError(415, "unsupported_media_type",
                        f"Send the body as application/json or {BINARY_CONTENT_TYPE} (got {mimetype!r}).")
     parsed = parse_infer_request(request.get_data(cache=False), request.headers.get(HEADER_LENGTH))
-    head, tensors = run_inference(parsed, current_app.config)
+    req = parsed.gradient
+    g.work = work = Work(req.n, req.dim, req.factor, tuple(output.name for output in parsed.outputs),
+                         output_elements(req.n, req.dim, req.factor, req.outputs))  # for the log line and metrics
+    with work.computing():
+        head, tensors = run_inference(parsed, current_app.config)
+    g.device = head["parameters"]["device"]
     header, payload = encode_response(head, tensors)
     if not payload:
         return Response(header, mimetype="application/json")

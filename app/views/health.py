@@ -3,7 +3,7 @@ import torch
 from flask import current_app, g
 
 from ..device import resolve_device
-from ..docs import documents_errors
+from ..docs import OPEN_ROUTE, documents_errors
 from ..errors import ApiError
 from ..parsing import ApiBlueprint
 from ..schemas import HealthSchema, ReadySchema
@@ -12,6 +12,7 @@ blp = ApiBlueprint("health", __name__, description="Liveness and readiness probe
 
 
 @blp.route("/healthz", methods=["GET"])
+@blp.doc(**OPEN_ROUTE)
 @blp.response(200, HealthSchema)
 @documents_errors(blp, "internal_error")
 def healthz():
@@ -20,6 +21,7 @@ def healthz():
 
 
 @blp.route("/readyz", methods=["GET"])
+@blp.doc(**OPEN_ROUTE)
 @blp.response(200, ReadySchema)
 @documents_errors(blp, "not_ready", "internal_error")
 def readyz():

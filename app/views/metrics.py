@@ -1,7 +1,7 @@
 """GET /metrics: Prometheus text format, all gunicorn workers added up (app/metrics.py)."""
 from flask import Response
 
-from ..docs import documents_errors
+from ..docs import OPEN_ROUTE, documents_errors
 from ..metrics import exposition
 from ..parsing import ApiBlueprint
 
@@ -9,6 +9,7 @@ blp = ApiBlueprint("metrics", __name__, description="Prometheus metrics.")
 
 
 @blp.route("/metrics", methods=["GET"])
+@blp.doc(**OPEN_ROUTE)
 @blp.response(200, {"type": "string"}, content_type="text/plain",
               description="Prometheus text exposition format, version 0.0.4 (metric names in the README).")
 @documents_errors(blp, "internal_error")
