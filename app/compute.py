@@ -4,7 +4,9 @@ Pass one computes the losses and the accumulated gradient block by block and
 checks every block is finite, so that an error is known before the first byte
 of a 200 is sent. Pass two, only when blocks are asked for, recomputes each
 block's gradient while the response streams it (the engine is cheap next to
-JSON; holding every block would cost N x N x 2D numbers of memory).
+JSON; holding every block would cost N x N x 2D numbers of memory). When all
+the blocks together are no bigger than the memory allowed for one block, pass
+one keeps them instead and pass two is skipped.
 """
 import math
 import time
@@ -13,7 +15,7 @@ from typing import Iterator
 
 import torch
 
-from .engine import Block, add_to_vectors, block_bounds, iter_blocks
+from .engine import Block, block_at, block_bounds, chain_rule_sums, iter_blocks
 from .errors import ApiError, DeadlineExceeded
 from .objectives import OBJECTIVES
 from .schemas import GradientRequest
@@ -38,6 +40,7 @@ class Summary:
     bounds: list[int]
     losses: torch.Tensor  # (F, F)
     accumulated: torch.Tensor  # (N, D)
+    kept: list[Block] | None = None  # every block, row-block-major, when they fit `keep_elements`
 
 
 def load_vectors(req: GradientRequest, device: torch.device) -> torch.Tensor:
@@ -50,25 +53,53 @@ def blocks(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline) -> I
         deadline.check()
 
 
-def summarize(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline) -> Summary:
-    """Pass one: losses (F, F) and accumulated (N, D); 422 if anything is not finite."""
+def summarize(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline,
+              keep_elements: int = 0) -> Summary:
+    """Pass one: losses (F, F) and accumulated (N, D); 422 if anything is not finite.
+
+    Also keeps the blocks when they are asked for and hold at most `keep_elements` numbers
+    in all (N x N x 2D), so that pass two need not recompute them.
+    """
     f = req.factor
+    keep = "blocks" in req.outputs and req.n * req.n * 2 * req.dim <= keep_elements
+    kept: list[Block] = []
     losses = torch.empty((f, f), dtype=vectors.dtype, device=vectors.device)  # (F, F)
-    finite = torch.empty((f, f), dtype=torch.bool, device=vectors.device)  # (F, F), no per-block sync
+    # True proves the block finite: a sum is finite only if all its terms are, and the row
+    # and column sums cover every gradient entry. This saves a pass over each gradient;
+    # False may also be an overflowing sum, so those blocks are rechecked exactly below.
+    surely_finite = torch.empty((f, f), dtype=torch.bool, device=vectors.device)  # (F, F), no per-block sync
     accumulated = torch.zeros_like(vectors)  # (N, D)
     for block in blocks(vectors, req, deadline):
+        row_sums, col_sums = chain_rule_sums(block)  # (h, D), (w, D)
         losses[block.row, block.col] = block.loss
-        finite[block.row, block.col] = torch.isfinite(block.loss) & torch.isfinite(block.gradient).all()
-        add_to_vectors(accumulated, block)
-    if not bool(finite.all()):
-        r, c = (int(k) for k in torch.nonzero(~finite)[0])
-        raise ApiError(422, "non_finite_result",
-                       f"Block (row {r}, col {c}) has a loss or gradient that is not finite in {req.dtype}; "
-                       "send smaller values, another objective, or dtype float64.",
-                       {"block": {"row": r, "col": c}})
+        surely_finite[block.row, block.col] = (
+            torch.isfinite(block.loss) & torch.isfinite(row_sums).all() & torch.isfinite(col_sums).all())
+        accumulated[block.rows[0]:block.rows[1]] += row_sums
+        accumulated[block.cols[0]:block.cols[1]] += col_sums
+        if keep:
+            kept.append(block)
+    if not bool(surely_finite.all()):
+        first = first_non_finite_block(vectors, req, surely_finite)
+        if first is not None:
+            r, c = first
+            raise ApiError(422, "non_finite_result",
+                           f"Block (row {r}, col {c}) has a loss or gradient that is not finite in {req.dtype}; "
+                           "send smaller values, another objective, or dtype float64.",
+                           {"block": {"row": r, "col": c}})
     if not bool(torch.isfinite(accumulated).all()):
         raise ApiError(422, "non_finite_result",
                        f"The accumulated gradient is not finite in {req.dtype}; "
                        "send smaller values, another objective, or dtype float64.",
                        {"output": "accumulated"})
-    return Summary(block_bounds(req.n, f), losses, accumulated)
+    return Summary(block_bounds(req.n, f), losses, accumulated, kept if keep else None)
+
+
+def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest,
+                           surely_finite: torch.Tensor) -> tuple[int, int] | None:
+    """Row-block-major, the first block whose loss or gradient is not finite, checked entry by entry."""
+    bounds = block_bounds(req.n, req.factor)
+    for r, c in torch.nonzero(~surely_finite).tolist():  # row-major order
+        block = block_at(vectors, bounds, r, c, OBJECTIVES[req.objective], req.offset)
+        if not (bool(torch.isfinite(block.loss)) and bool(torch.isfinite(block.gradient).all())):
+            return r, c
+    return None  # only sums overflowed: the accumulated check reports it

@@ -35,12 +35,22 @@ def head_json(head: dict) -> bytes:
 
 
 def stream_with_blocks(head: dict, blocks: Iterator[Block]) -> Iterator[bytes]:
-    """One JSON object: the head's keys, then "blocks": [...] written as computed."""
-    buffer = [head_json(head)[:-1], b',"blocks":[']
-    size = 0
+    """One JSON object: the head's keys, then "blocks": [...] written as computed.
+
+    Small blocks are gathered into chunks of about CHUNK_BYTES; a block that big on
+    its own goes out as orjson made it, without being copied into a chunk.
+    """
+    buffer, size = [head_json(head)[:-1], b',"blocks":['], 0
     for k, block in enumerate(blocks):
+        if k:
+            buffer.append(b",")
         part = block_json(block)
-        buffer.append(b"," + part if k else part)
+        if len(part) >= CHUNK_BYTES:
+            yield b"".join(buffer)
+            yield part
+            buffer, size = [], 0
+            continue
+        buffer.append(part)
         size += len(part)
         if size >= CHUNK_BYTES:
             yield b"".join(buffer)

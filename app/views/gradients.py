@@ -27,7 +27,8 @@ def post_gradients(req: GradientRequest):
     device = resolve_device(config["BLOCKGRAD_DEVICE"])
     deadline = Deadline(config["BLOCKGRAD_REQUEST_TIMEOUT_S"])
     vectors = load_vectors(req, device)  # (N, D)
-    summary = summarize(vectors, req, deadline)
+    # Blocks that fit in one block's memory limit are kept from pass one, not recomputed.
+    summary = summarize(vectors, req, deadline, keep_elements=config["BLOCKGRAD_MAX_BLOCK_ELEMENTS"])
     head = {"n": req.n, "dim": req.dim, "factor": req.factor, "bounds": summary.bounds,
             "objective": req.objective, "dtype": req.dtype, "device": str(device)}
     if "accumulated" in req.outputs:
@@ -36,4 +37,5 @@ def post_gradients(req: GradientRequest):
         head["losses"] = to_numpy(summary.losses)
     if "blocks" not in req.outputs:
         return Response(head_json(head), mimetype="application/json")
-    return Response(stream_with_blocks(head, blocks(vectors, req, deadline)), mimetype="application/json")
+    block_source = summary.kept if summary.kept is not None else blocks(vectors, req, deadline)
+    return Response(stream_with_blocks(head, iter(block_source)), mimetype="application/json")
