@@ -4,9 +4,10 @@ Pass one computes the losses and the accumulated gradient block by block and
 checks every block is finite, so that an error is known before the first byte
 of a 200 is sent. Pass two, only when blocks are asked for, recomputes each
 block's gradient while the response streams it (the engine is cheap next to
-JSON; holding every block would cost N x N x 2D numbers of memory). When all
-the blocks together are no bigger than the memory allowed for one block, pass
-one keeps them instead and pass two is skipped.
+JSON; holding every block would cost N x N x 2D numbers of memory). While the
+blocks' gradients together hold no more memory than one block may (autograd
+often returns a view of one number, e.g. for `sum`), pass one keeps them and
+pass two is skipped.
 """
 import math
 import time
@@ -40,7 +41,7 @@ class Summary:
     bounds: list[int]
     losses: torch.Tensor  # (F, F)
     accumulated: torch.Tensor  # (N, D)
-    kept: list[Block] | None = None  # every block, row-block-major, when they fit `keep_elements`
+    kept: list[Block] | None = None  # every block, row-block-major, when they fit `keep_bytes`
 
 
 def load_vectors(req: GradientRequest, device: torch.device) -> torch.Tensor:
@@ -54,15 +55,14 @@ def blocks(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline) -> I
 
 
 def summarize(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline,
-              keep_elements: int = 0) -> Summary:
+              keep_bytes: int = 0) -> Summary:
     """Pass one: losses (F, F) and accumulated (N, D); 422 if anything is not finite.
 
-    Also keeps the blocks when they are asked for and hold at most `keep_elements` numbers
-    in all (N x N x 2D), so that pass two need not recompute them.
+    Also keeps the blocks, when they are asked for, as long as their gradients' storage
+    stays within `keep_bytes` in all, so that pass two need not recompute them.
     """
     f = req.factor
-    keep = "blocks" in req.outputs and req.n * req.n * 2 * req.dim <= keep_elements
-    kept: list[Block] = []
+    keep, kept, kept_bytes = "blocks" in req.outputs, [], 0
     losses = torch.empty((f, f), dtype=vectors.dtype, device=vectors.device)  # (F, F)
     # True proves the block finite: a sum is finite only if all its terms are, and the row
     # and column sums cover every gradient entry. This saves a pass over each gradient;
@@ -78,6 +78,9 @@ def summarize(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline,
         accumulated[block.cols[0]:block.cols[1]] += col_sums
         if keep:
             kept.append(block)
+            kept_bytes += block.gradient.untyped_storage().nbytes()
+            if kept_bytes > keep_bytes:  # over budget: let them go, pass two recomputes
+                keep, kept = False, []
     if not bool(surely_finite.all()):
         first = first_non_finite_block(vectors, req, surely_finite)
         if first is not None:

@@ -31,6 +31,28 @@ def median_time(fn: Callable[[], object], repeats: int = 5, budget_s: float = 20
     return statistics.median(times)
 
 
+@dataclass(frozen=True)
+class Paired:
+    a_s: float  # median seconds of a
+    b_s: float  # median seconds of b
+    ratio: float  # median of a / b over adjacent pairs
+
+
+def paired(fn_a: Callable[[], object], fn_b: Callable[[], object], repeats: int = 7,
+           budget_s: float = 40.0) -> Paired:
+    """Run a and b alternately, so both see the same load on a shared machine; the ratio is
+    the median over adjacent pairs. Stops early once `budget_s` is spent (one pair at least)."""
+    a_times, b_times, spent = [], [], 0.0
+    while len(a_times) < repeats and (not a_times or spent < budget_s):
+        a, _ = timed(fn_a)
+        b, _ = timed(fn_b)
+        a_times.append(a)
+        b_times.append(b)
+        spent += a + b
+    ratios = [a / b for a, b in zip(a_times, b_times)]
+    return Paired(statistics.median(a_times), statistics.median(b_times), statistics.median(ratios))
+
+
 def at_least(value: float, target: float) -> str:
     return "PASS" if value >= target else "MISS"
 

@@ -27,8 +27,9 @@ def post_gradients(req: GradientRequest):
     device = resolve_device(config["BLOCKGRAD_DEVICE"])
     deadline = Deadline(config["BLOCKGRAD_REQUEST_TIMEOUT_S"])
     vectors = load_vectors(req, device)  # (N, D)
-    # Blocks that fit in one block's memory limit are kept from pass one, not recomputed.
-    summary = summarize(vectors, req, deadline, keep_elements=config["BLOCKGRAD_MAX_BLOCK_ELEMENTS"])
+    # Blocks whose gradients fit in the memory of one largest block are kept, not recomputed.
+    keep_bytes = config["BLOCKGRAD_MAX_BLOCK_ELEMENTS"] * vectors.element_size()
+    summary = summarize(vectors, req, deadline, keep_bytes=keep_bytes)
     head = {"n": req.n, "dim": req.dim, "factor": req.factor, "bounds": summary.bounds,
             "objective": req.objective, "dtype": req.dtype, "device": str(device)}
     if "accumulated" in req.outputs:
