@@ -4,17 +4,20 @@ Pass one computes the losses and the accumulated gradient block by block and
 checks every block is finite, so that an error is known before the first byte
 of a 200 is sent. Pass two, only when blocks are asked for, recomputes each
 block's gradient while the response streams it (the engine is cheap next to
-JSON; holding every block would cost N x N x 2D numbers of memory).
+JSON; holding every block would cost N x N x 2D numbers of memory). While the
+blocks' gradients together hold no more memory than one block may (autograd
+often returns a view of one number, e.g. for `sum`), pass one keeps them and
+pass two is skipped.
 """
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from .device import release_device_memory
-from .engine import Block, add_to_vectors, block_bounds, iter_blocks
+from .engine import Block, block_at, block_bounds, chain_rule_sums, iter_blocks
 from .errors import ApiError, DeadlineExceeded
 from .objectives import OBJECTIVES
 from .schemas import GradientRequest
@@ -39,17 +42,23 @@ class Summary:
     bounds: list[int]
     losses: torch.Tensor  # (F, F)
     accumulated: torch.Tensor  # (N, D)
+    kept: list[Block] | None = None  # every block, row-block-major, when they fit `keep_bytes`
 
 
 def load_vectors(req: GradientRequest, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(req.vectors, dtype=TORCH_DTYPES[req.dtype], device=device)  # (N, D)
 
 
+def checked(items: Iterable[Block], deadline: Deadline) -> Iterator[Block]:
+    """Yield each block, then check the deadline: past it, the request stops there."""
+    for block in items:
+        yield block
+        deadline.check()
+
+
 def blocks(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline) -> Iterator[Block]:
     try:
-        for block in iter_blocks(vectors, req.factor, OBJECTIVES[req.objective], req.offset):
-            yield block
-            deadline.check()
+        yield from checked(iter_blocks(vectors, req.factor, OBJECTIVES[req.objective], req.offset), deadline)
     except torch.OutOfMemoryError as exc:
         # Mid-stream nobody turns this into a 503; free the cache here as well.
         release_device_memory(exc)
@@ -57,30 +66,58 @@ def blocks(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline) -> I
 
 
 def summarize(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline,
-              on_block: Callable[[Block], None] | None = None) -> Summary:
+              on_block: Callable[[Block], None] | None = None, keep_bytes: int = 0) -> Summary:
     """Pass one: losses (F, F) and accumulated (N, D); 422 if anything is not finite.
 
     `on_block` sees every block as it is computed (/v2 writes the gradients into
-    one preallocated grid instead of computing them again in a second pass)."""
+    one preallocated grid instead of computing them again in a second pass).
+    Blocks asked for are kept while their gradients' storage stays within
+    `keep_bytes` in all, so that pass two need not recompute them.
+    """
     f = req.factor
+    keep, kept, kept_bytes = "blocks" in req.outputs, [], 0
     losses = torch.empty((f, f), dtype=vectors.dtype, device=vectors.device)  # (F, F)
-    finite = torch.empty((f, f), dtype=torch.bool, device=vectors.device)  # (F, F), no per-block sync
+    # True proves the block finite: a sum is finite only if all its terms are, and the row
+    # and column sums cover every gradient entry. This saves a pass over each gradient;
+    # False may also be an overflowing sum, so those blocks are rechecked exactly below.
+    surely_finite = torch.empty((f, f), dtype=torch.bool, device=vectors.device)  # (F, F), no per-block sync
     accumulated = torch.zeros_like(vectors)  # (N, D)
     for block in blocks(vectors, req, deadline):
+        row_sums, col_sums = chain_rule_sums(block)  # (h, D), (w, D)
         losses[block.row, block.col] = block.loss
-        finite[block.row, block.col] = torch.isfinite(block.loss) & torch.isfinite(block.gradient).all()
-        add_to_vectors(accumulated, block)
+        surely_finite[block.row, block.col] = (
+            torch.isfinite(block.loss) & torch.isfinite(row_sums).all() & torch.isfinite(col_sums).all())
+        accumulated[block.rows[0]:block.rows[1]] += row_sums
+        accumulated[block.cols[0]:block.cols[1]] += col_sums
         if on_block is not None:
             on_block(block)
-    if not bool(finite.all()):
-        r, c = (int(k) for k in torch.nonzero(~finite)[0])
-        raise ApiError(422, "non_finite_result",
-                       f"Block (row {r}, col {c}) has a loss or gradient that is not finite in {req.dtype}; "
-                       "send smaller values, another objective, or dtype float64.",
-                       {"block": {"row": r, "col": c}})
+        if keep:
+            kept.append(block)
+            kept_bytes += block.gradient.untyped_storage().nbytes()
+            if kept_bytes > keep_bytes:  # over budget: let them go, pass two recomputes
+                keep, kept = False, []
+    if not bool(surely_finite.all()):
+        first = first_non_finite_block(vectors, req, surely_finite)
+        if first is not None:
+            r, c = first
+            raise ApiError(422, "non_finite_result",
+                           f"Block (row {r}, col {c}) has a loss or gradient that is not finite in {req.dtype}; "
+                           "send smaller values, another objective, or dtype float64.",
+                           {"block": {"row": r, "col": c}})
     if not bool(torch.isfinite(accumulated).all()):
         raise ApiError(422, "non_finite_result",
                        f"The accumulated gradient is not finite in {req.dtype}; "
                        "send smaller values, another objective, or dtype float64.",
                        {"output": "accumulated"})
-    return Summary(block_bounds(req.n, f), losses, accumulated)
+    return Summary(block_bounds(req.n, f), losses, accumulated, kept if keep else None)
+
+
+def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest,
+                           surely_finite: torch.Tensor) -> tuple[int, int] | None:
+    """Row-block-major, the first block whose loss or gradient is not finite, checked entry by entry."""
+    bounds = block_bounds(req.n, req.factor)
+    for r, c in torch.nonzero(~surely_finite).tolist():  # row-major order
+        block = block_at(vectors, bounds, r, c, OBJECTIVES[req.objective], req.offset)
+        if not (bool(torch.isfinite(block.loss)) and bool(torch.isfinite(block.gradient).all())):
+            return r, c
+    return None  # only sums overflowed: the accumulated check reports it

@@ -41,12 +41,22 @@ def stream_with_blocks(head: dict, blocks: Iterator[Block]) -> Iterator[bytes]:
     headers are sent first: a failure after that (deadline, device memory) can
     only cut the stream, and the client sees a body without its closing "]}"
     (and, over HTTP/1.1, without the final chunk), never a complete wrong one.
+    Small blocks are gathered into chunks of about CHUNK_BYTES; a block that big on
+    its own goes out as orjson made it, without being copied into a chunk.
     """
     yield head_json(head)[:-1] + b',"blocks":['
     buffer, size = [], 0
     for k, block in enumerate(blocks):
+        if k:
+            buffer.append(b",")
         part = block_json(block)
-        buffer.append(b"," + part if k else part)
+        if len(part) >= CHUNK_BYTES:
+            if buffer:
+                yield b"".join(buffer)
+            yield part
+            buffer, size = [], 0
+            continue
+        buffer.append(part)
         size += len(part)
         if size >= CHUNK_BYTES:
             yield b"".join(buffer)

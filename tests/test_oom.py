@@ -37,7 +37,10 @@ def test_cuda_out_of_memory_is_the_same_class():
     assert torch.cuda.OutOfMemoryError is torch.OutOfMemoryError
 
 
-def test_out_of_memory_mid_stream_frees_the_cache(client, monkeypatch, empty_cache_calls):
+def test_out_of_memory_mid_stream_frees_the_cache(monkeypatch, empty_cache_calls):
+    from app import create_app
+    # Dense gradients over a tiny keep budget: pass one cannot keep them, so pass two runs.
+    client = create_app({"TESTING": True, "BLOCKGRAD_MAX_BLOCK_ELEMENTS": 16}).test_client()
     real = compute.iter_blocks
     calls = []
 
@@ -47,7 +50,7 @@ def test_out_of_memory_mid_stream_frees_the_cache(client, monkeypatch, empty_cac
             raise_oom()
         return real(*args, **kwargs)
     monkeypatch.setattr(compute, "iter_blocks", fail_in_pass_two)
-    response = client.post("/v1/gradients", json=GOOD)
+    response = client.post("/v1/gradients", json=dict(GOOD, objective="sum_of_squares"))
     assert response.status_code == 200
     with pytest.raises(torch.OutOfMemoryError):
         response.get_data()

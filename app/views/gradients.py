@@ -1,7 +1,7 @@
 """POST /v1/gradients: parse (schema), admit (limits), compute, serialise."""
 from flask import Response, current_app, g
 
-from ..compute import Deadline, blocks, load_vectors, summarize
+from ..compute import Deadline, blocks, checked, load_vectors, summarize
 from ..device import resolve_device
 from ..docs import documents_errors
 from ..limits import admit, output_elements
@@ -30,8 +30,10 @@ def post_gradients(req: GradientRequest):
     g.device = str(device)
     deadline = Deadline(config["BLOCKGRAD_REQUEST_TIMEOUT_S"])
     vectors = load_vectors(req, device)  # (N, D)
+    # Blocks whose gradients fit in the memory of one largest block are kept, not recomputed.
+    keep_bytes = config["BLOCKGRAD_MAX_BLOCK_ELEMENTS"] * vectors.element_size()
     with work.computing():
-        summary = summarize(vectors, req, deadline)
+        summary = summarize(vectors, req, deadline, keep_bytes=keep_bytes)
     head = {"n": req.n, "dim": req.dim, "factor": req.factor, "bounds": summary.bounds,
             "objective": req.objective, "dtype": req.dtype, "device": str(device)}
     if "accumulated" in req.outputs:
@@ -40,4 +42,6 @@ def post_gradients(req: GradientRequest):
         head["losses"] = to_numpy(summary.losses)
     if "blocks" not in req.outputs:
         return Response(head_json(head), mimetype="application/json")
-    return Response(stream_with_blocks(head, work.timed(blocks(vectors, req, deadline))), mimetype="application/json")
+    # Kept blocks are streamed as they are; else pass two recomputes them. The deadline holds for both.
+    block_source = checked(summary.kept, deadline) if summary.kept is not None else blocks(vectors, req, deadline)
+    return Response(stream_with_blocks(head, work.timed(block_source)), mimetype="application/json")

@@ -1,0 +1,68 @@
+"""`python -m bench`: start the service as `make serve` does, run every row, print the table.
+
+Usage: python -m bench [ROW ...]   (ROW: a row function's name, e.g. http_vs_floor; default all)
+"""
+import argparse
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+from . import rows
+from .measure import table
+from .server import gunicorn_settings
+
+ROWS = [
+    rows.engine_vs_seed,
+    rows.http_vs_floor,
+    rows.small_requests,
+    rows.peak_worker_rss,
+    rows.parse_vs_loads,
+    # --- issue 4: binary /v2 infer rows go here -------------------------------------------
+    # e.g. "N=256,D=64,F=8 binary infer >= 5x faster than /v1 JSON" and
+    #      "N=128,D=64,F=4 binary infer <= 0.5x the in-process JSON floor":
+    # a function `def v2_binary_infer(bench: rows.Bench) -> list[Result]` in bench/rows.py,
+    # using bench.server() for the shared gunicorn and bench/inprocess.py for the floor.
+    # -------------------------------------------------------------------------------------
+]
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem_kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal:"))
+    return f"{os.cpu_count()} CPUs ({cpu}), {mem_kib / 1024 ** 2:.1f} GiB memory, Python {platform.python_version()}"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("rows", nargs="*", help="row functions to run (default: all)")
+    names = parser.parse_args(argv).rows
+    selected = [row for row in ROWS if not names or row.__name__ in names]
+    if names and len(selected) != len(names):
+        parser.error(f"rows are: {', '.join(row.__name__ for row in ROWS)}")
+
+    import torch  # after argument parsing: --help stays fast
+
+    settings = gunicorn_settings()
+    print(f"date: {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}", flush=True)
+    print(f"machine: {machine()}", flush=True)
+    print(f"torch {torch.__version__}; gunicorn: {settings['workers']} workers x "
+          f"{settings['torch_threads']} torch threads (in-process rows use the same threads)", flush=True)
+    bench = rows.Bench(torch_threads=int(settings["torch_threads"]))
+    results = []
+    try:
+        for row in selected:
+            print(f"running {row.__name__} ...", file=sys.stderr, flush=True)
+            results.extend(row(bench))
+    finally:
+        bench.close()
+    print()
+    print(table(results))
+    return 0 if all(r.verdict != "MISS" for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

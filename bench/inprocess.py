@@ -1,0 +1,56 @@
+"""What the service does, run in this process: the engine, the floor, the parser.
+
+Run with as many torch threads as one gunicorn worker gets, so that in-process
+and HTTP times compare like with like.
+"""
+import numpy as np
+import orjson
+import torch
+
+from app.compute import Deadline, blocks, load_vectors, summarize
+from app.engine import add_to_vectors, block_bounds, iter_blocks
+from app.objectives import OBJECTIVES
+from app.render import to_numpy
+from app.schemas import GradientRequest, GradientRequestSchema
+
+NUMPY = orjson.OPT_SERIALIZE_NUMPY
+NO_DEADLINE_S = 3600.0
+
+
+def request(matrix: np.ndarray, factor: int, outputs=("blocks", "accumulated"),
+            objective: str = "sum", dtype: str = "float32") -> GradientRequest:
+    return GradientRequest(vectors=matrix, factor=factor, objective=objective, offset=5.0,
+                           outputs=outputs, dtype=dtype)
+
+
+def engine(req: GradientRequest) -> torch.Tensor:
+    """The service's numeric work: pass one (losses, accumulated, finiteness) and pass two
+    (every block's gradient, made contiguous as the seed's .grad is). Returns accumulated."""
+    vectors = load_vectors(req, torch.device("cpu"))  # (N, D)
+    deadline = Deadline(NO_DEADLINE_S)
+    summary = summarize(vectors, req, deadline)
+    for block in blocks(vectors, req, deadline):
+        block.gradient.contiguous()
+    return summary.accumulated
+
+
+def floor_body(req: GradientRequest) -> bytes:
+    """The least work that yields the same answer: one pass over the blocks, every array
+    kept, one orjson.dumps. Same keys in the same order as the service writes them."""
+    vectors = load_vectors(req, torch.device("cpu"))  # (N, D)
+    accumulated = torch.zeros_like(vectors)  # (N, D)
+    kept = []
+    for block in iter_blocks(vectors, req.factor, OBJECTIVES[req.objective], req.offset):
+        add_to_vectors(accumulated, block)
+        kept.append({"row": block.row, "col": block.col, "rows": block.rows, "cols": block.cols,
+                     "loss": to_numpy(block.loss)[()], "gradient": to_numpy(block.gradient)})
+    return orjson.dumps({
+        "n": req.n, "dim": req.dim, "factor": req.factor, "bounds": block_bounds(req.n, req.factor),
+        "objective": req.objective, "dtype": req.dtype, "device": "cpu",
+        "accumulated": to_numpy(accumulated), "blocks": kept,
+    }, option=NUMPY)
+
+
+def parse_and_validate(body: bytes) -> GradientRequest:
+    """What the view gets: orjson.loads, then the marshmallow schema (vectors field included)."""
+    return GradientRequestSchema().load(orjson.loads(body))

@@ -1,0 +1,167 @@
+"""The benchmark's rows, one function each: `row(bench) -> list[Result]`.
+
+Targets are the issue's (issue 5); a row never loosens one. In-process work
+runs with one gunicorn worker's torch threads (see Bench.__init__).
+"""
+import statistics
+import threading
+import time
+
+import orjson
+import requests
+import torch
+
+from tests.reference import reference_accumulated, reference_blocks
+
+from . import inprocess, workloads
+from .measure import Result, at_least, at_most, median_time, ms, paired, timed
+from .server import Server
+
+MB = 1024 * 1024
+
+
+class Bench:
+    """What rows share: the thread count, and one long-lived server for the HTTP rows."""
+
+    def __init__(self, torch_threads: int):
+        self.torch_threads = torch_threads
+        torch.set_num_threads(torch_threads)
+        self._server: Server | None = None
+
+    def server(self) -> Server:
+        if self._server is None:
+            self._server = Server().__enter__()
+        return self._server
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+
+
+def post(session: requests.Session, url: str, body: bytes) -> bytes | int:
+    """POST a JSON body and read the whole answer; returns its size in bytes."""
+    with session.post(url + "/v1/gradients", data=body, stream=True, timeout=300,
+                      headers={"Content-Type": "application/json"}) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {response.content[:500]!r}")
+        return sum(len(chunk) for chunk in response.iter_content(1 << 20))
+
+
+def post_for_body(url: str, body: bytes) -> bytes:
+    response = requests.post(url + "/v1/gradients", data=body, timeout=300,
+                             headers={"Content-Type": "application/json"})
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.content[:500]!r}")
+    return response.content
+
+
+# 1. ---------------------------------------------------------------------------------------
+def engine_vs_seed(bench: Bench) -> list[Result]:
+    n, dim, factor, target = 512, 64, 16, 50.0
+    matrix = workloads.vectors(n, dim)
+    req = inprocess.request(matrix, factor)
+    seed_vectors = torch.as_tensor(matrix, dtype=torch.float32)
+
+    def seed_loop():  # the seed's literal loops: shared graph for the sum, detach per block
+        reference_blocks(seed_vectors, factor, "sum")
+        return reference_accumulated(seed_vectors, factor, "sum")
+
+    _, seed_acc = timed(seed_loop)  # warm-up, and the answer to check the engine against
+    torch.testing.assert_close(inprocess.engine(req), seed_acc, rtol=2e-5, atol=2e-5)
+    seed_s = median_time(seed_loop, repeats=3, budget_s=40)
+    engine_s = median_time(lambda: inprocess.engine(req), repeats=5)
+    ratio = seed_s / engine_s
+    return [Result(f"1. engine vs literal seed loop, N={n} D={dim} F={factor}", f">= {target:.0f}x",
+                   f"{ratio:.0f}x", at_least(ratio, target),
+                   f"seed {seed_s:.2f} s, engine {ms(engine_s)} (both passes)")]
+
+
+# 2. ---------------------------------------------------------------------------------------
+def http_vs_floor(bench: Bench) -> list[Result]:
+    """The issue's two requests use the default objective (sum), whose block gradients are
+    views of one number, so the service keeps them from pass one; the third request has
+    dense gradients (sum_of_squares) and shows the cost of pass two recomputing them."""
+    server, target, results = bench.server(), 1.3, []
+    for n, dim, factor, objective in ((128, 64, 4, "sum"), (512, 64, 16, "sum"), (512, 64, 16, "sum_of_squares")):
+        req = inprocess.request(workloads.vectors(n, dim), factor, objective=objective)
+        body = workloads.body(req.vectors, factor=factor, objective=objective)
+        floor = inprocess.floor_body(req)
+        if post_for_body(server.url, body) != floor:  # warm-up, and proof both are the same answer
+            raise RuntimeError(f"N={n}, {objective}: the service's body differs from the in-process floor's")
+        session = requests.Session()
+        times = paired(lambda: post(session, server.url, body), lambda: inprocess.floor_body(req),
+                       repeats=9 if n < 512 else 5)
+        issue_row = objective == "sum"  # the issue's rows; the dense one is for information
+        results.append(Result(f"2. HTTP vs in-process floor, N={n} D={dim} F={factor}, both outputs, {objective}",
+                              f"<= {target}x" if issue_row else "- (info)", f"{times.ratio:.2f}x",
+                              at_most(times.ratio, target) if issue_row else "-",
+                              f"HTTP {ms(times.a_s)}, floor {ms(times.b_s)}, {len(floor) / MB:.0f} MiB"
+                              + ("" if issue_row else "; dense gradients: pass two recomputes them")))
+    return results
+
+
+# 3. ---------------------------------------------------------------------------------------
+def small_requests(bench: Bench) -> list[Result]:
+    server = bench.server()
+    body = workloads.body(workloads.SEED_EXAMPLE)
+    results = []
+    for clients, per_client in ((1, 300), (4, 150)):
+        latencies, lock = [], threading.Lock()
+
+        def client():
+            session, mine = requests.Session(), []
+            for _ in range(5):  # warm the connection
+                post(session, server.url, body)
+            stop = time.monotonic() + 15  # bounded in count and time
+            for _ in range(per_client):
+                start = time.perf_counter()
+                post(session, server.url, body)
+                mine.append(time.perf_counter() - start)
+                if time.monotonic() > stop:
+                    break
+            with lock:
+                latencies.extend(mine)
+
+        threads = [threading.Thread(target=client) for _ in range(clients)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - start
+        rate = len(latencies) / wall
+        results.append(Result(f"3. seed 10x5 example, {clients} client{'s' if clients > 1 else ''}", "-",
+                              f"{rate:.0f} req/s", "-",
+                              f"median latency {ms(statistics.median(latencies))}, {len(latencies)} requests"))
+    return results
+
+
+# 4. ---------------------------------------------------------------------------------------
+def peak_worker_rss(bench: Bench) -> list[Result]:
+    cases = (  # (name, N, D, F, outputs, limit in bytes)
+        ("accumulated only", 4096, 64, 64, ["accumulated"], 600 * MB),
+        ("full (blocks, accumulated)", 512, 64, 16, ["blocks", "accumulated"], 1536 * MB),
+    )
+    results = []
+    for name, n, dim, factor, outputs, limit in cases:
+        body = workloads.body(workloads.vectors(n, dim), factor=factor, outputs=outputs)
+        with Server() as server:  # fresh workers: the peak belongs to this one request
+            idle = server.worker_peak_rss()
+            elapsed, size = timed(lambda: post(requests.Session(), server.url, body))
+            peak = server.worker_peak_rss()
+        results.append(Result(f"4. peak worker RSS, N={n} D={dim} F={factor}, {name}",
+                              f"< {limit / MB:.0f} MB", f"{peak / MB:.0f} MB", at_most(peak, limit - 1),
+                              f"idle worker {idle / MB:.0f} MB; body {len(body) / MB:.1f} MiB in, "
+                              f"{size / MB:.1f} MiB out, {elapsed:.2f} s"))
+    return results
+
+
+# 5. ---------------------------------------------------------------------------------------
+def parse_vs_loads(bench: Bench) -> list[Result]:
+    n, dim, target = 4096, 64, 3.0
+    body = workloads.body(workloads.vectors(n, dim), factor=64, outputs=["accumulated"])
+    inprocess.parse_and_validate(body)  # warm-up
+    times = paired(lambda: inprocess.parse_and_validate(body), lambda: orjson.loads(body), repeats=11)
+    return [Result(f"5. parse + validate vs orjson.loads, {n}x{dim}", f"<= {target:.0f}x",
+                   f"{times.ratio:.2f}x", at_most(times.ratio, target),
+                   f"loads + schema {ms(times.a_s)}, loads {ms(times.b_s)}, {len(body) / MB:.1f} MiB")]

@@ -1,0 +1,114 @@
+"""The fast request path (issue 5): kept vs recomputed blocks, the cheap finiteness
+proof, chunked streaming, and the big accumulated-only request's admission."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from app import create_app
+from app.compute import Deadline, first_non_finite_block, load_vectors, summarize
+from app.config import Config
+from app.engine import iter_blocks
+from app.limits import admit
+from app.objectives import OBJECTIVES
+from app.render import stream_with_blocks, to_numpy
+from app.schemas import GradientRequest
+
+from .reference import reference_accumulated, reference_blocks
+
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def make_request(vectors, **kwargs):
+    fields = dict(factor=3, objective="sum_of_squares", offset=5.0, outputs=("blocks", "accumulated"),
+                  dtype="float32")
+    fields.update(kwargs)
+    return GradientRequest(vectors=np.asarray(vectors, dtype=np.float64), **fields)
+
+
+def run_summary(req, keep_bytes=0):
+    return summarize(load_vectors(req, torch.device("cpu")), req, Deadline(60), keep_bytes=keep_bytes)
+
+
+def test_kept_blocks_match_the_seed_loops():
+    vectors = np.random.default_rng(1).standard_normal((11, 3))
+    req = make_request(vectors)
+    summary = run_summary(req, keep_bytes=11 * 11 * 6 * 4)  # dense float32 gradients, exactly
+    expected = reference_blocks(torch.as_tensor(vectors, dtype=torch.float32), 3, "sum_of_squares")
+    assert summary.kept is not None and len(summary.kept) == 9
+    for block, (loss, grad) in zip(summary.kept, expected):
+        torch.testing.assert_close(block.loss, loss, **TOL)
+        torch.testing.assert_close(block.gradient, grad, **TOL)
+    torch.testing.assert_close(
+        summary.accumulated,
+        reference_accumulated(torch.as_tensor(vectors, dtype=torch.float32), 3, "sum_of_squares"), **TOL)
+
+
+@pytest.mark.parametrize("keep_bytes,outputs", [
+    (11 * 11 * 6 * 4 - 1, ("blocks", "accumulated")),  # one byte short
+    (0, ("blocks",)),
+    (10 ** 9, ("accumulated", "losses")),  # blocks not asked for: nothing to keep
+])
+def test_blocks_are_not_kept_past_the_budget_or_when_not_asked(keep_bytes, outputs):
+    req = make_request(np.ones((11, 3)), outputs=outputs)
+    assert run_summary(req, keep_bytes).kept is None
+
+
+def test_sum_gradients_are_kept_at_the_cost_of_one_number_each():
+    # sum's gradient is a view of one number: 9 blocks cost 9 x 4 bytes, not 11 x 11 x 6 x 4.
+    req = make_request(np.ones((11, 3)), objective="sum")
+    summary = run_summary(req, keep_bytes=9 * 4)
+    assert summary.kept is not None and all(bool((b.gradient == 1).all()) for b in summary.kept)
+
+
+def test_finiteness_recheck_skips_blocks_that_are_finite():
+    vectors = np.zeros((4, 2))
+    vectors[3, 0] = 1e20  # squares overflow float32 in every block holding V[3]: (0, 1), (1, 0), (1, 1)
+    req = make_request(vectors, factor=2)
+    tensor = load_vectors(req, torch.device("cpu"))
+    flagged = torch.ones((2, 2), dtype=torch.bool)
+    flagged[0, 0] = flagged[0, 1] = False  # (0, 0) wrongly suspected: it is finite
+    assert first_non_finite_block(tensor, req, flagged) == (0, 1)
+    only_finite = torch.ones((2, 2), dtype=torch.bool)
+    only_finite[0, 0] = False
+    assert first_non_finite_block(tensor, req, only_finite) is None
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 200, 10 ** 9])
+def test_stream_is_one_json_document_whatever_the_chunking(monkeypatch, chunk_bytes):
+    monkeypatch.setattr("app.render.CHUNK_BYTES", chunk_bytes)
+    vectors = torch.randn(7, 2)
+    blocks = list(iter_blocks(vectors, 3, OBJECTIVES["logsumexp"], 5.0))
+    head = {"n": 7, "accumulated": to_numpy(torch.zeros(7, 2))}
+    chunks = list(stream_with_blocks(head, iter(blocks)))
+    body = json.loads(b"".join(chunks))
+    assert list(body) == ["n", "accumulated", "blocks"]
+    assert body["accumulated"] == [[0.0, 0.0]] * 7
+    expected = reference_blocks(vectors, 3, "logsumexp")
+    assert [(b["row"], b["col"]) for b in body["blocks"]] == [(r, c) for r in range(3) for c in range(3)]
+    for block, (loss, grad) in zip(body["blocks"], expected):
+        torch.testing.assert_close(torch.tensor(block["gradient"]), grad, **TOL)
+        torch.testing.assert_close(torch.tensor(block["loss"]), loss, **TOL)
+    if chunk_bytes == 1:
+        assert len(chunks) > 9  # streamed, not built whole
+
+
+def test_kept_and_recomputed_answers_are_the_same_bytes():
+    body = {"vectors": np.random.default_rng(2).standard_normal((11, 3)).tolist(), "factor": 3,
+            "objective": "l2_norm", "outputs": ["blocks", "accumulated", "losses"]}
+    kept = create_app().test_client().post("/v1/gradients", json=body)
+    # Largest block 5 x 5 x 6 = 150 numbers fits; all dense blocks (726) do not: pass two recomputes.
+    recomputed = create_app({"BLOCKGRAD_MAX_BLOCK_ELEMENTS": 150}).test_client().post("/v1/gradients", json=body)
+    assert kept.status_code == recomputed.status_code == 200
+    assert kept.get_data() == recomputed.get_data()
+    blocks = json.loads(recomputed.get_data())["blocks"]
+    expected = reference_blocks(torch.tensor(body["vectors"], dtype=torch.float32), 3, "l2_norm")
+    for block, (loss, grad) in zip(blocks, expected):
+        torch.testing.assert_close(torch.tensor(block["gradient"]), grad, **TOL)
+
+
+def test_big_accumulated_only_request_is_admitted_by_default():
+    # Issue 5: N=4096, D=64, F=64, outputs ["accumulated"] runs with the default limits.
+    defaults = {name: getattr(Config, name) for name in dir(Config) if name.startswith("BLOCKGRAD_")}
+    admit(4096, 64, 64, ("accumulated",), defaults)
