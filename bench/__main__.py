@@ -19,12 +19,7 @@ ROWS = [
     rows.small_requests,
     rows.peak_worker_rss,
     rows.parse_vs_loads,
-    # --- issue 4: binary /v2 infer rows go here -------------------------------------------
-    # e.g. "N=256,D=64,F=8 binary infer >= 5x faster than /v1 JSON" and
-    #      "N=128,D=64,F=4 binary infer <= 0.5x the in-process JSON floor":
-    # a function `def v2_binary_infer(bench: rows.Bench) -> list[Result]` in bench/rows.py,
-    # using bench.server() for the shared gunicorn and bench/inprocess.py for the floor.
-    # -------------------------------------------------------------------------------------
+    rows.v2_binary_infer,  # issue 4: binary tensors against JSON
 ]
 
 

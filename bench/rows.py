@@ -7,10 +7,12 @@ import statistics
 import threading
 import time
 
+import numpy as np
 import orjson
 import requests
 import torch
 
+from app.v2.client import binary_infer_request, read_infer_response
 from tests.reference import reference_accumulated, reference_blocks
 
 from . import inprocess, workloads
@@ -165,3 +167,59 @@ def parse_vs_loads(bench: Bench) -> list[Result]:
     return [Result(f"5. parse + validate vs orjson.loads, {n}x{dim}", f"<= {target:.0f}x",
                    f"{times.ratio:.2f}x", at_most(times.ratio, target),
                    f"loads + schema {ms(times.a_s)}, loads {ms(times.b_s)}, {len(body) / MB:.1f} MiB")]
+
+
+# Issue 4 ------------------------------------------------------------------------------------
+def binary_infer(session: requests.Session, url: str, body: bytes, headers: dict) -> tuple[dict, dict]:
+    """POST a binary /v2 infer request and decode the answer's tensors (as a client must)."""
+    response = session.post(url + "/v2/models/blockgrad/infer", data=body, headers=headers, timeout=300)
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.content[:500]!r}")
+    return read_infer_response(response.content, response.headers)
+
+
+def json_answer(session: requests.Session, url: str, body: bytes) -> dict:
+    """POST to /v1/gradients and parse the whole JSON answer (as a client must)."""
+    response = session.post(url + "/v1/gradients", data=body, timeout=300, headers={"Content-Type": "application/json"})
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.content[:500]!r}")
+    return orjson.loads(response.content)
+
+
+def v2_binary_infer(bench: Bench) -> list[Result]:
+    """Binary tensors (/v2) against JSON: both end to end through gunicorn, the client's
+    decoding included, and against the in-process JSON floor (engine + orjson.dumps)."""
+    server, results = bench.server(), []
+    session = requests.Session()
+    # (a) N=256, D=64, F=8, all outputs: binary infer vs the same answer as JSON from /v1.
+    n, dim, factor, target = 256, 64, 8, 5.0
+    matrix = workloads.vectors(n, dim).astype("float32")
+    body, headers = binary_infer_request(matrix, {"factor": factor})
+    json_body = workloads.body(matrix, factor=factor, outputs=["blocks", "accumulated", "losses"])
+    _, tensors = binary_infer(session, server.url, body, headers)  # warm-up, and proof of the same numbers
+    answer = json_answer(session, server.url, json_body)
+    if not (tensors["accumulated"] == np.array(answer["accumulated"], dtype=np.float32)).all():
+        raise RuntimeError("/v2 and /v1 disagree on the accumulated gradient")
+    times = paired(lambda: json_answer(session, server.url, json_body),
+                   lambda: binary_infer(session, server.url, body, headers), repeats=7)
+    # The same two requests, bytes only (no decoding on the client), for comparison.
+    raw = paired(lambda: session.post(server.url + "/v1/gradients", data=json_body, timeout=300,
+                                      headers={"Content-Type": "application/json"}).content,
+                 lambda: session.post(server.url + "/v2/models/blockgrad/infer", data=body, headers=headers,
+                                      timeout=300).content, repeats=5)
+    results.append(Result(f"4a. binary /v2 infer vs /v1 JSON, N={n} D={dim} F={factor}, all outputs",
+                          f">= {target:.0f}x", f"{times.ratio:.1f}x", at_least(times.ratio, target),
+                          f"JSON {ms(times.a_s)}, binary {ms(times.b_s)}, the client decoding to arrays; "
+                          f"bytes only: {raw.ratio:.1f}x ({ms(raw.a_s)} vs {ms(raw.b_s)})"))
+    # (b) N=128, D=64, F=4: binary infer vs the in-process JSON floor.
+    n, dim, factor, target = 128, 64, 4, 0.5
+    matrix = workloads.vectors(n, dim).astype("float32")
+    body, headers = binary_infer_request(matrix, {"factor": factor})
+    req = inprocess.request(matrix.astype("float64"), factor)
+    binary_infer(session, server.url, body, headers)  # warm-up
+    times = paired(lambda: binary_infer(session, server.url, body, headers),
+                   lambda: inprocess.floor_body(req), repeats=9)
+    results.append(Result(f"4b. binary /v2 infer vs in-process JSON floor, N={n} D={dim} F={factor}",
+                          f"<= {target}x", f"{times.ratio:.2f}x", at_most(times.ratio, target),
+                          f"binary over HTTP {ms(times.a_s)}, floor {ms(times.b_s)}"))
+    return results
