@@ -10,11 +10,12 @@ import shutil
 import tempfile
 
 
-def available_cores() -> int:
-    """Cores this process may use: the cgroup CPU quota in a container, else the affinity mask."""
+def available_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """Cores this process may use: the cgroup CPU quota in a container (rounded down), else
+    the affinity mask. os.cpu_count() alone would see the whole node from inside a pod."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
-        with open("/sys/fs/cgroup/cpu.max") as f:  # cgroup v2: "<quota> <period>" or "max <period>"
+        with open(cpu_max) as f:  # cgroup v2: "<quota> <period>" or "max <period>"
             quota, period = f.read().split()[:2]
         if quota != "max":
             cores = min(cores, max(1, math.floor(int(quota) / int(period))))

@@ -48,3 +48,15 @@ def test_the_master_does_not_import_torch(monkeypatch):
     code = f"import runpy, sys; runpy.run_path({str(CONF)!r}); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("cpu_max,quota_cores", [("max 100000", None), ("200000 100000", 2),
+                                                 ("150000 100000", 1), ("50000 100000", 1), ("garbage", None)])
+def test_cores_follow_the_cgroup_cpu_quota(monkeypatch, tmp_path, cpu_max, quota_cores):
+    available_cores = load(monkeypatch)["available_cores"]
+    path = tmp_path / "cpu.max"
+    path.write_text(cpu_max + "\n")
+    affinity = len(os.sched_getaffinity(0))
+    expected = affinity if quota_cores is None else min(affinity, quota_cores)
+    assert available_cores(str(path)) == expected
+    assert available_cores(str(tmp_path / "missing")) == affinity
