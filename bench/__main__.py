@@ -9,9 +9,10 @@ import platform
 import sys
 from pathlib import Path
 
+from tests.server import gunicorn_settings
+
 from . import rows
 from .measure import table
-from .server import gunicorn_settings
 
 ROWS = [
     rows.engine_vs_seed,

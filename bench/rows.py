@@ -3,6 +3,7 @@
 Targets are the issue's (issue 5); a row never loosens one. In-process work
 runs with one gunicorn worker's torch threads (see Bench.__init__).
 """
+import contextlib
 import statistics
 import threading
 import time
@@ -14,12 +15,22 @@ import torch
 
 from app.v2.client import binary_infer_request, read_infer_response
 from tests.reference import reference_accumulated, reference_blocks
+from tests.server import Server, gunicorn_server
 
 from . import inprocess, workloads
 from .measure import Result, at_least, at_most, median_time, ms, paired, timed
-from .server import Server
 
 MB = 1024 * 1024
+
+
+@contextlib.contextmanager
+def served():
+    """gunicorn as `make serve` runs it (workers and device from its config), ready to measure."""
+    with gunicorn_server(workers=None, device=None, ready_path="/readyz") as server:
+        # Every worker imports the app at boot; give each time to finish before measuring.
+        for _ in range(4 * server.workers):
+            server.answers("/readyz")
+        yield server
 
 
 class Bench:
@@ -28,16 +39,16 @@ class Bench:
     def __init__(self, torch_threads: int):
         self.torch_threads = torch_threads
         torch.set_num_threads(torch_threads)
+        self._servers = contextlib.ExitStack()
         self._server: Server | None = None
 
     def server(self) -> Server:
         if self._server is None:
-            self._server = Server().__enter__()
+            self._server = self._servers.enter_context(served())
         return self._server
 
     def close(self) -> None:
-        if self._server is not None:
-            self._server.stop()
+        self._servers.close()
 
 
 def post(session: requests.Session, url: str, body: bytes) -> bytes | int:
@@ -147,10 +158,10 @@ def peak_worker_rss(bench: Bench) -> list[Result]:
     results = []
     for name, n, dim, factor, outputs, limit in cases:
         body = workloads.body(workloads.vectors(n, dim), factor=factor, outputs=outputs)
-        with Server() as server:  # fresh workers: the peak belongs to this one request
-            idle = server.worker_peak_rss()
+        with served() as server:  # fresh workers: the peak belongs to this one request
+            idle = server.worker_peak_rss_bytes()
             elapsed, size = timed(lambda: post(requests.Session(), server.url, body))
-            peak = server.worker_peak_rss()
+            peak = server.worker_peak_rss_bytes()
         results.append(Result(f"4. peak worker RSS, N={n} D={dim} F={factor}, {name}",
                               f"< {limit / MB:.0f} MB", f"{peak / MB:.0f} MB", at_most(peak, limit - 1),
                               f"idle worker {idle / MB:.0f} MB; body {len(body) / MB:.1f} MiB in, "

@@ -1,13 +1,19 @@
-"""Start and stop a real gunicorn for tests: loopback only, free port, bounded waits.
+"""Start and stop a real gunicorn: the one launcher for the tests and the benchmark.
+
+Loopback only, a free port, bounded waits; the same command and config file as
+`make serve` (gunicorn -c gunicorn.conf.py wsgi:app), only BLOCKGRAD_BIND differs.
 
     with gunicorn_server(workers=2, env={"BLOCKGRAD_REQUEST_TIMEOUT_S": "2"}) as server:
         requests.get(server.url + "/healthz", timeout=5)
         server.worker_pids()
 
-The context manager kills the whole process group in `finally`, whatever happens.
+`workers=None` and `device=None` leave both to gunicorn.conf.py and the app's config,
+as `make serve` does (the benchmark). The context manager kills the whole process
+group in `finally`, whatever happens.
 """
 import contextlib
 import os
+import runpy
 import signal
 import socket
 import subprocess
@@ -20,13 +26,25 @@ from pathlib import Path
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
-START_TIMEOUT_S = 60  # importing torch in each worker on a busy 2-core machine
+START_TIMEOUT_S = 120  # importing torch in each worker on a busy 2-core machine
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def gunicorn_settings() -> dict:
+    """gunicorn.conf.py's values (workers, torch_threads) as a server started from this environment sees them."""
+    return runpy.run_path(str(ROOT / "gunicorn.conf.py"))
+
+
+def gunicorn_command() -> list[str]:
+    """`make serve`'s command: .venv/bin/gunicorn beside this Python, else the module."""
+    script = Path(sys.executable).parent / "gunicorn"
+    launcher = [str(script)] if script.exists() else [sys.executable, "-m", "gunicorn"]
+    return [*launcher, "-c", "gunicorn.conf.py", "wsgi:app"]
 
 
 def children(pid: int) -> list[int]:
@@ -38,11 +56,21 @@ def children(pid: int) -> list[int]:
         return []
 
 
-def rss_kib(pid: int) -> int:
+def status_kib(pid: int, field: str) -> int:
+    """A memory field of /proc/<pid>/status, in KiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1])
-    raise ValueError(f"no VmRSS for {pid}")
+    raise ValueError(f"no {field} for {pid}")
+
+
+def rss_kib(pid: int) -> int:
+    return status_kib(pid, "VmRSS")
+
+
+def peak_rss_kib(pid: int) -> int:
+    """VmHWM: the most resident memory the process has had."""
+    return status_kib(pid, "VmHWM")
 
 
 def cpu_ticks(pid: int) -> int:
@@ -79,12 +107,16 @@ class Server:
     def worker_pids(self) -> list[int]:
         return children(self.pid)
 
+    def worker_peak_rss_bytes(self) -> int:
+        """The largest VmHWM among the workers: the one that served the biggest request."""
+        return 1024 * max(peak_rss_kib(pid) for pid in self.worker_pids())
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def healthy(self) -> bool:
+    def answers(self, path: str) -> bool:
         try:
-            return requests.get(self.url + "/healthz", timeout=2).status_code == 200
+            return requests.get(self.url + path, timeout=10).status_code == 200
         except requests.RequestException:
             return False
 
@@ -104,26 +136,42 @@ class Server:
                 return busy[0]
         return None
 
-    def wait_for_workers(self, count: int, timeout_s: float = START_TIMEOUT_S) -> bool:
-        return wait_until(lambda: len(self.worker_pids()) == count, timeout_s)
+    def wait_ready(self, path: str, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Until `path` answers 200 and all workers are up; fails at once if gunicorn exits."""
+        def ready_or_exited():
+            return self.process.poll() is not None or (self.answers(path) and len(self.worker_pids()) == self.workers)
+        ready = wait_until(ready_or_exited, timeout_s, 0.2)
+        if self.process.poll() is not None:
+            raise RuntimeError(f"gunicorn exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+        if not ready:
+            raise RuntimeError(f"gunicorn not ready within {timeout_s} s:\n{self.log()[-4000:]}")
 
 
 @contextlib.contextmanager
-def gunicorn_server(workers: int = 2, env: dict[str, str] | None = None):
+def gunicorn_server(workers: int | None = 2, env: dict[str, str] | None = None, *,
+                    device: str | None = "cpu", ready_path: str = "/healthz"):
+    """gunicorn on 127.0.0.1:<free port>, ready when `ready_path` answers and every worker is up.
+
+    workers: WEB_CONCURRENCY, or None for gunicorn.conf.py's default. device:
+    BLOCKGRAD_DEVICE, or None for the app's default. env: more variables, set last.
+    """
     port = free_port()
-    full_env = {**os.environ, "WEB_CONCURRENCY": str(workers), "BLOCKGRAD_BIND": f"127.0.0.1:{port}",
-                "BLOCKGRAD_DEVICE": "cpu", **(env or {})}
+    full_env = {**os.environ, "BLOCKGRAD_BIND": f"127.0.0.1:{port}"}
+    if workers is not None:
+        full_env["WEB_CONCURRENCY"] = str(workers)
+    if device is not None:
+        full_env["BLOCKGRAD_DEVICE"] = device
+    full_env.update(env or {})
+    expected_workers = workers if workers is not None else int(gunicorn_settings()["workers"])
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "gunicorn.log"
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(
-                [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"],
-                cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
+                gunicorn_command(), cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True)  # its own process group, so teardown reaches the workers
-        server = Server(process, port, workers, log_path)
         try:
-            if not (wait_until(server.healthy, START_TIMEOUT_S, 0.2) and server.wait_for_workers(workers)):
-                raise RuntimeError(f"gunicorn did not start within {START_TIMEOUT_S} s:\n{server.log()}")
+            server = Server(process, port, expected_workers, log_path)
+            server.wait_ready(ready_path)
             yield server
         finally:
             stop(process)

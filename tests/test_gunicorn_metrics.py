@@ -5,30 +5,18 @@ port, PROMETHEUS_MULTIPROC_DIR in a temporary directory; the fixture starts and
 stops it, and every wait is bounded.
 """
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parent.parent
+from .server import gunicorn_server
+
 BODY = {"vectors": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "factor": 2, "outputs": ["accumulated", "losses"]}
 BODY_NUMBERS = 3 * 2 + 2 * 2  # accumulated N*D + losses F*F
-START_TIMEOUT_S = 120
 BATCH, MAX_BATCHES, CLIENTS = 16, 10, 8
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -36,33 +24,9 @@ def server(tmp_path):
     metrics_dir = tmp_path / "metrics"
     metrics_dir.mkdir()
     (metrics_dir / "counter_1.db").write_bytes(b"stale")  # must be emptied at start
-    port = free_port()
-    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir), BLOCKGRAD_BIND=f"127.0.0.1:{port}",
-               WEB_CONCURRENCY="2", BLOCKGRAD_DEVICE="cpu")
-    log_path = tmp_path / "gunicorn.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"],
-                                   cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert process.poll() is None, log_path.read_text()
-            try:
-                if requests.get(f"{base}/healthz", timeout=10).status_code == 200:
-                    break
-            except (requests.ConnectionError, requests.Timeout):  # not listening yet, or a worker still importing
-                pass
-            assert time.monotonic() < deadline, "gunicorn did not answer in time:\n" + log_path.read_text()
-            time.sleep(0.2)
-        yield base, process, metrics_dir, log_path
-    finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+    # Ready on /healthz: it records no device, so only /v1/gradients shows which workers served.
+    with gunicorn_server(workers=2, env={"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}) as server:
+        yield server.url, server.process, metrics_dir, server.log_path
 
 
 def scrape(base):

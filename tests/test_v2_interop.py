@@ -4,71 +4,24 @@ gunicorn serves wsgi:app on 127.0.0.1 on a free port, started and stopped here.
 The client sends binary inputs and asks for binary outputs; the numbers must be
 /v1/gradients' exactly, and the seed's loops' (tests/reference.py).
 """
-import os
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.error
-import urllib.request
-from pathlib import Path
-
 import numpy as np
 import pytest
 import requests
 import torch
 
+from .server import gunicorn_server
 from .test_v2 import reference_outputs
 
 httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 OUTPUT_NAMES = ["block_gradients", "accumulated", "bounds", "losses"]
-START_TIMEOUT_S = 60
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ready(url: str, process: subprocess.Popen, log_path: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"gunicorn exited with {process.returncode}:\n{Path(log_path).read_text()}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"gunicorn not ready after {START_TIMEOUT_S} s:\n{Path(log_path).read_text()}")
 
 
 @pytest.fixture(scope="module")
 def server():
-    port = free_port()
-    env = dict(os.environ, BLOCKGRAD_BIND=f"127.0.0.1:{port}", WEB_CONCURRENCY="1", BLOCKGRAD_DEVICE="cpu")
-    with tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False) as log:
-        log_path = log.name
-        process = subprocess.Popen([sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"],
-                                   cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}/v2/health/ready", process, log_path)
-        yield f"127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
-        os.unlink(log_path)
+    with gunicorn_server(workers=1, ready_path="/v2/health/ready") as server:
+        yield f"127.0.0.1:{server.port}"
 
 
 @pytest.fixture
