@@ -100,8 +100,8 @@ def api_description(config: Mapping) -> str:
         ("BLOCKGRAD_MAX_N", "most vectors N (413 limit_exceeded)"),
         ("BLOCKGRAD_MAX_D", "longest vector D (413 limit_exceeded)"),
         ("BLOCKGRAD_MAX_BLOCK_ELEMENTS", "most numbers in one block, side x side x 2D (413 limit_exceeded)"),
-        ("BLOCKGRAD_MAX_OUTPUT_ELEMENTS", "most numbers in one answer: blocks N*N*2D + accumulated N*D "
-                                          "+ losses F*F (413 limit_exceeded)"),
+        ("BLOCKGRAD_MAX_OUTPUT_ELEMENTS", "most numbers in one answer: blocks `N*N*2D` + accumulated `N*D` "
+                                          "+ losses `F*F` (413 limit_exceeded)"),
         ("BLOCKGRAD_REQUEST_TIMEOUT_S", "seconds a request may compute (503 deadline_exceeded)"),
     ]
     rows = "\n".join(f"| `{name}` | {config[name]} | {meaning} |" for name, meaning in limits)
@@ -114,7 +114,9 @@ def api_description(config: Mapping) -> str:
 {rows}
 
 ## Errors
-Every error, on every path, is `{{"error": {{"code", "message", "details"}}}}` (schema `Error`):
+Every error, on every path but `/v2`, is `{{"error": {{"code", "message", "details"}}}}` (schema `Error`);
+the Open Inference Protocol's `/v2` paths answer its own `{{"error": "<message>"}}`, with 400 for any
+invalid request:
 | status | code | when |
 |---|---|---|
 {codes}
