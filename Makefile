@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: serve test bench clean
+.PHONY: serve test bench gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,14 @@ test: $(VENV)/.dev
 
 bench: $(VENV)/.dev
 	$(BIN)/python -m bench
+
+# Runtime wheels for the GPU machine's Python 3.12 (scripts/gpu_check.sh installs them there).
+gpu-wheels:
+	rm -rf .whl && $(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl Flask==3.1.3 Werkzeug==3.1.9 flask-smorest==0.47.0 \
+	  marshmallow==4.4.0 webargs==8.7.1 apispec==6.10.1 gunicorn==27.0.1 orjson==3.13.0 blinker==1.9.0 \
+	  itsdangerous==2.2.0 swagger-ui-bundle==1.1.0
 
 clean:
 	rm -rf $(VENV)

@@ -16,9 +16,9 @@ OOM_RETRY_AFTER_S = 5
 
 @functools.cache
 def resolve_device(setting: str) -> torch.device:
-    """auto | cpu | cuda | cuda:N -> a usable torch.device, or ValueError."""
+    """auto | cpu | cuda | cuda:N -> a usable torch.device (CUDA always with its index), or ValueError."""
     if setting == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(setting)
     except RuntimeError:
@@ -29,7 +29,9 @@ def resolve_device(setting: str) -> torch.device:
         raise ValueError(f"BLOCKGRAD_DEVICE must be auto, cpu, cuda or cuda:N, got {setting!r}")
     if not torch.cuda.is_available():
         raise ValueError(f"BLOCKGRAD_DEVICE={setting} but CUDA is not available in this process")
-    if device.index is not None and device.index >= torch.cuda.device_count():
+    if device.index is None:  # answers and metrics name the card: cuda:0, not cuda
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
         raise ValueError(f"BLOCKGRAD_DEVICE={setting} but only {torch.cuda.device_count()} CUDA devices exist")
     return device
 
