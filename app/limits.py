@@ -26,8 +26,8 @@ def limit_exceeded(message: str, limit: str, value: int, allowed: int) -> ApiErr
     return ApiError(413, "limit_exceeded", message, {"limit": limit, "value": value, "allowed": allowed})
 
 
-def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], config: Mapping) -> None:
-    """Raise 413 limit_exceeded naming the limit and what to change, or return."""
+def admit_shape(n: int, dim: int, config: Mapping) -> None:
+    """N and D alone: checked as soon as they are known, before the numbers are converted."""
     max_n, max_d = config["BLOCKGRAD_MAX_N"], config["BLOCKGRAD_MAX_D"]
     if n > max_n:
         raise limit_exceeded(f"{n} vectors is over BLOCKGRAD_MAX_N = {max_n}; send at most {max_n}.",
@@ -35,6 +35,11 @@ def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], config: Mappi
     if dim > max_d:
         raise limit_exceeded(f"Vectors of length {dim} are over BLOCKGRAD_MAX_D = {max_d}; send at most {max_d}.",
                              "BLOCKGRAD_MAX_D", dim, max_d)
+
+
+def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], config: Mapping) -> None:
+    """Raise 413 limit_exceeded naming the limit and what to change, or return."""
+    admit_shape(n, dim, config)
     max_block = config["BLOCKGRAD_MAX_BLOCK_ELEMENTS"]
     per_block = block_elements(n, dim, factor)
     if per_block > max_block:
