@@ -22,13 +22,24 @@ def block_sum_of_squares(block: torch.Tensor, offset: float) -> torch.Tensor:
     return torch.sum(block * block)
 
 
+def largest_magnitude(block: torch.Tensor) -> torch.Tensor:
+    """max |B| as a constant (no gradient), 1 where B is all zeros."""
+    scale = block.detach().abs().amax()  # ()
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
 def block_l2_norm(block: torch.Tensor, offset: float) -> torch.Tensor:
+    # Scaled by max |B| so that squares neither underflow (1e-23 in float32) nor overflow;
     # vector_norm's backward is 0 (not NaN) where the norm is 0.
-    return torch.linalg.vector_norm(block)
+    scale = largest_magnitude(block)  # ()
+    return scale * torch.linalg.vector_norm(block / scale)
 
 
 def block_logsumexp(block: torch.Tensor, offset: float) -> torch.Tensor:
-    return torch.logsumexp(block.reshape(-1), dim=0)  # max-shifted, no overflow
+    # Shifted by a constant max: the gradient is exp(B - m) / sum(exp(B - m)) computed
+    # directly, not exp(B - L), which loses every digit once L is large (1e8 in float32).
+    shift = block.detach().amax()  # ()
+    return shift + torch.log(torch.sum(torch.exp(block - shift)))
 
 
 OBJECTIVES: dict[str, Objective] = {

@@ -166,3 +166,26 @@ def test_cuda_matches_cpu(objective):
     torch.testing.assert_close(gpu_acc.cpu(), cpu_acc)
     for a, b in zip(gpu_blocks, cpu_blocks):
         torch.testing.assert_close(a.gradient.cpu(), b.gradient)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_logsumexp_gradient_stays_exact_for_large_values(dtype):
+    # One vector (a, b), one 1 x 1 block [a, b, a, b] with b - a = ln 3: softmax 1/8, 3/8, 1/8, 3/8.
+    a = 1e4 if dtype == "float64" else 1e8
+    vectors = torch.tensor([[a, a + math.log(3)]], dtype=DTYPES[dtype])
+    if dtype == "float32":  # ln 3 is lost next to 1e8 in float32: equal entries, softmax 1/4 each
+        expected_grad, expected_acc = [0.25] * 4, [0.5, 0.5]
+    else:
+        expected_grad, expected_acc = [0.125, 0.375, 0.125, 0.375], [0.25, 0.75]
+    blocks, accumulated = engine_run(vectors, 1, "logsumexp")
+    torch.testing.assert_close(blocks[0].gradient.flatten(), torch.tensor(expected_grad, dtype=DTYPES[dtype]))
+    torch.testing.assert_close(accumulated.flatten(), torch.tensor(expected_acc, dtype=DTYPES[dtype]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_l2_norm_of_tiny_values_does_not_underflow(dtype):
+    vectors = torch.tensor([[1e-23, 1e-23]], dtype=DTYPES[dtype])  # squares (1e-46) underflow float32
+    blocks, accumulated = engine_run(vectors, 1, "l2_norm")
+    torch.testing.assert_close(blocks[0].loss, torch.tensor(2e-23, dtype=DTYPES[dtype]))
+    torch.testing.assert_close(blocks[0].gradient.flatten(), torch.full((4,), 0.5, dtype=DTYPES[dtype]))
+    torch.testing.assert_close(accumulated.flatten(), torch.ones(2, dtype=DTYPES[dtype]))
