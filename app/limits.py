@@ -44,7 +44,8 @@ def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], config: Mappi
     per_block = block_elements(n, dim, factor)
     if per_block > max_block:
         fitting = smallest_fitting_factor(n, dim, factor, max_block)
-        advice = (f"use a factor of at least {fitting}" if fitting
+        # Not "at least": the last block takes the remainder, so a larger factor can be worse.
+        advice = (f"factor {fitting} fits (the smallest larger factor that does)" if fitting
                   else "send shorter vectors: even one pair is too large")
         raise limit_exceeded(
             f"With factor {factor} the largest block holds {per_block} numbers, over "
