@@ -18,7 +18,7 @@ def load(monkeypatch, **env):
 
 def test_defaults(monkeypatch):
     conf = load(monkeypatch)
-    cores = os.cpu_count() or 1
+    cores = conf["available_cores"]()  # the cgroup quota or affinity mask, not os.cpu_count()
     assert conf["preload_app"] is False  # no CUDA state may cross fork
     assert conf["workers"] == min(2, cores)
     assert conf["workers"] * conf["torch_threads"] <= max(cores, conf["workers"])
@@ -38,7 +38,7 @@ def test_timeouts_follow_the_deadline(monkeypatch, deadline, timeout, graceful):
 def test_web_concurrency_is_honoured(monkeypatch):
     conf = load(monkeypatch, WEB_CONCURRENCY="3")
     assert conf["workers"] == 3
-    assert conf["torch_threads"] == max(1, (os.cpu_count() or 1) // 3)
+    assert conf["torch_threads"] == max(1, conf["available_cores"]() // 3)
 
 
 def test_the_master_does_not_import_torch(monkeypatch):
@@ -60,3 +60,16 @@ def test_cores_follow_the_cgroup_cpu_quota(monkeypatch, tmp_path, cpu_max, quota
     expected = affinity if quota_cores is None else min(affinity, quota_cores)
     assert available_cores(str(path)) == expected
     assert available_cores(str(tmp_path / "missing")) == affinity
+
+
+@pytest.mark.parametrize("value,workers", [("", None), ("  ", None), ("1", 1), ("4", 4)])
+def test_web_concurrency_blank_means_the_default(monkeypatch, value, workers):
+    conf = load(monkeypatch, WEB_CONCURRENCY=value)
+    assert conf["workers"] == (workers or min(2, conf["available_cores"]()))
+
+
+@pytest.mark.parametrize("name,value", [("WEB_CONCURRENCY", "0"), ("WEB_CONCURRENCY", "-2"), ("WEB_CONCURRENCY", "two"),
+                                        ("BLOCKGRAD_REQUEST_TIMEOUT_S", "0"), ("BLOCKGRAD_REQUEST_TIMEOUT_S", "soon")])
+def test_bad_values_stop_the_start_with_the_variables_name(monkeypatch, name, value):
+    with pytest.raises(ValueError, match=name):
+        load(monkeypatch, **{name: value})
