@@ -24,7 +24,8 @@ def bearer_token(header: str) -> bytes | None:
     scheme, _, token = header.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
-    return token.strip().encode("utf-8", "surrogateescape")
+    # WSGI hands header values over decoded as latin-1: encoding back gives the bytes sent.
+    return token.strip().encode("latin-1", "replace")
 
 
 def unauthorized(message: str, challenge: str) -> ApiError:
@@ -36,7 +37,7 @@ def install_auth(app: Flask) -> None:
     token = (app.config.get("BLOCKGRAD_API_TOKEN") or "").strip()
     if not token:
         return
-    expected = token.encode("utf-8", "surrogateescape")
+    expected = token.encode("utf-8", "surrogateescape")  # a client sends a non-ASCII token as UTF-8
 
     @app.before_request
     def require_bearer_token():

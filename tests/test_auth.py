@@ -100,3 +100,10 @@ def test_comparison_is_constant_time(monkeypatch):
     client = create_app({"TESTING": True, "BLOCKGRAD_API_TOKEN": TOKEN}).test_client()
     assert client.post("/v1/gradients", json=GOOD, headers=GOOD_AUTH).status_code == 200
     assert seen == [(TOKEN.encode(), TOKEN.encode())]
+
+
+def test_a_non_ascii_token_works_as_utf8_bytes():
+    locked = create_app({"TESTING": True, "BLOCKGRAD_API_TOKEN": "clé-ü"}).test_client()
+    wire = "Bearer " + "clé-ü".encode("utf-8").decode("latin-1")  # what a WSGI server hands over
+    assert locked.post("/v1/gradients", json=GOOD, headers={"Authorization": wire}).status_code == 200
+    assert_unauthorized(locked.post("/v1/gradients", json=GOOD, headers={"Authorization": "Bearer cle-u"}))
