@@ -409,11 +409,74 @@ def test_non_finite_result_is_a_400(client):
     assert_still_serving(client)
 
 
+HUGE = 2 ** 63  # past what numpy can index; orjson still reads it as an integer
+
+
+def declared_shape_request(shape, binary: bool):
+    """A body of a few bytes declaring `shape`, with no numbers (empty data, or 0 binary bytes)."""
+    if binary:
+        document = {"inputs": [vectors_input(shape, parameters={"binary_data_size": 0})]}
+        header = json.dumps(document).encode()
+        return {"data": header, "headers": {HEADER: str(len(header)), "Content-Type": "application/octet-stream"}}
+    return {"json": {"inputs": [vectors_input(shape, data=[])]}}
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+    """Declared shapes are refused before any row is built or any binary data decoded."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("built rows or decoded data for a shape that should have been refused")
+    monkeypatch.setattr("app.v2.infer.json_rows", must_not_run)
+    monkeypatch.setattr("app.v2.infer.decode_tensor", must_not_run)
+    monkeypatch.setattr("app.v2.infer.summarize", must_not_run)
+
+
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+@pytest.mark.parametrize("shape,status,mentions", [
+    ([5_000_000, 0], 400, "non-empty rows"),
+    ([0, 5_000_000], 400, "non-empty"),
+    ([HUGE, 0], 400, "non-empty rows"),
+    ([0, HUGE], 400, "non-empty"),
+    ([0, 0], 400, "non-empty"),
+    ([5_000_000, 1], 413, "BLOCKGRAD_MAX_N"),
+    ([HUGE, HUGE], 413, "BLOCKGRAD_MAX_N"),
+    ([1, 5_000_000], 413, "BLOCKGRAD_MAX_D"),
+])
+def test_declared_shape_is_checked_before_anything_is_built(client, nothing_built, binary, shape, status, mentions):
+    message = assert_protocol_error(client.post(INFER, **declared_shape_request(shape, binary)), status)
+    assert mentions in message
+
+
+def test_huge_binary_shape_is_a_codec_error():
+    """decode_tensor's own guard, should a shape numpy cannot index ever reach it."""
+    from app.v2.codec import CodecError, decode_tensor
+
+    with pytest.raises(CodecError, match="cannot be read"):
+        decode_tensor(memoryview(b""), np.dtype("<f4"), [HUGE, 0])
+
+
+@pytest.mark.parametrize("value", ["²", "\u0662\u0664", "\U0001d7d9", "1²", " ", "-1", "+5", "1e3"])
+def test_header_length_must_be_ascii_digits(value):
+    """str.isdigit() is true for '²' and other scripts' digits, which int() refuses or reads."""
+    from app.v2.codec import CodecError, split_body
+
+    with pytest.raises(CodecError, match=HEADER):
+        split_body(b"{}", value)
+
+
+def test_superscript_header_length_is_a_400(client):
+    """'²' is byte 0xB2 in latin-1: a header an HTTP client can send, and it reaches the app as '²'."""
+    body, headers = binary_request(np.ones((3, 2)))
+    message = assert_protocol_error(client.post(INFER, data=body, headers=dict(headers, **{HEADER: "²"})), 400)
+    assert HEADER in message
+    assert_still_serving(client)
+
+
 @pytest.mark.parametrize("config,document,mentions", [
     ({"BLOCKGRAD_MAX_N": 2}, GOOD, "BLOCKGRAD_MAX_N"),
     ({"BLOCKGRAD_MAX_D": 1}, GOOD, "BLOCKGRAD_MAX_D"),
     # N = 3, D = 2: factor 2 leaves a 2 x 2 x 4 = 16 block, factor 3 one of 4
-    ({"BLOCKGRAD_MAX_BLOCK_ELEMENTS": 10}, with_parameters(factor=1), "factor of at least 3"),
+    ({"BLOCKGRAD_MAX_BLOCK_ELEMENTS": 10}, with_parameters(factor=1), "BLOCKGRAD_MAX_BLOCK_ELEMENTS"),
     ({"BLOCKGRAD_MAX_OUTPUT_ELEMENTS": 20}, GOOD, "BLOCKGRAD_MAX_OUTPUT_ELEMENTS"),
     ({"BLOCKGRAD_MAX_BODY_BYTES": 100}, GOOD, "BLOCKGRAD_MAX_BODY_BYTES"),
 ])

@@ -27,7 +27,7 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     if header_length is None:
         return body, memoryview(b"")
     text = header_length.strip()
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # str.isdigit alone takes '²', which int() refuses
         raise CodecError(f"{HEADER_LENGTH} must be a whole number of bytes, got {header_length!r}.")
     length = int(text)
     if length == 0:
@@ -45,8 +45,11 @@ def decode_tensor(buffer: memoryview, dtype: np.dtype, shape: list[int]) -> np.n
     if len(buffer) != expected:
         raise CodecError(f"Shape {shape} of {dtype.itemsize}-byte numbers takes {expected} bytes, "
                          f"but {len(buffer)} were sent.")
-    # A copy (of the input, small next to the output): torch will not share read-only memory.
-    return np.frombuffer(buffer, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+    try:
+        # A copy (of the input, small next to the output): torch will not share read-only memory.
+        return np.frombuffer(buffer, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+    except (ValueError, OverflowError) as exc:  # e.g. a dimension past what numpy can index
+        raise CodecError(f"Shape {shape} cannot be read as a tensor: {exc}.") from None
 
 
 @dataclass(frozen=True)

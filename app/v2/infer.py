@@ -15,7 +15,7 @@ from ..compute import Deadline, load_vectors, summarize
 from ..device import resolve_device
 from ..engine import Block
 from ..errors import ApiError
-from ..limits import admit
+from ..limits import admit, admit_shape
 from ..parsing import decode_json
 from ..render import to_numpy
 from ..schemas import OUTPUTS as GRADIENT_OUTPUTS
@@ -44,7 +44,9 @@ class InferRequest:
     id: str | None
 
 
-def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
+def parse_infer_request(body: bytes, header_length: str | None, config: Mapping) -> InferRequest:
+    """The protocol document -> InferRequest; the declared shape is admitted (config's
+    N and D limits) before any row is built or any binary data decoded."""
     try:
         header, binary = split_body(body, header_length)
     except CodecError as exc:
@@ -54,7 +56,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
         envelope = InferRequestSchema().load(document)
     except ValidationError as exc:
         raise invalid(f"The inference request is not valid: {flatten(exc.messages)}") from None
-    matrix, datatype = input_matrix(envelope["inputs"], binary)
+    matrix, datatype = input_matrix(envelope["inputs"], binary, config)
     parameters = dict(envelope["parameters"])
     binary_output = parameters.pop("binary_data_output", False)
     if not isinstance(binary_output, bool):
@@ -75,7 +77,7 @@ def parse_infer_request(body: bytes, header_length: str | None) -> InferRequest:
     return InferRequest(gradient, outputs, envelope.get("id"))
 
 
-def input_matrix(inputs: list[dict], binary: memoryview) -> tuple[np.ndarray | list, str]:
+def input_matrix(inputs: list[dict], binary: memoryview, config: Mapping) -> tuple[np.ndarray | list, str]:
     """The `vectors` input as an (N, D) array (binary) or rows of JSON numbers, and its datatype."""
     names = [tensor["name"] for tensor in inputs]
     if names != [INPUT_NAME]:
@@ -86,6 +88,15 @@ def input_matrix(inputs: list[dict], binary: memoryview) -> tuple[np.ndarray | l
         raise invalid(f"Input '{INPUT_NAME}' must have datatype FP32 or FP64, got {datatype!r}.")
     if len(shape) != 2:
         raise invalid(f"Input '{INPUT_NAME}' must have shape [N, D], got {shape}.")
+    n, d = shape
+    # The declared shape, checked before anything is built from it: a small body may declare a huge one.
+    if n < 1:
+        raise invalid(f"Input '{INPUT_NAME}' must be non-empty: shape {shape} declares no vectors "
+                      "(N must be at least 1).")
+    if d < 1:
+        raise invalid(f"Input '{INPUT_NAME}' must have non-empty rows: shape {shape} declares vectors of length 0 "
+                      "(D must be at least 1).")
+    admit_shape(n, d, config)  # 413 limit_exceeded
     size = parameters.pop("binary_data_size", None)
     if parameters:
         raise invalid(f"Unknown parameters {sorted(parameters)} on input '{INPUT_NAME}'.")

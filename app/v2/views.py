@@ -137,7 +137,8 @@ def infer(model: str, version: str | None = None):
     if mimetype and not is_json_mimetype(mimetype) and mimetype != BINARY_CONTENT_TYPE:
         raise ApiError(415, "unsupported_media_type",
                        f"Send the body as application/json or {BINARY_CONTENT_TYPE} (got {mimetype!r}).")
-    parsed = parse_infer_request(request.get_data(cache=False), request.headers.get(HEADER_LENGTH))
+    parsed = parse_infer_request(request.get_data(cache=False), request.headers.get(HEADER_LENGTH),
+                                 current_app.config)
     req = parsed.gradient
     g.work = work = Work(req.n, req.dim, req.factor, tuple(output.name for output in parsed.outputs),
                          output_elements(req.n, req.dim, req.factor, req.outputs))  # for the log line and metrics
