@@ -114,6 +114,7 @@ def test_protocol_requests_log_their_sizes_too(client, caplog):
             "parameters": {"factor": 2}, "outputs": [{"name": "accumulated"}, {"name": "losses"}]}
     response = client.post("/v2/models/blockgrad/infer", json=body)
     assert response.status_code == 200
+    response.get_data()  # JSON outputs are streamed: the line is written when the body ends
     [line] = request_lines(caplog)
     assert (line["route"], line["n"], line["dim"], line["factor"]) == ("/v2/models/<model>/infer", 4, 2, 2)
     assert line["outputs"] == ["accumulated", "losses"]

@@ -55,15 +55,18 @@ def binary_request(values: np.ndarray, datatype="FP32", parameters=None, outputs
 
 def read_response(response) -> tuple[dict, dict[str, np.ndarray]]:
     """Header and tensors of a response, binary parts read with struct in header order."""
+    streamed = response.is_streamed  # before get_data, which turns the stream into a list
     body = response.get_data()
     if HEADER not in response.headers:
         assert response.mimetype == "application/json"
+        # All-JSON answers are streamed, so their length is not known up front.
+        assert streamed and "Content-Length" not in response.headers
         header, offset = strict_json(body), len(body)
     else:
         assert response.mimetype == "application/octet-stream"
         offset = int(response.headers[HEADER])
         header = strict_json(body[:offset])
-    assert int(response.headers["Content-Length"]) == len(body)
+        assert int(response.headers["Content-Length"]) == len(body)
     tensors = {}
     for output in header["outputs"]:
         shape, datatype = output["shape"], output["datatype"]
@@ -269,6 +272,83 @@ def test_versioned_infer_and_body_model_name(client):
                            json=dict(GOOD, model_name="blockgrad", outputs=[{"name": "bounds"}]))
     assert response.status_code == 200
     assert read_response(response)[1]["bounds"].tolist() == [0, 1, 3]
+
+
+# ---------------------------------------------------------------- JSON outputs are streamed
+
+
+def test_large_json_answer_is_streamed_in_bounded_chunks_and_equals_binary_and_v1(client):
+    """N = 64, D = 16, FP64: block_gradients alone is 131,072 numbers, over 2 MiB of text,
+    so the body comes in several chunks, none near the whole document."""
+    from app.v2.codec import CHUNK_BYTES
+
+    vectors = np.random.default_rng(4).standard_normal((64, 16))
+    parameters = {"factor": 5, "objective": "sum_of_squares"}
+    response = client.post(INFER, json={"inputs": [vectors_input((64, 16), "FP64", data=vectors.tolist())],
+                                        "parameters": parameters})
+    assert response.status_code == 200 and response.is_streamed
+    assert response.mimetype == "application/json" and "Content-Length" not in response.headers
+    chunks = list(response.response)  # as the app yields them to the WSGI server
+    body = b"".join(chunks)
+    assert len(body) > 2 * CHUNK_BYTES and len(chunks) > 2
+    assert max(len(chunk) for chunk in chunks) < 2 * CHUNK_BYTES
+    header = strict_json(body)  # one standard JSON document
+    json_tensors = {o["name"]: np.array(o["data"], dtype=NUMPY[o["datatype"]]).reshape(o["shape"])
+                    for o in header["outputs"]}
+    assert [o["name"] for o in header["outputs"]] == ["block_gradients", "accumulated", "bounds", "losses"]
+
+    body, headers = binary_request(vectors, "FP64", parameters=dict(parameters, binary_data_output=True))
+    _, binary_tensors = read_response(client.post(INFER, data=body, headers=headers))
+    for name, array in binary_tensors.items():
+        assert json_tensors[name].dtype == array.dtype and np.array_equal(json_tensors[name], array), name
+
+    v1 = strict_json(client.post("/v1/gradients", json={
+        "vectors": vectors.tolist(), "dtype": "float64", **parameters,
+        "outputs": ["blocks", "accumulated", "losses"]}).get_data())
+    assert json_tensors["bounds"].tolist() == v1["bounds"]
+    assert np.array_equal(json_tensors["accumulated"], np.array(v1["accumulated"]))
+    assert np.array_equal(json_tensors["losses"], np.array(v1["losses"]))
+    for block in v1["blocks"]:
+        (r0, r1), (c0, c1) = block["rows"], block["cols"]
+        assert np.array_equal(json_tensors["block_gradients"][r0:r1, c0:c1], np.array(block["gradient"]))
+
+
+@pytest.mark.parametrize("slice_numbers", [1, 2, 3, 7, 1000])
+def test_json_pieces_join_into_the_one_document(monkeypatch, slice_numbers):
+    """Whatever the slice size, the pieces are exactly orjson's serialisation of the whole answer."""
+    import orjson
+
+    from app.v2 import codec
+
+    monkeypatch.setattr(codec, "JSON_SLICE_NUMBERS", slice_numbers)
+    tensors = [codec.OutputTensor("block_gradients", "FP32", np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 7,
+                                  False),
+               codec.OutputTensor("bounds", "INT64", np.array([0, 1, 3], dtype=np.int64), True),
+               codec.OutputTensor("losses", "FP64", np.array([[1e-300, -2.5], [3.0, 1e300]]), False),
+               codec.OutputTensor("accumulated", "FP64", np.array([[0.1]]), False)]
+    head = {"model_name": "blockgrad", "model_version": "1", "parameters": {"factor": 2, "offset": 5.0}}
+    expected = {**head, "outputs": [
+        {"name": "block_gradients", "datatype": "FP32", "shape": [2, 3, 4], "data": tensors[0].array.reshape(-1)},
+        {"name": "bounds", "datatype": "INT64", "shape": [3], "parameters": {"binary_data_size": 24}},
+        {"name": "losses", "datatype": "FP64", "shape": [2, 2], "data": tensors[2].array.reshape(-1)},
+        {"name": "accumulated", "datatype": "FP64", "shape": [1, 1], "data": tensors[3].array.reshape(-1)}]}
+    pieces = list(codec.iter_json(head, tensors))
+    assert b"".join(pieces) == orjson.dumps(expected, option=orjson.OPT_SERIALIZE_NUMPY)
+    assert b"".join(codec.gather(iter(pieces), chunk_bytes=16)) == b"".join(pieces)
+
+
+def test_mixed_json_and_binary_outputs_with_a_large_json_one(client):
+    """A binary output after a JSON one bigger than a slice: the header, built whole, is
+    exactly Inference-Header-Content-Length long and holds the JSON output's data."""
+    vectors = np.random.default_rng(5).standard_normal((48, 8)).astype(np.float32)
+    body, headers = binary_request(vectors, parameters={"factor": 3}, outputs=[
+        {"name": "block_gradients"}, {"name": "accumulated", "parameters": {"binary_data": True}}])
+    response = client.post(INFER, data=body, headers=headers)
+    assert response.status_code == 200 and HEADER in response.headers
+    header, tensors = read_response(response)
+    assert "data" in header["outputs"][0] and "binary_data_size" in header["outputs"][1]["parameters"]
+    expected = reference_outputs(torch.from_numpy(vectors), 3, "sum", 5.0, [0, 16, 32, 48])
+    assert_matches_reference(tensors, expected, "FP32")
 
 
 # ---------------------------------------------------------------- bad input: status and {"error": ...}

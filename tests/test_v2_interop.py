@@ -92,3 +92,22 @@ def test_errors_reach_the_client(client):
         client.infer("other", [tensor])
     assert raised.value.status() == "404"
     assert client.infer("blockgrad", [tensor]).as_numpy("bounds").tolist() == [0, 2]
+
+
+def test_streamed_json_outputs_reach_the_client(client, server):
+    """JSON outputs come back streamed (chunked transfer, no Content-Length); the client reads them whole."""
+    raw = requests.post(f"http://{server}/v2/models/blockgrad/infer", timeout=60, json={
+        "inputs": [{"name": "vectors", "shape": [2, 1], "datatype": "FP32", "data": [1.0, 2.0]}]})
+    assert raw.status_code == 200 and raw.headers.get("Transfer-Encoding") == "chunked"
+    assert "Content-Length" not in raw.headers and raw.json()["outputs"][2]["data"] == [0, 2]
+    vectors = np.random.default_rng(6).standard_normal((40, 16))
+    tensor = httpclient.InferInput("vectors", list(vectors.shape), "FP64")
+    tensor.set_data_from_numpy(vectors, binary_data=True)
+    outputs = [httpclient.InferRequestedOutput(name, binary_data=False) for name in OUTPUT_NAMES]
+    result = client.infer("blockgrad", [tensor], outputs=outputs, parameters={"factor": 3})
+    assert all("data" in result.get_output(name) for name in OUTPUT_NAMES)
+    expected = reference_outputs(torch.from_numpy(vectors), 3, "sum", 5.0, [0, 13, 26, 40])
+    for name in ["block_gradients", "accumulated", "losses"]:
+        torch.testing.assert_close(torch.from_numpy(result.as_numpy(name).copy()), expected[name],
+                                   rtol=1e-12, atol=1e-12)
+    assert result.as_numpy("bounds").tolist() == [0, 13, 26, 40]

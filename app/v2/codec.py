@@ -4,7 +4,10 @@ Binary tensor data is little-endian, row-major, without padding, and follows the
 JSON header in the order its tensors appear there; the header's length is given
 by the Inference-Header-Content-Length HTTP header. Bytes become arrays with
 np.frombuffer, and arrays become bytes straight from their own memory, a chunk at
-a time: never a Python object per number. Pure module: no Flask.
+a time: never a Python object per number. The JSON side is written a slice of
+numbers at a time too, so an all-JSON answer is streamed: the worker holds the
+output arrays and about one chunk of text, never the whole document. Pure module:
+no Flask.
 """
 from dataclasses import dataclass
 from math import prod
@@ -16,6 +19,10 @@ import orjson
 HEADER_LENGTH = "Inference-Header-Content-Length"
 BINARY_CONTENT_TYPE = "application/octet-stream"
 CHUNK_BYTES = 1024 * 1024  # WSGI wants bytes objects: copy this much at a time, never the whole tensor
+# Numbers per orjson call for JSON data: at most 25 bytes each as text (-1.2345678901234567e-308,),
+# so one slice stays under CHUNK_BYTES.
+JSON_SLICE_NUMBERS = CHUNK_BYTES // 32
+NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
 class CodecError(ValueError):
@@ -60,20 +67,58 @@ class OutputTensor:
     binary: bool  # bytes after the header, or numbers in its JSON
 
 
-def encode_response(head: dict, tensors: list[OutputTensor]) -> tuple[bytes, list[np.ndarray]]:
-    """The JSON header (with every output's shape, and its data or binary_data_size),
-    and the arrays whose bytes follow it, in order."""
-    outputs, payload = [], []
-    for tensor in tensors:
+def iter_json(head: dict, tensors: list[OutputTensor]) -> Iterator[bytes]:
+    """The response's JSON document in pieces: `head`'s keys, then "outputs" with each
+    output's shape and either its binary_data_size or its data, flat and row-major,
+    serialised JSON_SLICE_NUMBERS at a time. Joined, the pieces are one JSON object."""
+    yield orjson.dumps({**head, "outputs": []}, option=NUMPY)[:-len(b"[]}")] + b"["
+    for k, tensor in enumerate(tensors):
+        if k:
+            yield b","
         entry = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.array.shape)}
         if tensor.binary:
-            array = np.ascontiguousarray(tensor.array, dtype=tensor.array.dtype.newbyteorder("<"))
-            entry["parameters"] = {"binary_data_size": array.nbytes}
-            payload.append(array)
-        else:
-            entry["data"] = np.ascontiguousarray(tensor.array).reshape(-1)  # flat, row-major
-        outputs.append(entry)
-    header = orjson.dumps({**head, "outputs": outputs}, option=orjson.OPT_SERIALIZE_NUMPY)
+            yield orjson.dumps({**entry, "parameters": {"binary_data_size": tensor.array.nbytes}})
+            continue
+        yield orjson.dumps({**entry, "data": []})[:-len(b"]}")]
+        flat = np.ascontiguousarray(tensor.array).reshape(-1)
+        for start in range(0, flat.size, JSON_SLICE_NUMBERS):
+            if start:
+                yield b","
+            yield orjson.dumps(flat[start:start + JSON_SLICE_NUMBERS], option=NUMPY)[1:-1]  # no brackets
+        yield b"]}"
+    yield b"]}"
+
+
+def gather(pieces: Iterator[bytes], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """Small pieces joined into chunks of about chunk_bytes; a piece that big goes out alone."""
+    buffer, size = [], 0
+    for piece in pieces:
+        if len(piece) >= chunk_bytes:
+            if buffer:
+                yield b"".join(buffer)
+                buffer, size = [], 0
+            yield piece
+            continue
+        buffer.append(piece)
+        size += len(piece)
+        if size >= chunk_bytes:
+            yield b"".join(buffer)
+            buffer, size = [], 0
+    if buffer:
+        yield b"".join(buffer)
+
+
+def has_binary(tensors: list[OutputTensor]) -> bool:
+    return any(tensor.binary for tensor in tensors)
+
+
+def encode_response(head: dict, tensors: list[OutputTensor]) -> tuple[bytes, list[np.ndarray]]:
+    """For a response with binary outputs: the whole JSON header (its length goes in a
+    header before the body, so it is built in memory, JSON data of other outputs included),
+    and the arrays whose bytes follow it, in order, little-endian."""
+    header = b"".join(iter_json(head, tensors))
+    payload = [np.ascontiguousarray(tensor.array, dtype=tensor.array.dtype.newbyteorder("<"))
+               for tensor in tensors if tensor.binary]
     return header, payload
 
 

@@ -13,7 +13,8 @@ from ..limits import output_elements
 from ..observe import Work
 from ..parsing import ApiBlueprint, is_json_mimetype
 from ..views.health import usable_device
-from .codec import BINARY_CONTENT_TYPE, HEADER_LENGTH, body_length, encode_response, iter_body
+from .codec import (BINARY_CONTENT_TYPE, HEADER_LENGTH, body_length, encode_response, gather, has_binary,
+                    iter_body, iter_json)
 from .infer import parse_infer_request, run_inference
 from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, model_metadata
 from .schemas import InferRequestSchema, InferResponseSchema, ModelMetadataSchema, ProtocolErrorSchema, ServerMetadataSchema
@@ -123,7 +124,8 @@ def model_ready(model: str, version: str | None = None):
 @blp.alt_response(200, schema=InferResponseSchema, success=True, description=(
     "The outputs asked for (all by default). With binary outputs the body is "
     "application/octet-stream: the JSON header, its length in Inference-Header-Content-Length, "
-    "then each binary output's bytes in order (little-endian, row-major)."))
+    "then each binary output's bytes in order (little-endian, row-major). With JSON outputs only, "
+    "the body is application/json, streamed (no Content-Length)."))
 @blp.doc(requestBody={"required": True, "content": {
     "application/json": {"schema": InferRequestSchema},
     BINARY_CONTENT_TYPE: {"schema": {"type": "string", "format": "binary", "description": (
@@ -145,9 +147,11 @@ def infer(model: str, version: str | None = None):
     with work.computing():
         head, tensors = run_inference(parsed, current_app.config)
     g.device = head["parameters"]["device"]
+    if not has_binary(tensors):
+        # Streamed: the worker holds the output arrays and about one chunk of text, not the document.
+        return Response(gather(iter_json(head, tensors)), mimetype="application/json")
+    # Binary data follows a JSON header whose length is sent first: that header is built whole.
     header, payload = encode_response(head, tensors)
-    if not payload:
-        return Response(header, mimetype="application/json")
     response = Response(iter_body(header, payload), content_type=BINARY_CONTENT_TYPE)
     response.headers[HEADER_LENGTH] = str(len(header))
     response.content_length = body_length(header, payload)
