@@ -102,14 +102,20 @@ def summarize(vectors: torch.Tensor, req: GradientRequest, deadline: Deadline,
             r, c = first
             raise ApiError(422, "non_finite_result",
                            f"Block (row {r}, col {c}) has a loss or gradient that is not finite in {req.dtype}; "
-                           "send smaller values, another objective, or dtype float64.",
+                           f"{non_finite_advice(req.dtype)}.",
                            {"block": {"row": r, "col": c}})
     if not bool(torch.isfinite(accumulated).all()):
         raise ApiError(422, "non_finite_result",
-                       f"The accumulated gradient is not finite in {req.dtype}; "
-                       "send smaller values, another objective, or dtype float64.",
+                       f"The accumulated gradient is not finite in {req.dtype}; {non_finite_advice(req.dtype)}.",
                        {"output": "accumulated"})
     return Summary(block_bounds(req.n, f), losses, accumulated, kept if keep else None)
+
+
+def non_finite_advice(dtype: str) -> str:
+    """What to change; float64 is worth suggesting only to a float32 request."""
+    if dtype == "float32":
+        return "send smaller values, another objective, or dtype float64"
+    return "send smaller values or another objective"
 
 
 def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest,

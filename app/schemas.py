@@ -98,9 +98,9 @@ class GradientRequestSchema(Schema):
             raise ValidationError(f"Must be between 1 and N = {n}.", "factor")
         cell = fits_dtype(vectors, dtype)
         if cell is not None:
+            advice = "send smaller values or use dtype float64" if data["dtype"] == "float32" else "send smaller values"
             raise ValidationError(
-                f"Row {cell[0]}, column {cell[1]} overflows {data['dtype']}; "
-                "send smaller values or use dtype float64.", "vectors")
+                f"Row {cell[0]}, column {cell[1]} overflows {data['dtype']}; {advice}.", "vectors")
         if fits_dtype(np.array([[data["offset"]]]), dtype) is not None:
             raise ValidationError(f"Overflows {data['dtype']}.", "offset")
 
