@@ -34,7 +34,9 @@ def env_float(name: str, default: float) -> float:
 
 class Config:
     BLOCKGRAD_DEVICE = os.environ.get("BLOCKGRAD_DEVICE", "auto")
-    BLOCKGRAD_MAX_BODY_BYTES = env_int("BLOCKGRAD_MAX_BODY_BYTES", 64 * 1024 * 1024)
+    # A JSON number can take 2 bytes ("1,"): 32 MiB bounds a body at ~16M numbers, as Python
+    # objects while parsing. N=4096, D=64 at full float64 precision is ~5.5 MB.
+    BLOCKGRAD_MAX_BODY_BYTES = env_int("BLOCKGRAD_MAX_BODY_BYTES", 32 * 1024 * 1024)
     BLOCKGRAD_MAX_N = env_int("BLOCKGRAD_MAX_N", 8192)
     BLOCKGRAD_MAX_D = env_int("BLOCKGRAD_MAX_D", 4096)
     # Numbers in one answer (blocks + accumulated + losses): N=512, D=64 in full is 33.6M.

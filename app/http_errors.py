@@ -13,8 +13,9 @@ log = logging.getLogger("blockgrad")
 
 HTTP_CODES = {
     400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-    413: "too_large", 415: "unsupported_media_type", 503: "unavailable",
+    413: "too_large", 415: "unsupported_media_type", 500: "internal_error", 503: "unavailable",
 }
+INTERNAL_MESSAGE = "The server failed on this request; it has been logged."
 
 
 def is_protocol_request() -> bool:
@@ -29,7 +30,14 @@ def error_response(error: ApiError) -> Response:
         g.error_code = error.code  # for the errors metric and the log line (app/observe.py)
         if is_protocol_request():
             body, status = {"error": error.message}, 400 if error.status == 422 else error.status
-    response = Response(orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS), status=status, mimetype="application/json")
+    try:
+        payload = orjson.dumps(body, option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:  # orjson.JSONEncodeError too: a message or detail JSON cannot carry
+        log.exception("error body for %s could not be serialised; answering a generic one", error.code)
+        message = f"The request failed ({error.code}); the details could not be written as JSON."
+        generic = {"error": message} if is_protocol_request() else {"error": {"code": error.code, "message": message}}
+        payload = orjson.dumps(generic)
+    response = Response(payload, status=status, mimetype="application/json")
     response.headers.update(error.headers)
     return response
 
@@ -40,6 +48,8 @@ def from_http_exception(exc: HTTPException) -> ApiError:
     message = exc.description or exc.name
     if status == 413:
         message = "The request body is over BLOCKGRAD_MAX_BODY_BYTES; send fewer or shorter vectors."
+    elif status == 500:  # e.g. an error handler that failed: werkzeug's text says nothing more
+        message = INTERNAL_MESSAGE
     valid_methods = getattr(exc, "valid_methods", None)
     headers = {"Allow": ", ".join(valid_methods)} if valid_methods else {}
     return ApiError(status, code, message, headers=headers)
@@ -62,4 +72,4 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(Exception)
     def handle_unexpected(exc: Exception):
         log.exception("unhandled error")  # internals go to the log, never the body
-        return error_response(ApiError(500, "internal_error", "The server failed on this request; it has been logged."))
+        return error_response(ApiError(500, "internal_error", INTERNAL_MESSAGE))

@@ -2,18 +2,43 @@
 
 flask-smorest validates with webargs; this parser swaps its JSON decoding for
 orjson and turns its failures into ApiError (415, 400, 422) instead of aborts.
+`read_body` is the one way a view reads a request body (/v1 here, /v2 too).
 """
 import json
+from collections.abc import Callable
+from typing import Any
 
 import orjson
+from flask import Request
 from flask_smorest import Blueprint
 from webargs.flaskparser import FlaskParser
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from .errors import ApiError, validation_error
 
 
 def is_json_mimetype(mimetype: str) -> bool:
     return mimetype == "application/json" or (mimetype.startswith("application/") and mimetype.endswith("+json"))
+
+
+def read_body(request: Request) -> bytes:
+    """The whole body, uncompressed and within MAX_CONTENT_LENGTH, or an ApiError / 413.
+
+    A body with Content-Length over the limit is refused by werkzeug before reading.
+    A chunked body has none: werkzeug then stops reading at the limit without a word,
+    which would hand us a truncated document; one byte more from the server's stream
+    tells a body exactly at the limit from a longer one.
+    """
+    encoding = request.headers.get("Content-Encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(415, "unsupported_media_type",
+                       f"Send the body uncompressed: Content-Encoding {encoding!r} is not supported.")
+    data = request.get_data(cache=False)
+    limit = request.max_content_length
+    if (limit is not None and len(data) >= limit and request.content_length is None
+            and request.environ.get("wsgi.input_terminated") and request.environ["wsgi.input"].read(1)):
+        raise RequestEntityTooLarge()
+    return data
 
 
 def reject_constant(name: str):
@@ -29,17 +54,50 @@ def decode_json(body: bytes):
         if "infinity when parsed" not in str(exc):
             raise ApiError(400, "bad_json", f"The body is not valid JSON: {exc}.") from None
     try:
-        return json.loads(body, parse_constant=reject_constant)
+        document = json.loads(body, parse_constant=reject_constant)
     except ValueError as exc:
         raise ApiError(400, "bad_json", f"The body is not valid JSON: {exc}.") from None
+    # The stdlib accepts lone surrogates (\ud800), which orjson refuses and which no
+    # answer could echo back as UTF-8. Only an escape can make one: look only then.
+    if b"\\u" in body and holds_lone_surrogate(document):
+        raise ApiError(400, "bad_json", "The body is not valid JSON: a string holds a lone UTF-16 surrogate.")
+    return document
+
+
+def holds_lone_surrogate(document: Any) -> bool:
+    """Whether any key or string in the parsed document cannot be encoded as UTF-8."""
+    pending = [document]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(x for x in item if isinstance(x, (str, list, dict)))
+    return False
 
 
 class OrjsonParser(FlaskParser):
+    """`admit_document`, if given, sees the parsed JSON before the schema converts it,
+    so that a request too large to serve is refused before its numbers are touched."""
+
+    def __init__(self, admit_document: Callable[[Any], None] | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.admit_document = admit_document
+
     def _raw_load_json(self, req):
         if not is_json_mimetype(req.mimetype):
             raise ApiError(415, "unsupported_media_type",
                            f"Send the body as Content-Type: application/json (got {req.mimetype or 'none'!r}).")
-        return decode_json(req.get_data(cache=False))
+        document = decode_json(read_body(req))
+        if self.admit_document is not None:
+            self.admit_document(document)
+        return document
 
     def handle_error(self, error, req, schema, *, error_status_code, error_headers):
         messages = error.messages.get("json", error.messages) if isinstance(error.messages, dict) else error.messages

@@ -1,17 +1,45 @@
-"""POST /v1/gradients: parse (schema), admit (limits), compute, serialise."""
+"""POST /v1/gradients: parse, admit (limits), validate (schema), compute, serialise."""
+from typing import Any
+
 from flask import Response, current_app, g
 
 from ..compute import Deadline, blocks, checked, load_vectors, summarize
 from ..device import resolve_device
 from ..docs import documents_errors
-from ..limits import admit, output_elements
+from ..engine import default_factor
+from ..limits import admit, admit_shape, output_elements
 from ..observe import Work
-from ..parsing import ApiBlueprint
+from ..parsing import ApiBlueprint, OrjsonParser
 from ..render import head_json, stream_with_blocks, to_numpy
-from ..schemas import GradientRequest, GradientRequestSchema, GradientResponseSchema
+from ..schemas import DEFAULT_OUTPUTS, OUTPUTS, GradientRequest, GradientRequestSchema, GradientResponseSchema
 
-blp = ApiBlueprint("gradients", __name__, url_prefix="/v1",
-                   description="Per-block gradients of the pairwise feature matrix.")
+
+def admit_document(document: Any) -> None:
+    """The limits, from the parsed JSON's list lengths, before the schema converts a number:
+    a refusal costs the same at any size. N and D need only `vectors` to be a list of lists;
+    the block and answer sizes also need `factor` and `outputs` valid as sent (or left out).
+    Anything else is the schema's to refuse (422); the view admits again from the result."""
+    vectors = document.get("vectors") if isinstance(document, dict) else None
+    if not (isinstance(vectors, list) and vectors and isinstance(vectors[0], list)):
+        return
+    n, dim = len(vectors), len(vectors[0])
+    factor = document.get("factor", default_factor(n))
+    outputs = document.get("outputs", list(DEFAULT_OUTPUTS))
+    if not (type(factor) is int and 1 <= factor <= n and isinstance(outputs, list) and outputs
+            and all(isinstance(name, str) and name in OUTPUTS for name in outputs)):
+        admit_shape(n, dim, current_app.config)
+        return
+    outputs = tuple(name for name in OUTPUTS if name in outputs)
+    g.work = Work(n, dim, factor, outputs, output_elements(n, dim, factor, outputs))  # for the log line
+    admit(n, dim, factor, outputs, current_app.config)
+
+
+class GradientsBlueprint(ApiBlueprint):
+    ARGUMENTS_PARSER = OrjsonParser(admit_document)
+
+
+blp = GradientsBlueprint("gradients", __name__, url_prefix="/v1",
+                         description="Per-block gradients of the pairwise feature matrix.")
 
 
 @blp.route("/gradients", methods=["POST"])
