@@ -35,7 +35,7 @@ ERROR_CATALOGUE: dict[str, tuple[int, str, str]] = {
     "validation_error": (422, "a field is missing, unknown or invalid; `details.fields` maps each to its messages",
                          "The request is not valid; fix these fields: factor."),
     "non_finite_result": (422, "a loss or gradient overflows dtype; `details.block` names the first block",
-                          "Block (row 0, col 0) has a loss or gradient that is not finite in float32; "
+                          "Block (row 0, col 1) has a loss or gradient that is not finite in float32; "
                           "send smaller values, another objective, or dtype float64."),
     "deadline_exceeded": (503, "the request ran past BLOCKGRAD_REQUEST_TIMEOUT_S (see Retry-After)",
                           "The request did not finish within 60 s; retry later, or send a larger factor "
@@ -52,7 +52,7 @@ ERROR_CATALOGUE: dict[str, tuple[int, str, str]] = {
 EXAMPLE_DETAILS = {
     "limit_exceeded": {"limit": "BLOCKGRAD_MAX_BLOCK_ELEMENTS", "value": 8388608, "allowed": 4194304},
     "validation_error": {"fields": {"factor": ["Must be between 1 and N = 3."]}},
-    "non_finite_result": {"block": {"row": 0, "col": 0}},
+    "non_finite_result": {"block": {"row": 0, "col": 1}},
     "deadline_exceeded": {"timeout_s": 60.0},
 }
 ERROR_HEADERS = {

@@ -4,11 +4,14 @@ Binary bodies are built and read here byte by byte with struct, following the
 binary tensor data extension, independently of app/v2/codec.py. Numbers are
 compared with tests/reference.py (the seed's loops) and with /v1/gradients.
 """
+import gzip
+import io
 import json
 import math
 import struct
 
 import numpy as np
+import orjson
 import pytest
 import torch
 
@@ -610,3 +613,18 @@ def test_client_helpers_round_trip(client):
     assert list(tensors) == ["losses", "block_gradients"] and tensors["losses"].dtype == np.float64
     for name in tensors:
         assert np.array_equal(tensors[name], expected[name])
+
+
+def test_v2_refuses_chunked_bodies_over_the_limit_and_compressed_bodies():
+    limit = 512
+    client = create_app({"TESTING": True, "BLOCKGRAD_MAX_BODY_BYTES": limit}).test_client()
+    document = orjson.dumps({"inputs": [{"name": "vectors", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]})
+    chunked = dict(path="/v2/models/blockgrad/infer", method="POST", content_type="application/json",
+                   headers={"Transfer-Encoding": "chunked"}, environ_overrides={"wsgi.input_terminated": True})
+    over = client.open(input_stream=io.BytesIO(document + b" " * (2 * limit)), **chunked)
+    assert over.status_code == 413 and isinstance(strict_json(over.get_data())["error"], str)
+    at_limit = client.open(input_stream=io.BytesIO(document + b" " * (limit - len(document))), **chunked)
+    assert at_limit.status_code == 200
+    compressed = client.post("/v2/models/blockgrad/infer", data=gzip.compress(document),
+                             headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert compressed.status_code == 415 and "uncompressed" in strict_json(compressed.get_data())["error"]

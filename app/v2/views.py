@@ -11,7 +11,7 @@ from ..docs import OPEN_ROUTE
 from ..errors import ApiError
 from ..limits import output_elements
 from ..observe import Work
-from ..parsing import ApiBlueprint, is_json_mimetype
+from ..parsing import ApiBlueprint, is_json_mimetype, read_body
 from ..views.health import usable_device
 from .codec import (BINARY_CONTENT_TYPE, HEADER_LENGTH, body_length, encode_response, gather, has_binary,
                     iter_body, iter_json)
@@ -139,7 +139,7 @@ def infer(model: str, version: str | None = None):
     if mimetype and not is_json_mimetype(mimetype) and mimetype != BINARY_CONTENT_TYPE:
         raise ApiError(415, "unsupported_media_type",
                        f"Send the body as application/json or {BINARY_CONTENT_TYPE} (got {mimetype!r}).")
-    parsed = parse_infer_request(request.get_data(cache=False), request.headers.get(HEADER_LENGTH),
+    parsed = parse_infer_request(read_body(request), request.headers.get(HEADER_LENGTH),
                                  current_app.config)
     req = parsed.gradient
     g.work = work = Work(req.n, req.dim, req.factor, tuple(output.name for output in parsed.outputs),
