@@ -45,21 +45,32 @@ def stream_with_blocks(head: dict, blocks: Iterator[Block]) -> Iterator[bytes]:
     its own goes out as orjson made it, without being copied into a chunk.
     """
     yield head_json(head)[:-1] + b',"blocks":['
-    buffer, size = [], 0
+    yield from gather(block_pieces(blocks), CHUNK_BYTES)
+
+
+def block_pieces(blocks: Iterator[Block]) -> Iterator[bytes]:
     for k, block in enumerate(blocks):
         if k:
-            buffer.append(b",")
-        part = block_json(block)
-        if len(part) >= CHUNK_BYTES:
+            yield b","
+        yield block_json(block)
+    yield b"]}"
+
+
+def gather(pieces: Iterator[bytes], chunk_bytes: int) -> Iterator[bytes]:
+    """Small pieces joined into chunks of about chunk_bytes; a piece that big goes out alone,
+    as it was made, without being copied into a chunk."""
+    buffer, size = [], 0
+    for piece in pieces:
+        if len(piece) >= chunk_bytes:
             if buffer:
                 yield b"".join(buffer)
-            yield part
-            buffer, size = [], 0
+                buffer, size = [], 0
+            yield piece
             continue
-        buffer.append(part)
-        size += len(part)
-        if size >= CHUNK_BYTES:
+        buffer.append(piece)
+        size += len(piece)
+        if size >= chunk_bytes:
             yield b"".join(buffer)
             buffer, size = [], 0
-    buffer.append(b"]}")
-    yield b"".join(buffer)
+    if buffer:
+        yield b"".join(buffer)

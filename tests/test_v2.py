@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from app import create_app
+from app.render import gather
 
 from .reference import reference_accumulated, reference_blocks
 
@@ -337,7 +338,7 @@ def test_json_pieces_join_into_the_one_document(monkeypatch, slice_numbers):
         {"name": "accumulated", "datatype": "FP64", "shape": [1, 1], "data": tensors[3].array.reshape(-1)}]}
     pieces = list(codec.iter_json(head, tensors))
     assert b"".join(pieces) == orjson.dumps(expected, option=orjson.OPT_SERIALIZE_NUMPY)
-    assert b"".join(codec.gather(iter(pieces), chunk_bytes=16)) == b"".join(pieces)
+    assert b"".join(gather(iter(pieces), chunk_bytes=16)) == b"".join(pieces)
 
 
 def test_mixed_json_and_binary_outputs_with_a_large_json_one(client):

@@ -89,25 +89,6 @@ def iter_json(head: dict, tensors: list[OutputTensor]) -> Iterator[bytes]:
     yield b"]}"
 
 
-def gather(pieces: Iterator[bytes], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """Small pieces joined into chunks of about chunk_bytes; a piece that big goes out alone."""
-    buffer, size = [], 0
-    for piece in pieces:
-        if len(piece) >= chunk_bytes:
-            if buffer:
-                yield b"".join(buffer)
-                buffer, size = [], 0
-            yield piece
-            continue
-        buffer.append(piece)
-        size += len(piece)
-        if size >= chunk_bytes:
-            yield b"".join(buffer)
-            buffer, size = [], 0
-    if buffer:
-        yield b"".join(buffer)
-
-
 def has_binary(tensors: list[OutputTensor]) -> bool:
     return any(tensor.binary for tensor in tensors)
 

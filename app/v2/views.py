@@ -13,7 +13,8 @@ from ..limits import output_elements
 from ..observe import Work
 from ..parsing import ApiBlueprint, is_json_mimetype, read_body
 from ..views.health import usable_device
-from .codec import (BINARY_CONTENT_TYPE, HEADER_LENGTH, body_length, encode_response, gather, has_binary,
+from ..render import gather
+from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, body_length, encode_response, has_binary,
                     iter_body, iter_json)
 from .infer import parse_infer_request, run_inference
 from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, model_metadata
@@ -149,7 +150,7 @@ def infer(model: str, version: str | None = None):
     g.device = head["parameters"]["device"]
     if not has_binary(tensors):
         # Streamed: the worker holds the output arrays and about one chunk of text, not the document.
-        return Response(gather(iter_json(head, tensors)), mimetype="application/json")
+        return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")
     # Binary data follows a JSON header whose length is sent first: that header is built whole.
     header, payload = encode_response(head, tensors)
     response = Response(iter_body(header, payload), content_type=BINARY_CONTENT_TYPE)
