@@ -12,13 +12,15 @@ pass two is skipped.
 import math
 import time
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .device import release_device_memory
+from .device import release_device_memory, resolve_device
 from .engine import Block, block_at, block_bounds, chain_rule_sums, iter_blocks
 from .errors import ApiError, DeadlineExceeded
+from .limits import admit
 from .objectives import OBJECTIVES
 from .schemas import GradientRequest
 
@@ -47,6 +49,15 @@ class Summary:
 
 def load_vectors(req: GradientRequest, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(req.vectors, dtype=TORCH_DTYPES[req.dtype], device=device)  # (N, D)
+
+
+def start(req: GradientRequest, config: Mapping) -> tuple[torch.device, Deadline, torch.Tensor]:
+    """What every route does first: admit (413 before any tensor), then the worker's device,
+    the request's deadline, and the vectors on that device."""
+    admit(req.n, req.dim, req.factor, req.outputs, config)
+    device = resolve_device(config["BLOCKGRAD_DEVICE"])
+    deadline = Deadline(config["BLOCKGRAD_REQUEST_TIMEOUT_S"])
+    return device, deadline, load_vectors(req, device)  # (N, D)
 
 
 def checked(items: Iterable[Block], deadline: Deadline) -> Iterator[Block]:

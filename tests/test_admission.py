@@ -12,7 +12,7 @@ from .test_api import GOOD, assert_error, assert_still_serving
 def no_compute(monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("a refused request reached the engine")
-    for module, name in [(gradients_view, "load_vectors"), (gradients_view, "summarize"),
+    for module, name in [(compute, "load_vectors"), (gradients_view, "summarize"),
                          (compute, "iter_blocks"), (engine, "pair_block"), (engine, "block_gradient")]:
         monkeypatch.setattr(module, name, must_not_run)
 

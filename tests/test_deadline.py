@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import requests
 
-import app.views.gradients as gradients_view
+import app.compute as compute
 from app import create_app
 from app.compute import Deadline
 from app.errors import DeadlineExceeded
@@ -24,13 +24,13 @@ from .test_api import GOOD, assert_error, assert_still_serving, strict_json
 def tensor_refs(monkeypatch):
     """Weak references to every request's vectors tensor, to prove it is freed."""
     refs = []
-    real_load = gradients_view.load_vectors
+    real_load = compute.load_vectors
 
     def load_and_watch(req, device):
         vectors = real_load(req, device)
         refs.append(weakref.ref(vectors))
         return vectors
-    monkeypatch.setattr(gradients_view, "load_vectors", load_and_watch)
+    monkeypatch.setattr(compute, "load_vectors", load_and_watch)
     return refs
 
 
@@ -61,7 +61,7 @@ class ExpiresAfter(Deadline):
 def test_deadline_mid_stream_cuts_the_body(monkeypatch, tensor_refs):
     factor = 4
     ExpiresAfter.checks_allowed = factor * factor + 2  # all of pass one, two blocks of pass two
-    monkeypatch.setattr(gradients_view, "Deadline", ExpiresAfter)
+    monkeypatch.setattr(compute, "Deadline", ExpiresAfter)
     client = create_app({"TESTING": True}).test_client()
     response = client.post("/v1/gradients", json={"vectors": np.ones((8, 2)).tolist(), "factor": factor,
                                                   "outputs": ["blocks"]})

@@ -21,7 +21,7 @@ def raise_oom(*args, **kwargs):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
-@pytest.mark.parametrize("where", ["app.views.gradients.load_vectors", "app.compute.iter_blocks"])
+@pytest.mark.parametrize("where", ["app.compute.load_vectors", "app.compute.iter_blocks"])
 def test_out_of_memory_is_503_and_the_worker_serves_on(client, monkeypatch, empty_cache_calls, where):
     monkeypatch.setattr(where, raise_oom)
     response = client.post("/v1/gradients", json=GOOD)

@@ -11,11 +11,10 @@ import numpy as np
 import torch
 from marshmallow import ValidationError
 
-from ..compute import Deadline, load_vectors, summarize
-from ..device import resolve_device
+from ..compute import start, summarize
 from ..engine import Block
 from ..errors import ApiError
-from ..limits import admit, admit_shape
+from ..limits import admit_shape
 from ..parsing import decode_json
 from ..render import to_numpy
 from ..schemas import OUTPUTS as GRADIENT_OUTPUTS
@@ -156,10 +155,7 @@ def requested_outputs(outputs: list[dict] | None, binary_default: bool) -> tuple
 def run_inference(request: InferRequest, config: Mapping) -> tuple[dict, list[OutputTensor]]:
     """Admit, compute in one pass, and return the response head and its output tensors."""
     req = request.gradient
-    admit(req.n, req.dim, req.factor, req.outputs, config)
-    device = resolve_device(config["BLOCKGRAD_DEVICE"])
-    deadline = Deadline(config["BLOCKGRAD_REQUEST_TIMEOUT_S"])
-    vectors = load_vectors(req, device)  # (N, D)
+    device, deadline, vectors = start(req, config)  # vectors: (N, D)
     names = {output.name for output in request.outputs}
     grid = None
     if "block_gradients" in names:

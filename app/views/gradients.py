@@ -3,8 +3,7 @@ from typing import Any
 
 from flask import Response, current_app, g
 
-from ..compute import Deadline, blocks, checked, load_vectors, summarize
-from ..device import resolve_device
+from ..compute import blocks, checked, start, summarize
 from ..docs import documents_errors
 from ..engine import default_factor
 from ..limits import admit, admit_shape, output_elements
@@ -53,11 +52,8 @@ def post_gradients(req: GradientRequest):
     config = current_app.config
     g.work = work = Work(req.n, req.dim, req.factor, req.outputs,
                          output_elements(req.n, req.dim, req.factor, req.outputs))  # for the log line and metrics
-    admit(req.n, req.dim, req.factor, req.outputs, config)
-    device = resolve_device(config["BLOCKGRAD_DEVICE"])
+    device, deadline, vectors = start(req, config)  # vectors: (N, D)
     g.device = str(device)
-    deadline = Deadline(config["BLOCKGRAD_REQUEST_TIMEOUT_S"])
-    vectors = load_vectors(req, device)  # (N, D)
     # Blocks whose gradients fit in the memory of one largest block are kept, not recomputed.
     keep_bytes = config["BLOCKGRAD_MAX_BLOCK_ELEMENTS"] * vectors.element_size()
     with work.computing():
