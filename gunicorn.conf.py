@@ -1,24 +1,15 @@
 """gunicorn settings for blockgrad (the README explains each choice).
 
 Workers x torch threads never exceed the cores, so workers do not fight over them.
-This file must not import torch or the app: the master stays free of CUDA state.
+This file must not import torch (only app.core.settings, standard library): the master stays free of CUDA state.
 """
 import glob
-import importlib.util
 import math
 import os
 import shutil
 import tempfile
 
-
-def load_app_config():
-    """app/config.py by its path: the same env parsing as the app, without importing the `app`
-    package (that would import torch into the master)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "app", "config.py")
-    spec = importlib.util.spec_from_file_location("blockgrad_config", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from app.core.settings import Settings, env_int  # standard library only: no torch in the master
 
 
 def available_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
@@ -36,10 +27,10 @@ def available_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
 
 
 cores = available_cores()
-app_config = load_app_config()  # raises at start-up, with the variable's name, on a bad value
+settings = Settings.from_env()  # raises at start-up, with the variable's name, on a bad value
 
 bind = os.environ.get("BLOCKGRAD_BIND", "127.0.0.1:8000")
-workers = app_config.env_int("WEB_CONCURRENCY", min(2, cores))  # blank: the default; at least 1
+workers = env_int("WEB_CONCURRENCY", min(2, cores))  # blank: the default; at least 1
 worker_class = "sync"
 torch_threads = max(1, cores // workers)
 
@@ -48,7 +39,7 @@ torch_threads = max(1, cores // workers)
 preload_app = False
 # The request deadline (checked between blocks) answers 503 long before gunicorn would
 # kill the worker; keep gunicorn's timeout at least twice the deadline.
-request_timeout_s = app_config.Config.BLOCKGRAD_REQUEST_TIMEOUT_S
+request_timeout_s = settings.request_timeout_s
 timeout = max(120, math.ceil(2 * request_timeout_s))
 # On SIGTERM a worker finishes its request first: allow a whole deadline plus margin.
 graceful_timeout = math.ceil(request_timeout_s) + 10

@@ -9,7 +9,7 @@ import platform
 import sys
 from pathlib import Path
 
-from tests.server import gunicorn_settings
+from tools.server import gunicorn_settings
 
 from . import rows
 from .measure import table

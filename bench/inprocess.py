@@ -7,11 +7,13 @@ import numpy as np
 import orjson
 import torch
 
-from app.compute import Deadline, blocks, load_vectors, summarize
-from app.engine import add_to_vectors, block_bounds, iter_blocks
-from app.objectives import OBJECTIVES
-from app.render import to_numpy
-from app.schemas import GradientRequest, GradientRequestSchema
+from app.api.v1.schemas import GradientRequestSchema
+from app.core.engine import add_to_vectors, block_bounds, iter_blocks
+from app.core.objectives import OBJECTIVES
+from app.core.request import GradientRequest
+from app.core.run import Deadline, run
+from app.core.settings import Settings
+from app.http.streaming import to_numpy
 
 NUMPY = orjson.OPT_SERIALIZE_NUMPY
 NO_DEADLINE_S = 3600.0
@@ -26,23 +28,21 @@ def request(matrix: np.ndarray, factor: int, outputs=("blocks", "accumulated"),
 def engine(req: GradientRequest) -> torch.Tensor:
     """The service's numeric work: pass one (losses, accumulated, finiteness) and pass two
     (every block's gradient, made contiguous as the seed's .grad is). Returns accumulated."""
-    vectors = load_vectors(req, torch.device("cpu"))  # (N, D)
-    deadline = Deadline(NO_DEADLINE_S)
-    summary = summarize(vectors, req, deadline)
-    for block in blocks(vectors, req, deadline):
+    result = run(req, Settings(device="cpu"), Deadline(NO_DEADLINE_S))
+    for block in result.blocks():
         block.gradient.contiguous()
-    return summary.accumulated
+    return result.accumulated
 
 
 def floor_body(req: GradientRequest) -> bytes:
     """The least work that yields the same answer: one pass over the blocks, every array
     kept, one orjson.dumps. Same keys in the same order as the service writes them."""
-    vectors = load_vectors(req, torch.device("cpu"))  # (N, D)
+    vectors = torch.as_tensor(req.vectors, dtype=torch.float32 if req.dtype == "float32" else torch.float64)  # (N, D)
     accumulated = torch.zeros_like(vectors)  # (N, D)
     kept = []
     for block in iter_blocks(vectors, req.factor, OBJECTIVES[req.objective], req.offset):
         add_to_vectors(accumulated, block)
-        kept.append({"row": block.row, "col": block.col, "rows": block.rows, "cols": block.cols,
+        kept.append({"row": block.r, "col": block.c, "rows": block.row_span, "cols": block.col_span,
                      "loss": to_numpy(block.loss)[()], "gradient": to_numpy(block.gradient)})
     return orjson.dumps({
         "n": req.n, "dim": req.dim, "factor": req.factor, "bounds": block_bounds(req.n, req.factor),

@@ -13,9 +13,9 @@ import orjson
 import requests
 import torch
 
-from app.v2.client import binary_infer_request, read_infer_response
-from tests.reference import reference_accumulated, reference_blocks
-from tests.server import Server, gunicorn_server
+from tools.infer_client import binary_infer_request, read_infer_response
+from tools.reference import reference_accumulated, reference_blocks
+from tools.server import Server, gunicorn_server
 
 from . import inprocess, workloads
 from .measure import Result, at_least, at_most, median_time, ms, paired, timed

@@ -1,9 +1,8 @@
 """Admission control refuses from the sizes alone: nothing is allocated or computed."""
 import pytest
 
-import app.compute as compute
-import app.engine as engine
-import app.views.gradients as gradients_view
+import app.core.run as compute
+import app.core.engine as engine
 
 from .test_api import GOOD, assert_error, assert_still_serving
 
@@ -12,7 +11,7 @@ from .test_api import GOOD, assert_error, assert_still_serving
 def no_compute(monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("a refused request reached the engine")
-    for module, name in [(compute, "load_vectors"), (gradients_view, "summarize"),
+    for module, name in [(compute, "load_vectors"), (compute, "summarize"),
                          (compute, "iter_blocks"), (engine, "pair_block"), (engine, "block_gradient")]:
         monkeypatch.setattr(module, name, must_not_run)
 

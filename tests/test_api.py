@@ -7,7 +7,7 @@ import torch
 
 from app import create_app
 
-from .reference import reference_accumulated, reference_blocks
+from tools.reference import reference_accumulated, reference_blocks
 
 GOOD = {"vectors": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "factor": 2}
 
@@ -250,7 +250,7 @@ def test_unknown_route_and_method_are_json(client):
 def test_internal_error_hides_internals(client, monkeypatch, caplog):
     def explode(*args, **kwargs):
         raise RuntimeError("secret internal detail")
-    monkeypatch.setattr("app.views.gradients.summarize", explode)
+    monkeypatch.setattr("app.api.v1.views.run", explode)
     error = assert_error(client.post("/v1/gradients", json=GOOD), 500, "internal_error")
     assert "secret" not in json.dumps(error)
     assert "secret internal detail" in caplog.text

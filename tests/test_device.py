@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from app.device import resolve_device
+from app.core.device import resolve_device
 
 resolve = resolve_device.__wrapped__  # the uncached function: each test sets its own CUDA
 

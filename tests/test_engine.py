@@ -5,13 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from app.compute import Deadline, load_vectors, summarize
-from app.engine import add_to_vectors, block_bounds, default_factor, iter_blocks
-from app.errors import ApiError
-from app.objectives import OBJECTIVES
-from app.schemas import GradientRequest
+from app.core.engine import add_to_vectors, block_bounds, iter_blocks
+from app.core.request import GradientRequest, default_factor
+from app.core.run import Deadline, run
+from app.core.settings import Settings
+from app.http.errors import error_headers, status_of
+from app.core.errors import BlockgradError
+from app.core.objectives import OBJECTIVES
 
-from .reference import reference_accumulated, reference_blocks
+from tools.reference import reference_accumulated, reference_blocks
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 TOLERANCE = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
@@ -99,7 +101,7 @@ class EngineBlockLoss(torch.autograd.Function):
     def forward(ctx, vectors, factor, objective, index):
         block = engine_run(vectors.detach(), factor, objective)[0][index]
         ctx.save_for_backward(block.gradient)
-        ctx.rows, ctx.cols, ctx.n = block.rows, block.cols, vectors.shape[0]
+        ctx.rows, ctx.cols, ctx.n = block.row_span, block.col_span, vectors.shape[0]
         return block.loss
 
     @staticmethod
@@ -122,6 +124,9 @@ def test_gradcheck_accumulated_and_blocks(objective):
         assert torch.autograd.gradcheck(lambda v: EngineBlockLoss.apply(v, 2, objective, index), (vectors,))
 
 
+CPU = Settings(device="cpu")
+
+
 def make_request(vectors, **kwargs):
     fields = dict(factor=2, objective="sum", offset=5.0, outputs=("blocks", "accumulated"), dtype="float32")
     fields.update(kwargs)
@@ -132,8 +137,8 @@ def test_summarize_names_the_non_finite_block():
     vectors = np.zeros((4, 2))
     vectors[3, 0] = 1e20  # (1e20)^2 overflows float32; V[3] is a column of block (0, 1) first
     req = make_request(vectors, objective="sum_of_squares")
-    with pytest.raises(ApiError) as info:
-        summarize(load_vectors(req, torch.device("cpu")), req, Deadline(60))
+    with pytest.raises(BlockgradError) as info:
+        run(req, CPU, Deadline(60))
     assert info.value.code == "non_finite_result"
     assert info.value.details == {"block": {"row": 0, "col": 1}}
 
@@ -142,7 +147,7 @@ def test_summarize_float64_keeps_what_float32_cannot():
     vectors = np.zeros((4, 2))
     vectors[3, 0] = 1e20
     req = make_request(vectors, objective="sum_of_squares", dtype="float64")
-    summary = summarize(load_vectors(req, torch.device("cpu")), req, Deadline(60))
+    summary = run(req, CPU, Deadline(60))
     assert summary.losses.dtype == torch.float64
     assert float(summary.losses[1, 1]) == pytest.approx(2 * 2 * 1e40)
 
@@ -151,10 +156,10 @@ def test_deadline_stops_between_blocks():
     req = make_request(np.ones((6, 2)), factor=3)
     deadline = Deadline(60)
     deadline.expires = 0  # already past
-    with pytest.raises(ApiError) as info:
-        summarize(load_vectors(req, torch.device("cpu")), req, deadline)
-    assert info.value.status == 503 and info.value.code == "deadline_exceeded"
-    assert int(info.value.headers["Retry-After"]) >= 1
+    with pytest.raises(BlockgradError) as info:
+        run(req, CPU, deadline)
+    assert status_of(info.value) == 503 and info.value.code == "deadline_exceeded"
+    assert int(error_headers(info.value)["Retry-After"]) >= 1
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,8 +10,8 @@ import pytest
 import requests
 import torch
 
-from .reference import reference_accumulated
-from .server import gunicorn_server, rss_kib, wait_until
+from tools.reference import reference_accumulated
+from tools.server import gunicorn_server, rss_kib, wait_until
 from .test_api import GOOD
 
 pytestmark = pytest.mark.slow

@@ -12,7 +12,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from .server import gunicorn_server
+from tools.server import gunicorn_server
 
 BODY = {"vectors": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "factor": 2, "outputs": ["accumulated", "losses"]}
 BODY_NUMBERS = 3 * 2 + 2 * 2  # accumulated N*D + losses F*F

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-import app.compute as compute
-import app.device as device
+import app.core.device as device
+import app.core.run as compute
+from app.core.errors import BlockgradError
 
 from .test_api import GOOD, assert_error, assert_still_serving
 
@@ -21,7 +22,7 @@ def raise_oom(*args, **kwargs):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
-@pytest.mark.parametrize("where", ["app.compute.load_vectors", "app.compute.iter_blocks"])
+@pytest.mark.parametrize("where", ["app.core.run.load_vectors", "app.core.run.iter_blocks"])
 def test_out_of_memory_is_503_and_the_worker_serves_on(client, monkeypatch, empty_cache_calls, where):
     monkeypatch.setattr(where, raise_oom)
     response = client.post("/v1/gradients", json=GOOD)
@@ -52,8 +53,9 @@ def test_out_of_memory_mid_stream_frees_the_cache(monkeypatch, empty_cache_calls
     monkeypatch.setattr(compute, "iter_blocks", fail_in_pass_two)
     response = client.post("/v1/gradients", json=dict(GOOD, objective="sum_of_squares"))
     assert response.status_code == 200
-    with pytest.raises(torch.OutOfMemoryError):
+    with pytest.raises(BlockgradError) as cut:
         response.get_data()
+    assert cut.value.code == "device_out_of_memory"
     assert empty_cache_calls
     monkeypatch.undo()
     assert_still_serving(client)

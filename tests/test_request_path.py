@@ -7,15 +7,16 @@ import pytest
 import torch
 
 from app import create_app
-from app.compute import Deadline, first_non_finite_block, load_vectors, summarize
-from app.config import Config
-from app.engine import iter_blocks
-from app.limits import admit
-from app.objectives import OBJECTIVES
-from app.render import stream_with_blocks, to_numpy
-from app.schemas import GradientRequest
+from app.api.v1.render import stream_with_blocks
+from app.core.engine import iter_blocks
+from app.core.limits import admit
+from app.core.objectives import OBJECTIVES
+from app.core.request import GradientRequest
+from app.core.run import Deadline, first_non_finite_block, load_vectors, summarize
+from app.core.settings import Settings
+from app.http.streaming import to_numpy
 
-from .reference import reference_accumulated, reference_blocks
+from tools.reference import reference_accumulated, reference_blocks
 
 TOL = dict(rtol=2e-5, atol=2e-5)
 
@@ -28,7 +29,8 @@ def make_request(vectors, **kwargs):
 
 
 def run_summary(req, keep_bytes=0):
-    return summarize(load_vectors(req, torch.device("cpu")), req, Deadline(60), keep_bytes=keep_bytes)
+    cpu = torch.device("cpu")
+    return summarize(req, cpu, load_vectors(req, cpu), Deadline(60), keep_bytes=keep_bytes)
 
 
 def test_kept_blocks_match_the_seed_loops():
@@ -77,7 +79,7 @@ def test_finiteness_recheck_skips_blocks_that_are_finite():
 
 @pytest.mark.parametrize("chunk_bytes", [1, 200, 10 ** 9])
 def test_stream_is_one_json_document_whatever_the_chunking(monkeypatch, chunk_bytes):
-    monkeypatch.setattr("app.render.CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr("app.api.v1.render.CHUNK_BYTES", chunk_bytes)
     vectors = torch.randn(7, 2)
     blocks = list(iter_blocks(vectors, 3, OBJECTIVES["logsumexp"], 5.0))
     head = {"n": 7, "accumulated": to_numpy(torch.zeros(7, 2))}
@@ -110,5 +112,4 @@ def test_kept_and_recomputed_answers_are_the_same_bytes():
 
 def test_big_accumulated_only_request_is_admitted_by_default():
     # Issue 5: N=4096, D=64, F=64, outputs ["accumulated"] runs with the default limits.
-    defaults = {name: getattr(Config, name) for name in dir(Config) if name.startswith("BLOCKGRAD_")}
-    admit(4096, 64, 64, ("accumulated",), defaults)
+    admit(4096, 64, 64, ("accumulated",), Settings())

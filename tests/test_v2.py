@@ -1,7 +1,7 @@
 """The Open Inference Protocol (/v2) through the Flask test client.
 
 Binary bodies are built and read here byte by byte with struct, following the
-binary tensor data extension, independently of app/v2/codec.py. Numbers are
+binary tensor data extension, independently of app/api/v2/codec.py. Numbers are
 compared with tests/reference.py (the seed's loops) and with /v1/gradients.
 """
 import gzip
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from app import create_app
-from app.render import gather
+from app.http.streaming import gather
 
-from .reference import reference_accumulated, reference_blocks
+from tools.reference import reference_accumulated, reference_blocks
 
 INFER = "/v2/models/blockgrad/infer"
 HEADER = "Inference-Header-Content-Length"
@@ -284,7 +284,7 @@ def test_versioned_infer_and_body_model_name(client):
 def test_large_json_answer_is_streamed_in_bounded_chunks_and_equals_binary_and_v1(client):
     """N = 64, D = 16, FP64: block_gradients alone is 131,072 numbers, over 2 MiB of text,
     so the body comes in several chunks, none near the whole document."""
-    from app.v2.codec import CHUNK_BYTES
+    from app.api.v2.codec import CHUNK_BYTES
 
     vectors = np.random.default_rng(4).standard_normal((64, 16))
     parameters = {"factor": 5, "objective": "sum_of_squares"}
@@ -322,7 +322,7 @@ def test_json_pieces_join_into_the_one_document(monkeypatch, slice_numbers):
     """Whatever the slice size, the pieces are exactly orjson's serialisation of the whole answer."""
     import orjson
 
-    from app.v2 import codec
+    from app.api.v2 import codec
 
     monkeypatch.setattr(codec, "JSON_SLICE_NUMBERS", slice_numbers)
     tensors = [codec.OutputTensor("block_gradients", "FP32", np.arange(24, dtype=np.float32).reshape(2, 3, 4) / 7,
@@ -510,9 +510,9 @@ def nothing_built(monkeypatch):
     """Declared shapes are refused before any row is built or any binary data decoded."""
     def must_not_run(*args, **kwargs):
         raise AssertionError("built rows or decoded data for a shape that should have been refused")
-    monkeypatch.setattr("app.v2.infer.json_rows", must_not_run)
-    monkeypatch.setattr("app.v2.infer.decode_tensor", must_not_run)
-    monkeypatch.setattr("app.v2.infer.summarize", must_not_run)
+    monkeypatch.setattr("app.api.v2.infer.json_rows", must_not_run)
+    monkeypatch.setattr("app.api.v2.infer.decode_tensor", must_not_run)
+    monkeypatch.setattr("app.api.v2.views.run", must_not_run)
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
@@ -533,7 +533,7 @@ def test_declared_shape_is_checked_before_anything_is_built(client, nothing_buil
 
 def test_huge_binary_shape_is_a_codec_error():
     """decode_tensor's own guard, should a shape numpy cannot index ever reach it."""
-    from app.v2.codec import CodecError, decode_tensor
+    from app.api.v2.codec import CodecError, decode_tensor
 
     with pytest.raises(CodecError, match="cannot be read"):
         decode_tensor(memoryview(b""), np.dtype("<f4"), [HUGE, 0])
@@ -542,7 +542,7 @@ def test_huge_binary_shape_is_a_codec_error():
 @pytest.mark.parametrize("value", ["²", "\u0662\u0664", "\U0001d7d9", "1²", " ", "-1", "+5", "1e3"])
 def test_header_length_must_be_ascii_digits(value):
     """str.isdigit() is true for '²' and other scripts' digits, which int() refuses or reads."""
-    from app.v2.codec import CodecError, split_body
+    from app.api.v2.codec import CodecError, split_body
 
     with pytest.raises(CodecError, match=HEADER):
         split_body(b"{}", value)
@@ -586,7 +586,7 @@ def test_deadline_is_503_with_retry_after():
 def test_internal_error_hides_internals(client, monkeypatch, caplog):
     def explode(*args, **kwargs):
         raise RuntimeError("secret internal detail")
-    monkeypatch.setattr("app.v2.infer.summarize", explode)
+    monkeypatch.setattr("app.api.v2.views.run", explode)
     message = assert_protocol_error(client.post(INFER, json=GOOD), 500)
     assert "secret" not in message and "secret internal detail" in caplog.text
     monkeypatch.undo()
@@ -602,8 +602,8 @@ def test_v1_errors_keep_their_shape(client):
 
 
 def test_client_helpers_round_trip(client):
-    """app/v2/client.py (for the benchmark) agrees with the struct reader above."""
-    from app.v2.client import binary_infer_request, read_infer_response
+    """tools/infer_client.py (for the benchmark) agrees with the struct reader above."""
+    from tools.infer_client import binary_infer_request, read_infer_response
 
     vectors = np.random.default_rng(3).standard_normal((6, 2))
     body, headers = binary_infer_request(vectors, {"factor": 2}, outputs=["losses", "block_gradients"])

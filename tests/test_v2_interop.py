@@ -9,7 +9,7 @@ import pytest
 import requests
 import torch
 
-from .server import gunicorn_server
+from tools.server import gunicorn_server
 from .test_v2 import reference_outputs
 
 httpclient = pytest.importorskip("tritonclient.http")

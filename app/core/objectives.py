@@ -11,7 +11,7 @@ Objective = Callable[[torch.Tensor, float], torch.Tensor]
 
 
 def block_sum(block: torch.Tensor, offset: float) -> torch.Tensor:
-    return torch.sum(block + offset)  # the seed's sum(i + 5)
+    return torch.sum(block + offset)  # sum(i + 5) of the per-block loop this service replaces
 
 
 def block_mean(block: torch.Tensor, offset: float) -> torch.Tensor:

@@ -1,22 +1,24 @@
 """The protocol's REST routes, under /v2, for the one model `blockgrad`.
 
 Health answers are a status with an empty body (200 true, 400 false); failures
-become {"error": "..."} in app/http_errors.py, like every other error.
+are the protocol's {"error": "<message>"} (ERROR_STYLE, registered for /v2).
 """
 import logging
 
 from flask import Response, current_app, g, request
 
-from ..docs import OPEN_ROUTE
-from ..errors import ApiError
-from ..limits import output_elements
-from ..observe import Work
-from ..parsing import ApiBlueprint, is_json_mimetype, read_body
-from ..views.health import usable_device
-from ..render import gather
+from ...core.device import usable_device
+from ...core.errors import BlockgradError
+from ...core.run import run
+from ...http.docs import OPEN_ROUTE
+from ...http.errors import ErrorStyle, model_not_found, unsupported_media_type
+from ...http.observe import Work
+from ...http.parsing import ApiBlueprint, is_json_mimetype, read_body
+from ...http.settings import current_settings
+from ...http.streaming import gather
 from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, body_length, encode_response, has_binary,
                     iter_body, iter_json)
-from .infer import parse_infer_request, run_inference
+from .infer import output_tensors, parse_infer_request
 from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, model_metadata
 from .schemas import InferRequestSchema, InferResponseSchema, ModelMetadataSchema, ProtocolErrorSchema, ServerMetadataSchema
 
@@ -24,6 +26,10 @@ log = logging.getLogger("blockgrad")
 
 blp = ApiBlueprint("v2", __name__, url_prefix="/v2",
                    description="Open Inference Protocol (KServe V2) with the binary tensor data extension.")
+
+# The protocol's error body, and 400 for every invalid request (a 422 on /v1).
+ERROR_STYLE = ErrorStyle(body=lambda error: {"error": error.message},
+                         status=lambda status: 400 if status == 422 else status)
 
 ERRORS = {
     400: "The request is not valid (or the result is not finite).",
@@ -59,8 +65,8 @@ def health(ok: bool) -> Response:
 
 def device_ready() -> bool:
     try:
-        usable_device()
-    except ApiError as exc:
+        g.device = str(usable_device(current_settings().device))  # for the device metric
+    except BlockgradError as exc:
         log.warning("not ready: %s", exc.message)
         return False
     return True
@@ -68,10 +74,9 @@ def device_ready() -> bool:
 
 def check_model(model: str, version: str | None) -> None:
     if model != MODEL_NAME:
-        raise ApiError(404, "model_not_found", f"Unknown model {model!r}; this server serves {MODEL_NAME!r}.")
+        raise model_not_found(f"Unknown model {model!r}; this server serves {MODEL_NAME!r}.")
     if version is not None and version != MODEL_VERSION:
-        raise ApiError(404, "model_not_found",
-                       f"Model {MODEL_NAME!r} has no version {version!r}; it has [{MODEL_VERSION!r}].")
+        raise model_not_found(f"Model {MODEL_NAME!r} has no version {version!r}; it has [{MODEL_VERSION!r}].")
 
 
 @blp.route("", methods=["GET"])
@@ -138,16 +143,16 @@ def infer(model: str, version: str | None = None):
     check_model(model, version)
     mimetype = request.mimetype
     if mimetype and not is_json_mimetype(mimetype) and mimetype != BINARY_CONTENT_TYPE:
-        raise ApiError(415, "unsupported_media_type",
-                       f"Send the body as application/json or {BINARY_CONTENT_TYPE} (got {mimetype!r}).")
-    parsed = parse_infer_request(read_body(request), request.headers.get(HEADER_LENGTH),
-                                 current_app.config)
+        raise unsupported_media_type(
+            f"Send the body as application/json or {BINARY_CONTENT_TYPE} (got {mimetype!r}).")
+    parsed = parse_infer_request(read_body(request), request.headers.get(HEADER_LENGTH), current_settings())
     req = parsed.gradient
-    g.work = work = Work(req.n, req.dim, req.factor, tuple(output.name for output in parsed.outputs),
-                         output_elements(req.n, req.dim, req.factor, req.outputs))  # for the log line and metrics
+    g.work = work = Work.of(req.n, req.dim, req.factor, tuple(output.name for output in parsed.outputs),
+                            req.outputs)  # for the log line and metrics
     with work.computing():
-        head, tensors = run_inference(parsed, current_app.config)
-    g.device = head["parameters"]["device"]
+        result = run(req, current_settings())
+        head, tensors = output_tensors(parsed, result)
+    g.device = str(result.device)
     if not has_binary(tensors):
         # Streamed: the worker holds the output arrays and about one chunk of text, not the document.
         return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")

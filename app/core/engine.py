@@ -2,14 +2,15 @@
 
 V has shape (N, D). The pair matrix M[i, j] = concat(V[i], V[j]) has shape
 (N, N, 2D) and is never built whole: each block is built on its own, detached
-as its own autograd leaf, and differentiated alone (the seed's answer). The
+as its own autograd leaf, and differentiated alone, so that no graph is
+backwarded twice and no gradient leaks from one block into another. The
 accumulated gradient on V is the chain rule from each block's gradient back to
 the rows and columns it came from, which equals calling
 backward(retain_graph=True) once per block on one shared graph.
+Blocks are ordered row-block-major: r outer, c inner.
 
 Pure module: tensors and ints in, tensors out. No Flask, no JSON.
 """
-import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -17,15 +18,8 @@ import torch
 
 from .objectives import Objective
 
-BLOCK_CAP = 6  # the seed's rule: factor = ceil(N / 6)
-
-
-def default_factor(n: int) -> int:
-    return max(1, math.ceil(n / BLOCK_CAP))
-
-
 def block_bounds(n: int, factor: int) -> list[int]:
-    """F + 1 boundaries; the last block takes the remainder, as in the seed."""
+    """F + 1 boundaries; the last block takes the remainder."""
     base = n // factor
     return [k * base for k in range(factor)] + [n]
 
@@ -37,18 +31,18 @@ def largest_block_side(n: int, factor: int) -> int:
 
 @dataclass(frozen=True)
 class Block:
-    row: int
-    col: int
-    rows: tuple[int, int]  # [start, stop) into V
-    cols: tuple[int, int]
+    r: int  # row-block index, 0..F-1
+    c: int  # column-block index
+    row_span: tuple[int, int]  # [start, stop) of its rows in V
+    col_span: tuple[int, int]  # [start, stop) of its columns in V
     loss: torch.Tensor  # 0-d
     gradient: torch.Tensor  # (rows, cols, 2D), dL/dblock
 
 
-def pair_block(vectors: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+def pair_block(vectors: torch.Tensor, row_span: tuple[int, int], col_span: tuple[int, int]) -> torch.Tensor:
     """M[rows, cols] built directly from V, without the rest of M."""
-    row_vecs = vectors[rows[0]:rows[1]]  # (h, D)
-    col_vecs = vectors[cols[0]:cols[1]]  # (w, D)
+    row_vecs = vectors[row_span[0]:row_span[1]]  # (h, D)
+    col_vecs = vectors[col_span[0]:col_span[1]]  # (w, D)
     h, w, d = row_vecs.shape[0], col_vecs.shape[0], vectors.shape[1]
     return torch.cat(
         (row_vecs[:, None, :].expand(h, w, d),  # (h, w, D): V[i]
@@ -69,13 +63,13 @@ def block_gradient(block: torch.Tensor, objective: Objective, offset: float) -> 
 def block_at(vectors: torch.Tensor, bounds: list[int], r: int, c: int,
              objective: Objective, offset: float) -> Block:
     """Block (r, c): its loss and gradient, computed alone."""
-    rows, cols = (bounds[r], bounds[r + 1]), (bounds[c], bounds[c + 1])
-    loss, grad = block_gradient(pair_block(vectors, rows, cols), objective, offset)
-    return Block(r, c, rows, cols, loss, grad)
+    row_span, col_span = (bounds[r], bounds[r + 1]), (bounds[c], bounds[c + 1])
+    loss, grad = block_gradient(pair_block(vectors, row_span, col_span), objective, offset)
+    return Block(r, c, row_span, col_span, loss, grad)
 
 
 def iter_blocks(vectors: torch.Tensor, factor: int, objective: Objective, offset: float) -> Iterator[Block]:
-    """Every block's loss and gradient, row-block-major like the seed's loops.
+    """Every block's loss and gradient, row-block-major.
 
     One block at a time: computing equal-shaped blocks together (batched) was
     measured no faster on CPU, as the work is elementwise, not per-call overhead.
@@ -94,8 +88,10 @@ def chain_rule_sums(block: Block) -> tuple[torch.Tensor, torch.Tensor]:
     return row_sums, col_sums
 
 
-def add_to_vectors(accumulated: torch.Tensor, block: Block) -> None:
-    """Chain rule from one block back to the rows and columns it came from."""
+def add_to_vectors(accumulated: torch.Tensor, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chain rule from one block back to the rows and columns it came from; returns the
+    row and column sums it added."""
     row_sums, col_sums = chain_rule_sums(block)
-    accumulated[block.rows[0]:block.rows[1]] += row_sums  # (h, D)
-    accumulated[block.cols[0]:block.cols[1]] += col_sums  # (w, D)
+    accumulated[block.row_span[0]:block.row_span[1]] += row_sums  # (h, D)
+    accumulated[block.col_span[0]:block.col_span[1]] += col_sums  # (w, D)
+    return row_sums, col_sums

@@ -1,11 +1,11 @@
 """Per-request bookkeeping: request id, timing, and when the answer is complete,
-one metrics update (app/metrics.py) and one JSON log line (app/request_log.py).
+one metrics update (metrics.py) and one JSON log line (request_log.py).
 
 "Complete" means after the last body byte for a streamed answer (the
 /v1/gradients blocks), so its latency, outputs and compute time include the
 stream; for any other answer it is right after the view. Views describe their
 work by setting `g.work` (a `Work`) and `g.device`; the error handler sets
-`g.error_code` (app/http_errors.py).
+`g.error_code` (errors.py).
 """
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -15,8 +15,9 @@ from typing import Any
 
 from flask import Flask, Response, g, request
 
+from ..core.errors import BlockgradError
+from ..core.limits import output_elements
 from . import metrics
-from .errors import ApiError
 from .request_log import REQUEST_ID_HEADER, log_request, request_id_from
 
 
@@ -29,6 +30,12 @@ class Work:
     outputs: tuple[str, ...]
     output_numbers: int  # numbers in the full answer (see limits.output_elements)
     compute_s: float = 0.0
+
+    @classmethod
+    def of(cls, n: int, dim: int, factor: int, outputs: tuple[str, ...],
+           computed: tuple[str, ...] | None = None) -> "Work":
+        """`outputs` as logged; `computed` (default the same): the core's outputs they need."""
+        return cls(n, dim, factor, outputs, output_elements(n, dim, factor, outputs if computed is None else computed))
 
     @contextmanager
     def computing(self) -> Iterator[None]:
@@ -117,7 +124,7 @@ def finish_after(body: Iterable[bytes], finish: Callable[[str | None], None]) ->
     except GeneratorExit:  # the server closed it early: the client went away
         error = "client_closed"
         raise
-    except ApiError as exc:  # e.g. deadline_exceeded between two blocks
+    except BlockgradError as exc:  # e.g. deadline_exceeded between two blocks
         error = exc.code
         raise
     except Exception:

@@ -1,33 +1,31 @@
-"""One inference request: protocol document -> the shared GradientRequest -> output tensors.
+"""One inference request: protocol document -> the core's GradientRequest -> output tensors.
 
-The envelope (inputs, outputs, parameters) is the protocol's; the numbers and the
-model's parameters go through the /v1 schema, so the rules, defaults and
-messages are the same, and so are the limits (`admit`) and the computation.
+The envelope (inputs, outputs, parameters) is the protocol's; the vectors and the
+model's parameters become the core's request through `build_request`, so the
+rules, defaults and limits are the core's, as for /v1.
 """
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from marshmallow import ValidationError
 
-from ..compute import start, summarize
-from ..engine import Block
-from ..errors import ApiError
-from ..limits import admit_shape
-from ..parsing import decode_json
-from ..render import to_numpy
-from ..schemas import OUTPUTS as GRADIENT_OUTPUTS
-from ..schemas import GradientRequest, GradientRequestSchema
+from ...core.errors import BlockgradError
+from ...core.limits import admit_shape
+from ...core.request import GradientRequest, build_request, ordered_outputs
+from ...core.run import Result
+from ...core.settings import Settings
+from ...core.vectors import MatrixError, check_matrix, parse_matrix
+from ...http.parsing import decode_json
+from ...http.streaming import to_numpy
 from .codec import CodecError, OutputTensor, decode_tensor, split_body
-from .model import (DATATYPE_OF_DTYPE, FLOAT_DATATYPES, GRADIENT_PARAMETERS, INPUT_NAME, MODEL_NAME,
-                    MODEL_VERSION, OUTPUTS)
-from .schemas import InferRequestSchema
+from .model import DATATYPE_OF_DTYPE, FLOAT_DATATYPES, GRADIENT_PARAMETERS, INPUT_NAME, MODEL_NAME, MODEL_VERSION, OUTPUTS
+from .schemas import InferRequestSchema, ParametersSchema
 
 
-def invalid(message: str) -> ApiError:
+def invalid(message: str) -> BlockgradError:
     """The protocol answers a bad request with 400 and {"error": message}."""
-    return ApiError(400, "validation_error", message)
+    return BlockgradError("validation_error", message)
 
 
 @dataclass(frozen=True)
@@ -43,8 +41,8 @@ class InferRequest:
     id: str | None
 
 
-def parse_infer_request(body: bytes, header_length: str | None, config: Mapping) -> InferRequest:
-    """The protocol document -> InferRequest; the declared shape is admitted (config's
+def parse_infer_request(body: bytes, header_length: str | None, settings: Settings) -> InferRequest:
+    """The protocol document -> InferRequest; the declared shape is admitted (the
     N and D limits) before any row is built or any binary data decoded."""
     try:
         header, binary = split_body(body, header_length)
@@ -55,7 +53,7 @@ def parse_infer_request(body: bytes, header_length: str | None, config: Mapping)
         envelope = InferRequestSchema().load(document)
     except ValidationError as exc:
         raise invalid(f"The inference request is not valid: {flatten(exc.messages)}") from None
-    matrix, datatype = input_matrix(envelope["inputs"], binary, config)
+    matrix, datatype = input_matrix(envelope["inputs"], binary, settings)
     parameters = dict(envelope["parameters"])
     binary_output = parameters.pop("binary_data_output", False)
     if not isinstance(binary_output, bool):
@@ -64,20 +62,27 @@ def parse_infer_request(body: bytes, header_length: str | None, config: Mapping)
     if unknown:
         raise invalid(f"Unknown parameters {unknown}; this model takes {list(GRADIENT_PARAMETERS)} "
                       "and binary_data_output.")
-    fields = {"vectors": matrix, "dtype": FLOAT_DATATYPES[datatype][1], **parameters}
-    try:
-        gradient = GradientRequestSchema().load(fields)  # the /v1 rules, defaults and messages
-    except ValidationError as exc:
-        raise invalid(" ".join(f"{field_label(name)}: {' '.join(flat_messages(messages))}"
-                               for name, messages in sorted(exc.messages.items()))) from None
     outputs = requested_outputs(envelope.get("outputs"), binary_output)
-    needed = {OUTPUTS[output.name] for output in outputs}
-    gradient = replace(gradient, outputs=tuple(name for name in GRADIENT_OUTPUTS if name in needed))
+    try:
+        typed = ParametersSchema().load(parameters)  # JSON types, as /v1 checks its fields
+        gradient = build_request(matrix, dtype=FLOAT_DATATYPES[datatype][1], **typed,
+                                 outputs=ordered_outputs({OUTPUTS[output.name] for output in outputs}))
+    except ValidationError as exc:
+        raise invalid(field_messages(exc.messages)) from None
+    except BlockgradError as exc:
+        if exc.code != "validation_error":
+            raise
+        raise invalid(field_messages(exc.details["fields"])) from None
     return InferRequest(gradient, outputs, envelope.get("id"))
 
 
-def input_matrix(inputs: list[dict], binary: memoryview, config: Mapping) -> tuple[np.ndarray | list, str]:
-    """The `vectors` input as an (N, D) array (binary) or rows of JSON numbers, and its datatype."""
+def field_messages(fields: dict) -> str:
+    return " ".join(f"{field_label(name)}: {' '.join(flat_messages(messages))}"
+                    for name, messages in sorted(fields.items()))
+
+
+def input_matrix(inputs: list[dict], binary: memoryview, settings: Settings) -> tuple[np.ndarray, str]:
+    """The `vectors` input as a checked (N, D) array, and its datatype."""
     names = [tensor["name"] for tensor in inputs]
     if names != [INPUT_NAME]:
         raise invalid(f"The model takes exactly one input, '{INPUT_NAME}'; got {names}.")
@@ -95,7 +100,7 @@ def input_matrix(inputs: list[dict], binary: memoryview, config: Mapping) -> tup
     if d < 1:
         raise invalid(f"Input '{INPUT_NAME}' must have non-empty rows: shape {shape} declares vectors of length 0 "
                       "(D must be at least 1).")
-    admit_shape(n, d, config)  # 413 limit_exceeded
+    admit_shape(n, d, settings)  # 413 limit_exceeded
     size = parameters.pop("binary_data_size", None)
     if parameters:
         raise invalid(f"Unknown parameters {sorted(parameters)} on input '{INPUT_NAME}'.")
@@ -104,7 +109,7 @@ def input_matrix(inputs: list[dict], binary: memoryview, config: Mapping) -> tup
             raise invalid(f"Input '{INPUT_NAME}' has neither data nor binary_data_size.")
         if len(binary):
             raise invalid(f"{len(binary)} bytes follow the JSON header but no input has binary_data_size.")
-        return json_rows(tensor["data"], shape), datatype
+        return checked_matrix(parse_matrix, json_rows(tensor["data"], shape)), datatype
     if "data" in tensor:
         raise invalid(f"Input '{INPUT_NAME}' has both data and binary_data_size; send one.")
     if type(size) is not int or size < 0:
@@ -113,9 +118,17 @@ def input_matrix(inputs: list[dict], binary: memoryview, config: Mapping) -> tup
         raise invalid(f"binary_data_size of input '{INPUT_NAME}' is {size} but {len(binary)} bytes "
                       "follow the JSON header.")
     try:
-        return decode_tensor(binary, FLOAT_DATATYPES[datatype][0], shape), datatype
+        matrix = decode_tensor(binary, FLOAT_DATATYPES[datatype][0], shape)
     except CodecError as exc:
         raise invalid(f"Input '{INPUT_NAME}': {exc}") from None
+    return checked_matrix(check_matrix, matrix), datatype
+
+
+def checked_matrix(check, value) -> np.ndarray:
+    try:
+        return check(value)
+    except MatrixError as exc:
+        raise invalid(f"{field_label('vectors')}: {exc}") from None
 
 
 def json_rows(data: object, shape: list[int]) -> list:
@@ -152,25 +165,17 @@ def requested_outputs(outputs: list[dict] | None, binary_default: bool) -> tuple
     return tuple(chosen)
 
 
-def run_inference(request: InferRequest, config: Mapping) -> tuple[dict, list[OutputTensor]]:
-    """Admit, compute in one pass, and return the response head and its output tensors."""
+def output_tensors(request: InferRequest, result: Result) -> tuple[dict, list[OutputTensor]]:
+    """The response head and its output tensors, from the core's result."""
     req = request.gradient
-    device, deadline, vectors = start(req, config)  # vectors: (N, D)
-    names = {output.name for output in request.outputs}
-    grid = None
-    if "block_gradients" in names:
-        # (N, N, 2D): the full pair-matrix gradient; each block lands in place, so ragged
-        # last blocks need no padding. Filled from the one pass that also checks finiteness.
-        grid = torch.empty((req.n, req.n, 2 * req.dim), dtype=vectors.dtype)
-    summary = summarize(vectors, req, deadline, on_block=None if grid is None else grid_writer(grid))
     datatype = DATATYPE_OF_DTYPE[req.dtype]
 
     def output_array(name: str) -> np.ndarray:
         if name == "block_gradients":
-            return grid.numpy()  # shares the tensor's memory
+            return gradient_grid(result).numpy()  # (N, N, 2D), shares the tensor's memory
         if name == "bounds":
-            return np.array(summary.bounds, dtype=np.int64)
-        return to_numpy(summary.accumulated if name == "accumulated" else summary.losses)
+            return np.array(result.bounds, dtype=np.int64)
+        return to_numpy(result.accumulated if name == "accumulated" else result.losses)
 
     tensors = [OutputTensor(output.name, "INT64" if output.name == "bounds" else datatype,
                             output_array(output.name), output.binary) for output in request.outputs]
@@ -178,14 +183,18 @@ def run_inference(request: InferRequest, config: Mapping) -> tuple[dict, list[Ou
     if request.id is not None:
         head["id"] = request.id
     head["parameters"] = {"factor": req.factor, "objective": req.objective, "offset": req.offset,
-                          "device": str(device)}
+                          "device": str(result.device)}
     return head, tensors
 
 
-def grid_writer(grid: torch.Tensor):
-    def write(block: Block) -> None:
-        grid[block.rows[0]:block.rows[1], block.cols[0]:block.cols[1]].copy_(block.gradient)
-    return write
+def gradient_grid(result: Result) -> torch.Tensor:
+    """(N, N, 2D): the full pair-matrix gradient, each block written in place (ragged last
+    blocks need no padding)."""
+    n, dim = result.request.n, result.request.dim
+    grid = torch.empty((n, n, 2 * dim), dtype=result.accumulated.dtype)
+    for block in result.blocks():
+        grid[block.row_span[0]:block.row_span[1], block.col_span[0]:block.col_span[1]].copy_(block.gradient)
+    return grid
 
 
 def field_label(name: str) -> str:

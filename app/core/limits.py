@@ -2,10 +2,9 @@
 
 Runs before any tensor is allocated, so a refusal costs milliseconds at any size.
 """
-from collections.abc import Mapping
-
 from .engine import largest_block_side
-from .errors import ApiError
+from .errors import limit_exceeded
+from .settings import Settings
 
 
 def output_elements(n: int, dim: int, factor: int, outputs: tuple[str, ...]) -> int:
@@ -22,13 +21,9 @@ def smallest_fitting_factor(n: int, dim: int, factor: int, limit: int) -> int | 
     return next((f for f in range(factor, n + 1) if block_elements(n, dim, f) <= limit), None)
 
 
-def limit_exceeded(message: str, limit: str, value: int, allowed: int) -> ApiError:
-    return ApiError(413, "limit_exceeded", message, {"limit": limit, "value": value, "allowed": allowed})
-
-
-def admit_shape(n: int, dim: int, config: Mapping) -> None:
+def admit_shape(n: int, dim: int, settings: Settings) -> None:
     """N and D alone: checked as soon as they are known, before the numbers are converted."""
-    max_n, max_d = config["BLOCKGRAD_MAX_N"], config["BLOCKGRAD_MAX_D"]
+    max_n, max_d = settings.max_n, settings.max_d
     if n > max_n:
         raise limit_exceeded(f"{n} vectors is over BLOCKGRAD_MAX_N = {max_n}; send at most {max_n}.",
                              "BLOCKGRAD_MAX_N", n, max_n)
@@ -37,10 +32,13 @@ def admit_shape(n: int, dim: int, config: Mapping) -> None:
                              "BLOCKGRAD_MAX_D", dim, max_d)
 
 
-def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], config: Mapping) -> None:
-    """Raise 413 limit_exceeded naming the limit and what to change, or return."""
-    admit_shape(n, dim, config)
-    max_block = config["BLOCKGRAD_MAX_BLOCK_ELEMENTS"]
+def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], settings: Settings) -> None:
+    """Raise limit_exceeded naming the limit and what to change, or return.
+
+    The one admission function: each front end calls it as soon as it knows the
+    sizes (before converting numbers), and `run` calls it again on the request."""
+    admit_shape(n, dim, settings)
+    max_block = settings.max_block_elements
     per_block = block_elements(n, dim, factor)
     if per_block > max_block:
         fitting = smallest_fitting_factor(n, dim, factor, max_block)
@@ -51,7 +49,7 @@ def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], config: Mappi
             f"With factor {factor} the largest block holds {per_block} numbers, over "
             f"BLOCKGRAD_MAX_BLOCK_ELEMENTS = {max_block}; {advice}.",
             "BLOCKGRAD_MAX_BLOCK_ELEMENTS", per_block, max_block)
-    max_output = config["BLOCKGRAD_MAX_OUTPUT_ELEMENTS"]
+    max_output = settings.max_output_elements
     total = output_elements(n, dim, factor, outputs)
     if total > max_output:
         raise limit_exceeded(

@@ -1,9 +1,9 @@
-"""GET /metrics: Prometheus text format, all gunicorn workers added up (app/metrics.py)."""
+"""GET /metrics: Prometheus text format, all gunicorn workers added up (app/http/metrics.py)."""
 from flask import Response
 
-from ..docs import OPEN_ROUTE, documents_errors
-from ..metrics import exposition
-from ..parsing import ApiBlueprint
+from ..http.docs import OPEN_ROUTE, documents_errors
+from ..http.metrics import exposition
+from ..http.parsing import ApiBlueprint
 
 blp = ApiBlueprint("metrics", __name__, description="Prometheus metrics.")
 

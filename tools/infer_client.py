@@ -10,8 +10,8 @@ from collections.abc import Mapping
 import numpy as np
 import orjson
 
-from .codec import BINARY_CONTENT_TYPE, HEADER_LENGTH
-from .model import DATATYPE_OF_DTYPE, INPUT_NAME, OUTPUTS
+from app.api.v2.codec import BINARY_CONTENT_TYPE, HEADER_LENGTH
+from app.api.v2.model import DATATYPE_OF_DTYPE, INPUT_NAME, OUTPUTS
 
 BINARY_DTYPES = {"FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"), "INT64": np.dtype("<i8")}
 

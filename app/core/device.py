@@ -9,9 +9,7 @@ import traceback
 
 import torch
 
-from .errors import ApiError
-
-OOM_RETRY_AFTER_S = 5
+from .errors import not_ready
 
 
 @functools.cache
@@ -36,6 +34,18 @@ def resolve_device(setting: str) -> torch.device:
     return device
 
 
+def usable_device(setting: str) -> torch.device:
+    """The configured device, once it has run a small computation; not_ready if it cannot."""
+    try:
+        device = resolve_device(setting)
+        probe = torch.ones(2, device=device).sum().item()
+    except (ValueError, RuntimeError) as exc:
+        raise not_ready(str(exc)) from None
+    if probe != 2.0:
+        raise not_ready("it gave a wrong answer to a probe computation.")
+    return device
+
+
 def release_device_memory(exc: BaseException) -> None:
     """Drop the failed request's tensors (held by the traceback's frames) and hand
     the allocator's cached blocks back, so this worker can serve the next request."""
@@ -43,11 +53,3 @@ def release_device_memory(exc: BaseException) -> None:
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-
-
-def device_out_of_memory(exc: BaseException) -> ApiError:
-    release_device_memory(exc)
-    return ApiError(503, "device_out_of_memory",
-                    "The compute device ran out of memory on this request; retry later, "
-                    "or send a larger factor, fewer outputs or fewer vectors.",
-                    headers={"Retry-After": str(OOM_RETRY_AFTER_S)})

@@ -9,7 +9,7 @@ import hmac
 
 from flask import Flask, request
 
-from .errors import ApiError
+from .errors import invalid_token, missing_token
 
 # Probes and metrics stay open so that orchestrators and scrapers need no secret.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
@@ -28,13 +28,9 @@ def bearer_token(header: str) -> bytes | None:
     return token.strip().encode("latin-1", "replace")
 
 
-def unauthorized(message: str, challenge: str) -> ApiError:
-    return ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": challenge})
-
-
-def install_auth(app: Flask) -> None:
+def install_auth(app: Flask, api_token: str | None) -> None:
     """Require the token on every non-open path, if one is configured."""
-    token = (app.config.get("BLOCKGRAD_API_TOKEN") or "").strip()
+    token = (api_token or "").strip()
     if not token:
         return
     expected = token.encode("utf-8", "surrogateescape")  # a client sends a non-ASCII token as UTF-8
@@ -45,8 +41,6 @@ def install_auth(app: Flask) -> None:
             return
         given = bearer_token(request.headers.get("Authorization", ""))
         if given is None:
-            raise unauthorized("This route needs the header `Authorization: Bearer <token>`.",
-                               'Bearer realm="blockgrad"')
+            raise missing_token()
         if not hmac.compare_digest(given, expected):
-            raise unauthorized("The bearer token is not valid.",
-                               'Bearer realm="blockgrad", error="invalid_token"')
+            raise invalid_token()

@@ -1,11 +1,14 @@
 """The protocol's JSON documents as marshmallow schemas.
 
-The request schemas check the envelope's structure (names, types, shapes); the
-numbers and the model's parameters are then checked by the /v1 schema. The
-response schemas document the routes in the OpenAPI document.
+The request schemas check the envelope's structure (names, types, shapes) and
+the model's parameters' JSON types; the core's `build_request` then applies the
+rules that need the numbers. The response schemas document the routes.
 """
 from marshmallow import Schema, fields
-from marshmallow.validate import Length, Range
+from marshmallow.validate import Length, OneOf, Range
+
+from ...core.objectives import OBJECTIVES
+from ...http.fields import JsonNumber
 
 Parameters = fields.Dict  # $parameters: {name: $string | $number | $boolean}
 
@@ -16,6 +19,13 @@ class RequestInputSchema(Schema):
     datatype = fields.String(required=True)
     parameters = Parameters(keys=fields.String(), load_default=dict)
     data = fields.Raw(metadata={"description": "Row-major numbers, flat or nested; absent when binary."})
+
+
+class ParametersSchema(Schema):
+    """The model's parameters (factor, objective, offset): JSON types as /v1 takes them."""
+    factor = fields.Integer(strict=True, validate=Range(min=1))
+    objective = fields.String(validate=OneOf(OBJECTIVES))
+    offset = JsonNumber()
 
 
 class RequestOutputSchema(Schema):

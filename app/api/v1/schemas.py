@@ -1,64 +1,29 @@
-"""Every request and response shape, in one module.
+"""/v1's request and response shapes.
 
 The same schemas validate requests and produce the OpenAPI document. Loading a
-request hands the view a typed `GradientRequest` (post_load), never a dict.
+request admits its sizes first (pre_load, before any number is converted), checks
+the JSON types field by field, and hands the view the core's typed
+`GradientRequest` (post_load, through `build_request`), never a dict.
 """
-from dataclasses import dataclass
-
 import numpy as np
-from marshmallow import Schema, ValidationError, fields, post_load, validates_schema
+from marshmallow import Schema, ValidationError, fields, post_load, pre_load
 from marshmallow.validate import Length, OneOf, Range
 
-from .engine import default_factor
-from .objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET, OBJECTIVES
-from .vectors import MatrixError, check_matrix, fits_dtype, parse_matrix
-
-OUTPUTS = ("blocks", "accumulated", "losses")
-DEFAULT_OUTPUTS = ("blocks", "accumulated")
-DTYPES = {"float32": np.float32, "float64": np.float64}
-DEFAULT_DTYPE = "float32"
-
-
-@dataclass(frozen=True)
-class GradientRequest:
-    vectors: np.ndarray  # (N, D) float64 (or float32 from /v2 binary data), finite, fits `dtype`
-    factor: int
-    objective: str
-    offset: float
-    outputs: tuple[str, ...]  # in OUTPUTS order, no repeats
-    dtype: str
-
-    @property
-    def n(self) -> int:
-        return self.vectors.shape[0]
-
-    @property
-    def dim(self) -> int:
-        return self.vectors.shape[1]
+from ...core.objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET, OBJECTIVES
+from ...core.request import DEFAULT_DTYPE, DEFAULT_OUTPUTS, DTYPES, OUTPUTS, GradientRequest, build_request
+from ...core.vectors import MatrixError, parse_matrix
+from ...http.fields import JsonNumber
+from .admission import admit_document
 
 
 class Vectors(fields.Field):
-    """A list of N rows of D JSON numbers, loaded as one (N, D) float64 array.
-
-    An (N, D) float array (binary tensor data, /v2) is checked by the same rules as is.
-    """
+    """A list of N rows of D JSON numbers, loaded as one (N, D) float64 array."""
 
     def _deserialize(self, value, attr, data, **kwargs) -> np.ndarray:
         try:
-            if isinstance(value, np.ndarray):
-                return check_matrix(value)
             return parse_matrix(value)
         except MatrixError as exc:
             raise ValidationError(str(exc)) from None
-
-
-class JsonNumber(fields.Float):
-    """A finite JSON number; strings and booleans are refused, not coerced."""
-
-    def _deserialize(self, value, attr, data, **kwargs):
-        if isinstance(value, (str, bool)):
-            raise self.make_error("invalid")
-        return super()._deserialize(value, attr, data, **kwargs)
 
 
 class GradientRequestSchema(Schema):
@@ -79,7 +44,7 @@ class GradientRequestSchema(Schema):
         "description": "Loss of one block B: sum = sum(B + offset), mean = mean(B), sum_of_squares = sum(B*B), "
                        "l2_norm = ||B||_2 (gradient 0 where the norm is 0), logsumexp = log(sum(exp(B)))."})
     offset = JsonNumber(load_default=DEFAULT_OFFSET, metadata={
-        "description": "Added to every entry by the `sum` objective (the seed's i + 5); a finite number "
+        "description": "Added to every entry by the `sum` objective (the classic i + 5 example); a finite number "
                        "within `dtype`'s range. Ignored by the other objectives."})
     outputs = fields.List(fields.String(validate=OneOf(OUTPUTS)), load_default=DEFAULT_OUTPUTS,
                           validate=Length(min=1), metadata={
@@ -90,30 +55,14 @@ class GradientRequestSchema(Schema):
         "description": "Precision of all arithmetic and of every output number (written with the shortest "
                        "digits that round-trip in it)."})
 
-    @validates_schema
-    def check_against_vectors(self, data, **kwargs):
-        vectors, dtype = data["vectors"], DTYPES[data["dtype"]]
-        n = vectors.shape[0]
-        if "factor" in data and data["factor"] > n:
-            raise ValidationError(f"Must be between 1 and N = {n}.", "factor")
-        cell = fits_dtype(vectors, dtype)
-        if cell is not None:
-            advice = "send smaller values or use dtype float64" if data["dtype"] == "float32" else "send smaller values"
-            raise ValidationError(
-                f"Row {cell[0]}, column {cell[1]} overflows {data['dtype']}; {advice}.", "vectors")
-        if fits_dtype(np.array([[data["offset"]]]), dtype) is not None:
-            raise ValidationError(f"Overflows {data['dtype']}.", "offset")
+    @pre_load
+    def admit_sizes(self, data, **kwargs):
+        admit_document(data)  # limit_exceeded from the list lengths alone
+        return data
 
     @post_load
     def make_request(self, data, **kwargs) -> GradientRequest:
-        return GradientRequest(
-            vectors=data["vectors"],
-            factor=data.get("factor", default_factor(data["vectors"].shape[0])),
-            objective=data["objective"],
-            offset=data["offset"],
-            outputs=tuple(name for name in OUTPUTS if name in data["outputs"]),
-            dtype=data["dtype"],
-        )
+        return build_request(**data)  # the core's rules that need the numbers; validation_error
 
 
 class BlockSchema(Schema):
@@ -148,26 +97,3 @@ class GradientResponseSchema(Schema):
     blocks = fields.List(fields.Nested(BlockSchema), metadata={
         "description": "Every block, row-block-major (r outer, c inner); streamed as computed. "
                        "Only if asked for."})
-
-
-class HealthSchema(Schema):
-    status = fields.String(required=True, metadata={"example": "ok", "description": "Always `ok`."})
-
-
-class ReadySchema(Schema):
-    status = fields.String(required=True, metadata={"example": "ready", "description": "Always `ready`."})
-    device = fields.String(required=True, metadata={
-        "example": "cpu", "description": "The device this worker computes on (BLOCKGRAD_DEVICE resolved)."})
-
-
-class ErrorDetailSchema(Schema):
-    code = fields.String(required=True, metadata={
-        "description": "Stable snake_case error code (the table in the description at the top)."})
-    message = fields.String(required=True, metadata={"description": "What went wrong and what to change."})
-    details = fields.Dict(metadata={
-        "description": "Optional: `fields` (validation_error: field -> list of messages), `limit`, `value`, "
-                       "`allowed` (limit_exceeded), `block` (non_finite_result), `timeout_s` (deadline_exceeded)."})
-
-
-class ErrorSchema(Schema):
-    error = fields.Nested(ErrorDetailSchema, required=True)

@@ -1,11 +1,10 @@
 """Request parsing for flask-smorest views: orjson in, our error codes out.
 
 flask-smorest validates with webargs; this parser swaps its JSON decoding for
-orjson and turns its failures into ApiError (415, 400, 422) instead of aborts.
-`read_body` is the one way a view reads a request body (/v1 here, /v2 too).
+orjson and turns its failures into our errors (415, 400, 422) instead of aborts.
+`read_body` is the one way a front end reads a request body (/v1 and /v2).
 """
 import json
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -14,7 +13,8 @@ from flask_smorest import Blueprint
 from webargs.flaskparser import FlaskParser
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from .errors import ApiError, validation_error
+from ..core.errors import validation_error
+from .errors import bad_json, compressed_body, wrong_content_type
 
 
 def is_json_mimetype(mimetype: str) -> bool:
@@ -22,7 +22,7 @@ def is_json_mimetype(mimetype: str) -> bool:
 
 
 def read_body(request: Request) -> bytes:
-    """The whole body, uncompressed and within MAX_CONTENT_LENGTH, or an ApiError / 413.
+    """The whole body, uncompressed and within MAX_CONTENT_LENGTH, or an error (415, 413).
 
     A body with Content-Length over the limit is refused by werkzeug before reading.
     A chunked body has none: werkzeug then stops reading at the limit without a word,
@@ -31,8 +31,7 @@ def read_body(request: Request) -> bytes:
     """
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding not in ("", "identity"):
-        raise ApiError(415, "unsupported_media_type",
-                       f"Send the body uncompressed: Content-Encoding {encoding!r} is not supported.")
+        raise compressed_body(encoding)
     data = request.get_data(cache=False)
     limit = request.max_content_length
     if (limit is not None and len(data) >= limit and request.content_length is None
@@ -52,15 +51,15 @@ def decode_json(body: bytes):
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         if "infinity when parsed" not in str(exc):
-            raise ApiError(400, "bad_json", f"The body is not valid JSON: {exc}.") from None
+            raise bad_json(str(exc)) from None
     try:
         document = json.loads(body, parse_constant=reject_constant)
     except ValueError as exc:
-        raise ApiError(400, "bad_json", f"The body is not valid JSON: {exc}.") from None
+        raise bad_json(str(exc)) from None
     # The stdlib accepts lone surrogates (\ud800), which orjson refuses and which no
     # answer could echo back as UTF-8. Only an escape can make one: look only then.
     if b"\\u" in body and holds_lone_surrogate(document):
-        raise ApiError(400, "bad_json", "The body is not valid JSON: a string holds a lone UTF-16 surrogate.")
+        raise bad_json("a string holds a lone UTF-16 surrogate")
     return document
 
 
@@ -83,27 +82,16 @@ def holds_lone_surrogate(document: Any) -> bool:
 
 
 class OrjsonParser(FlaskParser):
-    """`admit_document`, if given, sees the parsed JSON before the schema converts it,
-    so that a request too large to serve is refused before its numbers are touched."""
-
-    def __init__(self, admit_document: Callable[[Any], None] | None = None, **kwargs):
-        super().__init__(**kwargs)
-        self.admit_document = admit_document
-
     def _raw_load_json(self, req):
         if not is_json_mimetype(req.mimetype):
-            raise ApiError(415, "unsupported_media_type",
-                           f"Send the body as Content-Type: application/json (got {req.mimetype or 'none'!r}).")
-        document = decode_json(read_body(req))
-        if self.admit_document is not None:
-            self.admit_document(document)
-        return document
+            raise wrong_content_type(req.mimetype)
+        return decode_json(read_body(req))
 
     def handle_error(self, error, req, schema, *, error_status_code, error_headers):
         messages = error.messages.get("json", error.messages) if isinstance(error.messages, dict) else error.messages
         if not isinstance(messages, dict) or set(messages) == {"_schema"}:
-            raise ApiError(422, "validation_error", "The body must be a JSON object with at least `vectors`.",
-                           {"fields": {"_schema": messages.get("_schema", messages) if isinstance(messages, dict) else messages}})
+            raise validation_error({"_schema": messages.get("_schema", messages) if isinstance(messages, dict)
+                                    else messages}, "The body must be a JSON object with at least `vectors`.")
         raise validation_error(messages)
 
 

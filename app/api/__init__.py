@@ -1,0 +1,16 @@
+"""The front ends: thin adapters from HTTP to the core's request and back."""
+from flask import Flask
+from flask_smorest import Api
+
+from ..http.errors import register_error_style
+from . import health, metrics
+from .v1 import views as v1_views
+from .v2 import views as v2_views
+
+
+def register_front_ends(app: Flask, api: Api) -> None:
+    api.register_blueprint(v1_views.blp)
+    api.register_blueprint(health.blp)
+    api.register_blueprint(v2_views.blp)
+    api.register_blueprint(metrics.blp)
+    register_error_style(app, v2_views.blp.url_prefix, v2_views.ERROR_STYLE)

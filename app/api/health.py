@@ -1,0 +1,39 @@
+"""Probes: /healthz (the process answers) and /readyz (torch and the device work)."""
+from marshmallow import Schema, fields
+
+from ..core.device import usable_device
+from ..http.docs import OPEN_ROUTE, documents_errors
+from ..http.parsing import ApiBlueprint
+from ..http.settings import current_settings
+from flask import g
+
+blp = ApiBlueprint("health", __name__, description="Liveness and readiness probes.")
+
+
+class HealthSchema(Schema):
+    status = fields.String(required=True, metadata={"example": "ok", "description": "Always `ok`."})
+
+
+class ReadySchema(Schema):
+    status = fields.String(required=True, metadata={"example": "ready", "description": "Always `ready`."})
+    device = fields.String(required=True, metadata={
+        "example": "cpu", "description": "The device this worker computes on (BLOCKGRAD_DEVICE resolved)."})
+
+@blp.route("/healthz", methods=["GET"])
+@blp.doc(**OPEN_ROUTE)
+@blp.response(200, HealthSchema)
+@documents_errors(blp, "internal_error")
+def healthz():
+    """The process is alive."""
+    return {"status": "ok"}
+
+
+@blp.route("/readyz", methods=["GET"])
+@blp.doc(**OPEN_ROUTE)
+@blp.response(200, ReadySchema)
+@documents_errors(blp, "not_ready", "internal_error")
+def readyz():
+    """torch is loaded and the configured device runs a small computation."""
+    device = usable_device(current_settings().device)  # not_ready if it cannot
+    g.device = str(device)  # for the device metric (app/http/observe.py)
+    return {"status": "ready", "device": str(device)}

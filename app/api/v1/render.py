@@ -1,0 +1,63 @@
+"""/v1's answer as JSON bytes (orjson), the blocks streamed one at a time.
+
+The head (sizes, bounds, accumulated, losses) goes out first; then each block
+is serialised as it is taken from the result and flushed in chunks of about
+CHUNK_BYTES, so a worker holds roughly one block of output at a time whatever N is.
+"""
+from collections.abc import Iterator
+
+import orjson
+
+from ...core.engine import Block
+from ...core.run import Result
+from ...http.observe import Work
+from ...http.streaming import NUMPY, gather, to_numpy
+
+CHUNK_BYTES = 256 * 1024
+
+
+def block_json(block: Block) -> bytes:
+    return orjson.dumps({
+        "row": block.r, "col": block.c,
+        "rows": block.row_span, "cols": block.col_span,
+        "loss": to_numpy(block.loss)[()],  # numpy scalar: shortest digits of its dtype
+        "gradient": to_numpy(block.gradient),  # (rows, cols, 2D)
+    }, option=NUMPY)
+
+
+def head_json(head: dict) -> bytes:
+    return orjson.dumps(head, option=NUMPY)
+
+
+def render_result(result: Result, work: Work) -> bytes | Iterator[bytes]:
+    """The whole document; streamed (an iterator) when it holds blocks."""
+    req = result.request
+    head = {"n": req.n, "dim": req.dim, "factor": req.factor, "bounds": result.bounds,
+            "objective": req.objective, "dtype": req.dtype, "device": str(result.device)}
+    if "accumulated" in req.outputs:
+        head["accumulated"] = to_numpy(result.accumulated)
+    if "losses" in req.outputs:
+        head["losses"] = to_numpy(result.losses)
+    if "blocks" not in req.outputs:
+        return head_json(head)
+    return stream_with_blocks(head, work.timed(result.blocks()))
+
+
+def stream_with_blocks(head: dict, blocks: Iterator[Block]) -> Iterator[bytes]:
+    """One JSON object: the head's keys, then "blocks": [...] written as computed.
+
+    The head goes out before any block is computed, so the status line and
+    headers are sent first: a failure after that (deadline, device memory) can
+    only cut the stream, and the client sees a body without its closing "]}"
+    (and, over HTTP/1.1, without the final chunk), never a complete wrong one.
+    """
+    yield head_json(head)[:-1] + b',"blocks":['
+    yield from gather(block_pieces(blocks), CHUNK_BYTES)
+
+
+def block_pieces(blocks: Iterator[Block]) -> Iterator[bytes]:
+    for k, block in enumerate(blocks):
+        if k:
+            yield b","
+        yield block_json(block)
+    yield b"]}"

@@ -1,0 +1,29 @@
+"""POST /v1/gradients: the schema builds the core's request, the core runs it, render.py writes it."""
+from flask import Response, g
+
+from ...core.run import run
+from ...http.docs import documents_errors
+from ...http.observe import Work
+from ...http.parsing import ApiBlueprint
+from ...http.settings import current_settings
+from ...core.request import GradientRequest
+from .render import render_result
+from .schemas import GradientRequestSchema, GradientResponseSchema
+
+blp = ApiBlueprint("gradients", __name__, url_prefix="/v1",
+                   description="Per-block gradients of the pairwise feature matrix.")
+
+
+@blp.route("/gradients", methods=["POST"])
+@blp.arguments(GradientRequestSchema)
+@blp.response(200, GradientResponseSchema)
+@documents_errors(blp, "bad_json", "unauthorized", "too_large", "limit_exceeded", "unsupported_media_type",
+                  "validation_error", "non_finite_result", "deadline_exceeded", "device_out_of_memory",
+                  "internal_error")
+def post_gradients(req: GradientRequest):
+    """Gradients of every block, each detached as its own leaf, and their sum on the vectors."""
+    g.work = work = Work.of(req.n, req.dim, req.factor, req.outputs)  # for the log line and metrics
+    with work.computing():
+        result = run(req, current_settings())
+    g.device = str(result.device)
+    return Response(render_result(result, work), mimetype="application/json")

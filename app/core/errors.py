@@ -1,0 +1,78 @@
+"""Domain errors: what went wrong, as a stable code, a message that says what to
+change, and details. No HTTP here: app/http/errors.py maps each code to a status.
+
+Each failure has one constructor below; the code that raises it and the
+documentation's example both call it, so the two cannot drift apart.
+"""
+import math
+from typing import Any
+
+
+class BlockgradError(Exception):
+    """A failure a client can act on: {"code", "message", "details"}."""
+
+    def __init__(self, code: str, message: str, details: dict[str, Any] | None = None,
+                 retry_after_s: int | None = None):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.details = details or {}
+        self.retry_after_s = retry_after_s  # set when retrying later may succeed as sent
+
+
+def validation_error(fields: dict[str, Any], message: str | None = None) -> BlockgradError:
+    """`fields`: field name -> list of messages."""
+    names = ", ".join(sorted(fields))
+    return BlockgradError("validation_error", message or f"The request is not valid; fix these fields: {names}.",
+                          {"fields": fields})
+
+
+def field_error(field: str, message: str) -> BlockgradError:
+    return validation_error({field: [message]})
+
+
+def limit_exceeded(message: str, limit: str, value: int, allowed: int, **extra: Any) -> BlockgradError:
+    return BlockgradError("limit_exceeded", message, {"limit": limit, "value": value, "allowed": allowed, **extra})
+
+
+def non_finite_advice(dtype: str) -> str:
+    """What to change; float64 is worth suggesting only to a float32 request."""
+    if dtype == "float32":
+        return "send smaller values, another objective, or dtype float64"
+    return "send smaller values or another objective"
+
+
+def non_finite_block(row: int, col: int, dtype: str) -> BlockgradError:
+    return BlockgradError(
+        "non_finite_result",
+        f"Block (row {row}, col {col}) has a loss or gradient that is not finite in {dtype}; "
+        f"{non_finite_advice(dtype)}.",
+        {"block": {"row": row, "col": col}})
+
+
+def non_finite_accumulated(dtype: str) -> BlockgradError:
+    return BlockgradError("non_finite_result",
+                          f"The accumulated gradient is not finite in {dtype}; {non_finite_advice(dtype)}.",
+                          {"output": "accumulated"})
+
+
+def deadline_exceeded(timeout_s: float) -> BlockgradError:
+    return BlockgradError(
+        "deadline_exceeded",
+        f"The request did not finish within {timeout_s:g} s; retry later, or send a larger factor or fewer outputs.",
+        {"timeout_s": timeout_s}, retry_after_s=max(1, math.ceil(timeout_s / 10)))
+
+
+OOM_RETRY_AFTER_S = 5
+
+
+def device_out_of_memory() -> BlockgradError:
+    return BlockgradError(
+        "device_out_of_memory",
+        "The compute device ran out of memory on this request; retry later, "
+        "or send a larger factor, fewer outputs or fewer vectors.",
+        retry_after_s=OOM_RETRY_AFTER_S)
+
+
+def not_ready(reason: str) -> BlockgradError:
+    return BlockgradError("not_ready", f"The compute device is not usable: {reason}")

@@ -1,0 +1,77 @@
+"""Settings: one frozen object, read once from environment variables with defaults.
+
+Standard library only, so that gunicorn.conf.py can import it without torch.
+The limits are sized so that a 2-core, 24 GiB machine serves every request it
+accepts (README, "Limits").
+"""
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+def parse_int(name: str, raw: Any, default: int) -> int:
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        return default
+    try:
+        value = int(raw) if not isinstance(raw, bool) else None
+    except ValueError:
+        value = None
+    if value is None:
+        raise ValueError(f"{name} must be an integer, got {raw!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def parse_float(name: str, raw: Any, default: float) -> float:
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def env_int(name: str, default: int, environ: Mapping[str, Any] = os.environ) -> int:
+    return parse_int(name, environ.get(name), default)
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: str = "auto"
+    # A JSON number can take 2 bytes ("1,"): 32 MiB bounds a body at ~16M numbers, as Python
+    # objects while parsing. N=4096, D=64 at full float64 precision is ~5.5 MB.
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_n: int = 8192
+    max_d: int = 4096
+    # Numbers in one answer (blocks + accumulated + losses): N=512, D=64 in full is 33.6M.
+    max_output_elements: int = 64 * 1024 * 1024
+    # Numbers in one block (rows x cols x 2D): 4M float64 is 32 MiB a tensor.
+    max_block_elements: int = 4 * 1024 * 1024
+    request_timeout_s: float = 60.0
+    log_level: str = "INFO"
+    # Optional bearer token for every route but the probes (app/http/auth.py); None = open.
+    api_token: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, Any] = os.environ) -> "Settings":
+        """Each field from BLOCKGRAD_<FIELD> (upper case); a bad value raises naming the variable."""
+        values: dict[str, Any] = {}
+        for field in fields(cls):
+            name = env_name(field.name)
+            raw = environ.get(name)
+            if field.type is int:
+                values[field.name] = parse_int(name, raw, field.default)
+            elif field.type is float:
+                values[field.name] = parse_float(name, raw, field.default)
+            elif raw:
+                values[field.name] = str(raw)
+        return cls(**values)
+
+
+def env_name(field: str) -> str:
+    return f"BLOCKGRAD_{field.upper()}"

@@ -1,0 +1,51 @@
+"""The Flask app: settings, shared HTTP glue, then each front end's blueprints."""
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from flask import Flask
+from flask_smorest import Api
+
+from ..core.settings import Settings
+from . import observe
+from .auth import install_auth
+from .docs import ErrorSchema, register_docs, spec_options
+from .errors import register_error_handlers
+from .request_log import configure_logging
+from .settings import install_settings
+
+FLASK_CONFIG = {
+    "API_TITLE": "blockgrad",
+    "API_VERSION": "1.0.0",
+    "OPENAPI_VERSION": "3.0.3",
+    "OPENAPI_URL_PREFIX": "/",
+    "OPENAPI_JSON_PATH": "openapi.json",
+    "OPENAPI_SWAGGER_UI_PATH": "docs",
+    "OPENAPI_SWAGGER_UI_URL": "docs/assets/",  # relative to /docs; served by docs.py, no CDN
+    "OPENAPI_SWAGGER_UI_CONFIG": {"validatorUrl": None},  # no badge fetched from swagger.io
+}
+
+
+class BlockgradApi(Api):
+    ERROR_SCHEMA = ErrorSchema  # the OpenAPI document shows our error object
+
+
+def build_app(overrides: Mapping[str, Any]) -> Flask:
+    settings = Settings.from_env({**os.environ, **{k: v for k, v in overrides.items() if k.startswith("BLOCKGRAD_")}})
+    app = Flask("app")
+    app.config.update(FLASK_CONFIG)
+    app.config.update({k: v for k, v in overrides.items() if not k.startswith("BLOCKGRAD_")})
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.config.setdefault("API_SPEC_OPTIONS", spec_options(settings))
+    install_settings(app, settings)
+    configure_logging(settings.log_level)
+    observe.init_app(app)  # first, so that its hooks see every request
+
+    install_auth(app, settings.api_token)  # one app-level hook: every route, present or future, is behind it
+    api = BlockgradApi(app)
+    from ..api import register_front_ends  # the front ends import this package's glue
+
+    register_front_ends(app, api)
+    register_docs(app, api)
+    register_error_handlers(app)  # after Api, which installs its own HTTP error handler
+    return app

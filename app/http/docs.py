@@ -1,0 +1,141 @@
+"""The OpenAPI document's prose and error catalogue, and the /docs page's assets.
+
+flask-smorest builds the document from the marshmallow schemas and serves it at
+/openapi.json, and renders Swagger UI at /docs (OPENAPI_SWAGGER_UI_* in
+app/http/app.py). Swagger UI's files come from the pinned `swagger-ui-bundle`
+package and are served here under /docs/assets/, so the page needs no internet.
+"""
+from collections.abc import Callable
+
+from flask import Blueprint, Flask, send_from_directory
+from flask_smorest import Api
+from marshmallow import Schema, fields
+from swagger_ui_bundle import swagger_ui_path
+
+from ..core.settings import Settings
+from .errors import ERRORS, error_body
+
+HEADER_DESCRIPTIONS = {
+    "Allow": ("The methods this path accepts.", "string"),
+    "Retry-After": ("Seconds to wait before retrying.", "integer"),
+    "WWW-Authenticate": ("The Bearer challenge.", "string"),
+}
+
+
+class ErrorDetailSchema(Schema):
+    code = fields.String(required=True, metadata={
+        "description": "Stable snake_case error code (the table in the description at the top)."})
+    message = fields.String(required=True, metadata={"description": "What went wrong and what to change."})
+    details = fields.Dict(metadata={
+        "description": "Optional: `fields` (validation_error: field -> list of messages), `limit`, `value`, "
+                       "`allowed` (limit_exceeded), `block` (non_finite_result), `timeout_s` (deadline_exceeded)."})
+
+
+class ErrorSchema(Schema):
+    error = fields.Nested(ErrorDetailSchema, required=True)
+
+
+def error_example(code: str, style_body: Callable = error_body) -> dict:
+    """The documented example: what the constructor that raises `code` makes, rendered as sent."""
+    entry = ERRORS[code]
+    return {"summary": f"{code}: {entry.when}", "value": style_body(entry.example())}
+
+
+def error_responses_spec(*codes: str, style_body: Callable = error_body) -> dict[int, dict]:
+    """Group `codes` by status: {status: {"description", "examples", "headers"}}."""
+    by_status: dict[int, list[str]] = {}
+    for code in codes:
+        by_status.setdefault(ERRORS[code].status, []).append(code)
+    return {status: {"description": "; ".join(f"`{code}`: {ERRORS[code].when}" for code in group),
+                     "examples": {code: error_example(code, style_body) for code in group},
+                     "headers": {name: {"description": HEADER_DESCRIPTIONS[name][0],
+                                        "schema": {"type": HEADER_DESCRIPTIONS[name][1]}}
+                                 for code in group for name in ERRORS[code].headers}}
+            for status, group in by_status.items()}
+
+
+def documents_errors(blp, *codes: str) -> Callable:
+    """Decorator: one documented error response (ErrorSchema, examples) per status of `codes`."""
+    def decorate(view):
+        for status, spec in error_responses_spec(*codes).items():
+            view = blp.alt_response(status, schema=ErrorSchema, **{k: v for k, v in spec.items() if v})(view)
+        return view
+    return decorate
+
+
+def api_description(settings: Settings) -> str:
+    """The document's info.description: limits as configured, errors, headers, other endpoints."""
+    limits = [
+        ("BLOCKGRAD_MAX_BODY_BYTES", "largest request body, in bytes (413 too_large)"),
+        ("BLOCKGRAD_MAX_N", "most vectors N (413 limit_exceeded)"),
+        ("BLOCKGRAD_MAX_D", "longest vector D (413 limit_exceeded)"),
+        ("BLOCKGRAD_MAX_BLOCK_ELEMENTS", "most numbers in one block, side x side x 2D (413 limit_exceeded)"),
+        ("BLOCKGRAD_MAX_OUTPUT_ELEMENTS", "most numbers in one answer: blocks `N*N*2D` + accumulated `N*D` "
+                                          "+ losses `F*F` (413 limit_exceeded)"),
+        ("BLOCKGRAD_REQUEST_TIMEOUT_S", "seconds a request may compute (503 deadline_exceeded)"),
+    ]
+    rows = "\n".join(f"| `{name}` | {getattr(settings, name.removeprefix('BLOCKGRAD_').lower())} | {meaning} |"
+                     for name, meaning in limits)
+    codes = "\n".join(f"| {entry.status} | `{code}` | {entry.when} |" for code, entry in ERRORS.items())
+    return f"""Per-block gradients of the pairwise feature matrix built from N vectors of length D.
+
+## Limits of this server
+| setting | value | what it limits |
+|---|---|---|
+{rows}
+
+## Errors
+Every error, on every path but `/v2`, is `{{"error": {{"code", "message", "details"}}}}` (schema `Error`);
+the Open Inference Protocol's `/v2` paths answer its own `{{"error": "<message>"}}`, with 400 for any
+invalid request:
+| status | code | when |
+|---|---|---|
+{codes}
+
+404 `not_found` answers any path not listed here, and 405 `method_not_allowed` any listed path
+called with a method it does not list.
+
+## Request ids
+Every response carries `X-Request-ID`: the request's own header when it is 1-128 characters of
+`A-Z a-z 0-9 . _ : / + = -`, else a fresh 32-digit hex id. The same id is in the request's log line.
+"""
+
+
+BEARER_SCHEME = "bearerAuth"
+OPEN_ROUTE = {"security": []}  # blp.doc(**OPEN_ROUTE): probes and metrics never need the token
+
+
+def spec_options(settings: Settings) -> dict:
+    """API_SPEC_OPTIONS: the description, and the bearer requirement when a token is set."""
+    options = {"info": {"description": api_description(settings)}}
+    if (settings.api_token or "").strip():
+        options["security"] = [{BEARER_SCHEME: []}]
+    return options
+
+
+def register_docs(app: Flask, api: Api) -> None:
+    """Serve Swagger UI's files under /docs/assets/ and describe /openapi.json and /docs."""
+    api.spec.components.security_scheme(BEARER_SCHEME, {
+        "type": "http", "scheme": "bearer",
+        "description": "Required on every route but the probes and /metrics when BLOCKGRAD_API_TOKEN is set."})
+    assets = Blueprint("docs_assets", __name__)
+
+    @assets.route("/docs/assets/<path:filename>")
+    def docs_asset(filename: str):
+        return send_from_directory(swagger_ui_path, filename, max_age=86400)
+
+    app.register_blueprint(assets)
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    internal_error = dict(error, description=f"`internal_error`: {ERRORS['internal_error'].when}")
+    api.spec.tag({"name": "docs", "description": "This document and its interactive page."})
+    rules = {rule.rule: rule for rule in app.url_map.iter_rules()}  # flask-smorest documents a path by its rule
+    api.spec.path(rule=rules["/openapi.json"], operations={"get": {
+        "tags": ["docs"], "summary": "This OpenAPI 3 document.",
+        "responses": {"200": {"description": "The document.",
+                              "content": {"application/json": {"schema": {"type": "object"}}}},
+                      "500": internal_error}}})
+    api.spec.path(rule=rules["/docs"], operations={"get": {
+        "tags": ["docs"], "summary": "Interactive documentation (Swagger UI, served locally).",
+        "responses": {"200": {"description": "An HTML page; its scripts and styles are under /docs/assets/.",
+                              "content": {"text/html": {"schema": {"type": "string"}}}},
+                      "500": internal_error}}})

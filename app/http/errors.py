@@ -1,0 +1,228 @@
+"""The one error table: every code with its HTTP status, when it happens, its
+documented headers and an example made by the constructor that raises it; and
+the one handler that turns every failure into an error answer.
+
+Front ends register how their errors look (`ErrorStyle`): /v1 and the service's
+own routes answer {"error": {"code", "message", "details"}}; /v2 answers the
+Open Inference Protocol's {"error": "<message>"}. Every error answer also
+carries its code in the X-Blockgrad-Error-Code header.
+"""
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from flask import Flask, Response, current_app, g, has_request_context, request
+from werkzeug.exceptions import HTTPException
+
+from ..core import errors as core
+from ..core.errors import BlockgradError
+
+log = logging.getLogger("blockgrad")
+
+ERROR_CODE_HEADER = "X-Blockgrad-Error-Code"
+INTERNAL_MESSAGE = "The server failed on this request; it has been logged."
+
+
+class HttpError(BlockgradError):
+    """An error only HTTP can have (a route, a method, a header), with its own response headers."""
+
+    def __init__(self, code: str, message: str, details: dict[str, Any] | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(code, message, details)
+        self.headers = headers or {}
+
+
+# Constructors of the HTTP-level errors (the core's are in app/core/errors.py).
+def bad_json(reason: str) -> HttpError:
+    return HttpError("bad_json", f"The body is not valid JSON: {reason}.")
+
+
+def unauthorized(message: str, challenge: str) -> HttpError:
+    return HttpError("unauthorized", message, headers={"WWW-Authenticate": challenge})
+
+
+def missing_token() -> HttpError:
+    return unauthorized("This route needs the header `Authorization: Bearer <token>`.", 'Bearer realm="blockgrad"')
+
+
+def invalid_token() -> HttpError:
+    return unauthorized("The bearer token is not valid.", 'Bearer realm="blockgrad", error="invalid_token"')
+
+
+def not_found() -> HttpError:
+    return HttpError("not_found", "The requested URL was not found on the server. If you entered the URL "
+                                  "manually please check your spelling and try again.")
+
+
+def method_not_allowed(methods: list[str]) -> HttpError:
+    return HttpError("method_not_allowed", "The method is not allowed for the requested URL.",
+                     headers={"Allow": ", ".join(methods)} if methods else None)
+
+
+def too_large() -> HttpError:
+    return HttpError("too_large", "The request body is over BLOCKGRAD_MAX_BODY_BYTES; send fewer or shorter vectors.")
+
+
+def unsupported_media_type(message: str) -> HttpError:
+    return HttpError("unsupported_media_type", message)
+
+
+def wrong_content_type(got: str) -> HttpError:
+    return unsupported_media_type(f"Send the body as Content-Type: application/json (got {got or 'none'!r}).")
+
+
+def compressed_body(encoding: str) -> HttpError:
+    return unsupported_media_type(f"Send the body uncompressed: Content-Encoding {encoding!r} is not supported.")
+
+
+def model_not_found(message: str) -> HttpError:
+    return HttpError("model_not_found", message)
+
+
+def internal_error() -> HttpError:
+    return HttpError("internal_error", INTERNAL_MESSAGE)
+
+
+@dataclass(frozen=True)
+class ErrorCode:
+    status: int
+    when: str
+    example: Callable[[], BlockgradError]  # the constructor that raises it, with example arguments
+    headers: tuple[str, ...] = ()  # response headers this code carries (documented in OpenAPI)
+
+
+RETRY_AFTER = ("Retry-After",)
+ERRORS: dict[str, ErrorCode] = {
+    "bad_request": ErrorCode(400, "the request could not be read as HTTP (e.g. a malformed chunked body)",
+                             lambda: HttpError("bad_request", "The browser (or proxy) sent a request that this "
+                                                              "server could not understand.")),
+    "bad_json": ErrorCode(400, "the body is not valid JSON (NaN and Infinity literals included)",
+                          lambda: bad_json("unexpected character: line 1 column 1 (char 0)")),
+    "unauthorized": ErrorCode(401, "BLOCKGRAD_API_TOKEN is set and the request lacks `Authorization: Bearer "
+                                   "<token>` with the right token (probes and /metrics stay open); see "
+                                   "WWW-Authenticate", missing_token, ("WWW-Authenticate",)),
+    "not_found": ErrorCode(404, "no such route (any path not in this document)", not_found),
+    "model_not_found": ErrorCode(404, "/v2: no such model or version",
+                                 lambda: model_not_found("Unknown model 'other'; this server serves 'blockgrad'.")),
+    "method_not_allowed": ErrorCode(405, "the path exists but not with this method; the Allow header lists the "
+                                         "right ones", lambda: method_not_allowed(["GET", "HEAD", "OPTIONS"]),
+                                    ("Allow",)),
+    "too_large": ErrorCode(413, "the body is over BLOCKGRAD_MAX_BODY_BYTES", too_large),
+    "limit_exceeded": ErrorCode(413, "N, D, the largest block or the whole answer is over its limit; "
+                                     "`details.limit` names it, the message says what to change",
+                                lambda: core.limit_exceeded(
+                                    "8193 vectors is over BLOCKGRAD_MAX_N = 8192; send at most 8192.",
+                                    "BLOCKGRAD_MAX_N", 8193, 8192)),
+    "unsupported_media_type": ErrorCode(415, "Content-Type is not application/json, or the body is compressed",
+                                        lambda: wrong_content_type("text/plain")),
+    "validation_error": ErrorCode(422, "a field is missing, unknown or invalid; `details.fields` maps each to "
+                                       "its messages",
+                                  lambda: core.field_error("factor", "Must be between 1 and N = 3.")),
+    "non_finite_result": ErrorCode(422, "a loss or gradient overflows dtype; `details.block` names the first block",
+                                   lambda: core.non_finite_block(0, 1, "float32")),
+    "internal_error": ErrorCode(500, "a bug; the body holds no internals, the log has the traceback "
+                                     "(same request id)", internal_error),
+    "deadline_exceeded": ErrorCode(503, "the request ran past BLOCKGRAD_REQUEST_TIMEOUT_S (see Retry-After)",
+                                   lambda: core.deadline_exceeded(60.0), RETRY_AFTER),
+    "device_out_of_memory": ErrorCode(503, "the GPU ran out of memory on this request; its memory was freed and "
+                                           "the worker serves on (see Retry-After)",
+                                      core.device_out_of_memory, RETRY_AFTER),
+    "not_ready": ErrorCode(503, "the compute device is not usable",
+                           lambda: core.not_ready("BLOCKGRAD_DEVICE=cuda but CUDA is not available in this process")),
+}
+
+
+def error_body(error: BlockgradError) -> dict[str, Any]:
+    body: dict[str, Any] = {"code": error.code, "message": error.message}
+    if error.details:
+        body["details"] = error.details
+    return {"error": body}
+
+
+def error_headers(error: BlockgradError) -> dict[str, str]:
+    headers = {ERROR_CODE_HEADER: error.code, **getattr(error, "headers", {})}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(error.retry_after_s)
+    return headers
+
+
+@dataclass(frozen=True)
+class ErrorStyle:
+    """How a front end's errors look: the body for an error, and its status for the table's."""
+    body: Callable[[BlockgradError], dict[str, Any]] = error_body
+    status: Callable[[int], int] = lambda status: status
+
+
+DEFAULT_STYLE = ErrorStyle()
+
+
+def register_error_style(app: Flask, url_prefix: str, style: ErrorStyle) -> None:
+    """Errors of requests under `url_prefix` (matched or not) take `style`."""
+    app.extensions.setdefault("blockgrad_error_styles", {})[url_prefix] = style
+
+
+def style_of_request() -> ErrorStyle:
+    if not has_request_context():
+        return DEFAULT_STYLE
+    styles = current_app.extensions.get("blockgrad_error_styles", {})
+    path = request.path
+    for prefix, style in styles.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return style
+    return DEFAULT_STYLE
+
+
+def status_of(error: BlockgradError) -> int:
+    entry = ERRORS.get(error.code)
+    return entry.status if entry else getattr(error, "status", 500)
+
+
+def error_response(error: BlockgradError) -> Response:
+    style = style_of_request()
+    status = style.status(status_of(error))
+    if has_request_context():
+        g.error_code = error.code  # for the errors metric and the log line (app/http/observe.py)
+    try:
+        payload = orjson.dumps(style.body(error), option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:  # orjson.JSONEncodeError too: a message or detail JSON cannot carry
+        log.exception("error body for %s could not be serialised; answering a generic one", error.code)
+        generic = BlockgradError(error.code, f"The request failed ({error.code}); the details could not be "
+                                             "written as JSON.")
+        payload = orjson.dumps(style.body(generic))
+    response = Response(payload, status=status, mimetype="application/json")
+    response.headers.update(error_headers(error))
+    return response
+
+
+def from_http_exception(exc: HTTPException) -> BlockgradError:
+    status = exc.code or 500
+    if status == 404:
+        return not_found()
+    if status == 405:
+        return method_not_allowed(list(getattr(exc, "valid_methods", None) or []))
+    if status == 413:
+        return too_large()
+    if status == 500:  # e.g. an error handler that failed: werkzeug's text says nothing more
+        return internal_error()
+    if status == 400:
+        return HttpError("bad_request", exc.description or exc.name)
+    error = HttpError((exc.name or "error").lower().replace(" ", "_"), exc.description or exc.name)
+    error.status = status  # a status outside the table
+    return error
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(BlockgradError)
+    def handle_error(exc: BlockgradError):
+        return error_response(exc)
+
+    @app.errorhandler(HTTPException)
+    def handle_http_exception(exc: HTTPException):
+        return error_response(from_http_exception(exc))
+
+    @app.errorhandler(Exception)
+    def handle_unexpected(exc: Exception):
+        log.exception("unhandled error")  # internals go to the log, never the body
+        return error_response(internal_error())

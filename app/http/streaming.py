@@ -1,0 +1,33 @@
+"""Shared pieces of streamed answers: tensors to arrays, and small pieces gathered into chunks."""
+from collections.abc import Iterator
+
+import numpy as np
+import orjson
+import torch
+
+NUMPY = orjson.OPT_SERIALIZE_NUMPY
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    # orjson needs C-contiguous arrays; autograd may hand back expanded views.
+    return tensor.detach().cpu().contiguous().numpy()
+
+
+def gather(pieces: Iterator[bytes], chunk_bytes: int) -> Iterator[bytes]:
+    """Small pieces joined into chunks of about chunk_bytes; a piece that big goes out alone,
+    as it was made, without being copied into a chunk."""
+    buffer, size = [], 0
+    for piece in pieces:
+        if len(piece) >= chunk_bytes:
+            if buffer:
+                yield b"".join(buffer)
+                buffer, size = [], 0
+            yield piece
+            continue
+        buffer.append(piece)
+        size += len(piece)
+        if size >= chunk_bytes:
+            yield b"".join(buffer)
+            buffer, size = [], 0
+    if buffer:
+        yield b"".join(buffer)
