@@ -33,6 +33,10 @@ class BlockgradApi(Api):
 def build_app(overrides: Mapping[str, Any]) -> Flask:
     settings = Settings.from_env({**os.environ, **{k: v for k, v in overrides.items() if k.startswith("BLOCKGRAD_")}})
     app = Flask("app")
+    # werkzeug would answer `/v2//health/live` with a 308 to an absolute URL built from the
+    # Host header; without merging such paths are plain 404s. (No rule ends in "/", so
+    # strict_slashes never redirects either: `/docs/` is a 404 too.)
+    app.url_map.merge_slashes = False
     app.config.update(FLASK_CONFIG)
     app.config.update({k: v for k, v in overrides.items() if not k.startswith("BLOCKGRAD_")})
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes

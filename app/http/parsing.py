@@ -14,7 +14,7 @@ from webargs.flaskparser import FlaskParser
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from ..core.errors import validation_error
-from .errors import bad_json, compressed_body, wrong_content_type
+from .errors import BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, wrong_content_type
 
 
 def is_json_mimetype(mimetype: str) -> bool:
@@ -32,11 +32,14 @@ def read_body(request: Request) -> bytes:
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise compressed_body(encoding)
-    data = request.get_data(cache=False)
-    limit = request.max_content_length
-    if (limit is not None and len(data) >= limit and request.content_length is None
-            and request.environ.get("wsgi.input_terminated") and request.environ["wsgi.input"].read(1)):
-        raise RequestEntityTooLarge()
+    try:
+        data = request.get_data(cache=False)
+        limit = request.max_content_length
+        if (limit is not None and len(data) >= limit and request.content_length is None
+                and request.environ.get("wsgi.input_terminated") and request.environ["wsgi.input"].read(1)):
+            raise RequestEntityTooLarge()
+    except BODY_STREAM_ERRORS as exc:  # gunicorn parses a chunked body as it is read
+        raise body_unreadable(type(exc).__name__) from None
     return data
 
 
@@ -56,6 +59,8 @@ def decode_json(body: bytes):
         document = json.loads(body, parse_constant=reject_constant)
     except ValueError as exc:
         raise bad_json(str(exc)) from None
+    except RecursionError:  # the stdlib recurses per level; orjson stops at 1024 itself
+        raise bad_json("nested too deeply") from None
     # The stdlib accepts lone surrogates (\ud800), which orjson refuses and which no
     # answer could echo back as UTF-8. Only an escape can make one: look only then.
     if b"\\u" in body and holds_lone_surrogate(document):

@@ -36,7 +36,10 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     text = header_length.strip()
     if not (text.isascii() and text.isdigit()):  # str.isdigit alone takes '²', which int() refuses
         raise CodecError(f"{HEADER_LENGTH} must be a whole number of bytes, got {header_length!r}.")
-    length = int(text)
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(len(body))):  # longer than any length this body has; int() may refuse it
+        raise CodecError(f"{HEADER_LENGTH} is {len(digits)} digits long but the body has only {len(body)} bytes.")
+    length = int(digits)
     if length == 0:
         raise CodecError(f"{HEADER_LENGTH}: 0 (a raw binary request, with no JSON header) is not supported: "
                          "the input's two variable dimensions cannot be deduced from its size; send the header.")
