@@ -30,6 +30,12 @@ class ExpiredDeadline(Deadline):
         self.expires = 0
 
 
+def busy_reserve(self, nbytes):
+    """Another request holds 600 MiB of a 1280 MiB budget; this one predicts 900 MiB."""
+    from app.core.memory import memory_busy
+    raise memory_busy(900 * 2 ** 20, 600 * 2 ** 20, 1280 * 2 ** 20)
+
+
 # code -> (settings, the request that triggers it, patches (target, value), error style)
 TRIGGERS = {
     "bad_request": ({}, post_v1(), [("app.http.parsing.read_body",
@@ -49,6 +55,7 @@ TRIGGERS = {
     "deadline_exceeded": ({}, post_v1(), [("app.core.run.Deadline", ExpiredDeadline)], None),
     "device_out_of_memory": ({}, post_v1(), [("app.core.run.load_vectors",
                                               fail_with(torch.OutOfMemoryError("out of memory")))], None),
+    "overloaded": ({}, post_v1(), [("app.core.memory.MemoryLedger.reserve", busy_reserve)], None),
     "not_ready": ({"BLOCKGRAD_DEVICE": "cuda"}, lambda c: c.get("/readyz"), [], None),
 }
 

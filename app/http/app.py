@@ -11,6 +11,7 @@ from . import observe
 from .auth import install_auth
 from .docs import ErrorSchema, register_docs, spec_options
 from .errors import register_error_handlers
+from .memory import install_memory_ledger
 from .request_log import configure_logging
 from .settings import install_settings
 
@@ -42,6 +43,7 @@ def build_app(overrides: Mapping[str, Any]) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config.setdefault("API_SPEC_OPTIONS", spec_options(settings))
     install_settings(app, settings)
+    install_memory_ledger(app, settings)
     configure_logging(settings.log_level)
     observe.init_app(app)  # first, so that its hooks see every request
 

@@ -18,6 +18,7 @@ from flask import Flask, Response, current_app, g, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
 from ..core import errors as core
+from ..core import memory
 from ..core.errors import BlockgradError
 
 log = logging.getLogger("blockgrad")
@@ -129,7 +130,8 @@ ERRORS: dict[str, ErrorCode] = {
                                          "right ones", lambda: method_not_allowed(["GET", "HEAD", "OPTIONS"]),
                                     ("Allow",)),
     "too_large": ErrorCode(413, "the body is over BLOCKGRAD_MAX_BODY_BYTES", too_large),
-    "limit_exceeded": ErrorCode(413, "N, D, the largest block or the whole answer is over its limit; "
+    "limit_exceeded": ErrorCode(413, "N, D, the largest block, the whole answer or the request's predicted "
+                                     "peak memory (BLOCKGRAD_WORKER_MEMORY_BYTES) is over its limit; "
                                      "`details.limit` names it, the message says what to change",
                                 lambda: core.limit_exceeded(
                                     "8193 vectors is over BLOCKGRAD_MAX_N = 8192; send at most 8192.",
@@ -148,6 +150,10 @@ ERRORS: dict[str, ErrorCode] = {
     "device_out_of_memory": ErrorCode(503, "the GPU ran out of memory on this request; its memory was freed and "
                                            "the worker serves on (see Retry-After)",
                                       core.device_out_of_memory, RETRY_AFTER),
+    "overloaded": ErrorCode(503, "only the requests this worker already holds are in the way: their reserved "
+                                 "memory plus this request's predicted peak is over "
+                                 "BLOCKGRAD_WORKER_MEMORY_BYTES (see Retry-After)",
+                            lambda: memory.memory_busy(900 * 2 ** 20, 600 * 2 ** 20, 1280 * 2 ** 20), RETRY_AFTER),
     "not_ready": ErrorCode(503, "the compute device is not usable",
                            lambda: core.not_ready("BLOCKGRAD_DEVICE=cuda but CUDA is not available in this process")),
 }

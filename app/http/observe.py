@@ -134,6 +134,9 @@ def finisher(status: int, state, route: str, method: str, answered: bool = True)
             return
         state.logged = True
         UNFINISHED.pop(key, None)
+        reservation = getattr(state, "memory_reservation", None)  # app/http/memory.py
+        if reservation is not None:
+            reservation.release()
         duration_s = time.perf_counter() - started
         code = stream_error or error_code
         metrics.observe_request(route, method, status, duration_s)

@@ -8,12 +8,14 @@ import json
 from typing import Any
 
 import orjson
-from flask import Request
+from flask import Request, g
 from flask_smorest import Blueprint
 from webargs.flaskparser import FlaskParser
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from ..core.errors import validation_error
+from ..core.memory import body_parse_bytes
+from .memory import reserve_for_request
 from .errors import BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, wrong_content_type
 
 
@@ -32,6 +34,11 @@ def read_body(request: Request) -> bytes:
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise compressed_body(encoding)
+    declared = request.content_length if request.content_length is not None else request.max_content_length
+    if declared:  # reserved before reading: what the body may take until its sizes are known
+        limit = request.max_content_length
+        reserve_for_request(body_parse_bytes(min(declared, limit) if limit else declared,
+                                             binary=request.mimetype == "application/octet-stream"))
     try:
         data = request.get_data(cache=False)
         limit = request.max_content_length
@@ -40,6 +47,7 @@ def read_body(request: Request) -> bytes:
             raise RequestEntityTooLarge()
     except BODY_STREAM_ERRORS as exc:  # gunicorn parses a chunked body as it is read
         raise body_unreadable(type(exc).__name__) from None
+    g.body_bytes = len(data)  # for the memory prediction (app/core/memory.py)
     return data
 
 

@@ -18,7 +18,7 @@ blp = ApiBlueprint("gradients", __name__, url_prefix="/v1",
 @blp.arguments(GradientRequestSchema)
 @blp.response(200, GradientResponseSchema)
 @documents_errors(blp, "bad_json", "unauthorized", "too_large", "limit_exceeded", "unsupported_media_type",
-                  "validation_error", "non_finite_result", "deadline_exceeded", "device_out_of_memory",
+                  "validation_error", "non_finite_result", "deadline_exceeded", "overloaded", "device_out_of_memory",
                   "internal_error")
 def post_gradients(req: GradientRequest):
     """Gradients of every block, each detached as its own leaf, and their sum on the vectors."""

@@ -11,6 +11,7 @@ import torch
 from marshmallow import ValidationError
 
 from ...core.errors import LISTED_NAMES, BlockgradError, listed_names
+from ...core.engine import block_bounds
 from ...core.limits import admit_shape
 from ...core.request import GradientRequest, build_request, ordered_outputs
 from ...core.run import Result
@@ -194,8 +195,9 @@ def requested_outputs(outputs: list[dict] | None, binary_default: bool) -> tuple
     return tuple(chosen)
 
 
-def output_tensors(request: InferRequest, result: Result) -> tuple[dict, list[OutputTensor]]:
-    """The response head and its output tensors, from the core's result."""
+def output_tensors(request: InferRequest, result: Result | None, device=None) -> tuple[dict, list[OutputTensor]]:
+    """The response head and its output tensors, from the core's result (None when only
+    `bounds` was asked for: nothing was computed; `device` is then the one named)."""
     req = request.gradient
     datatype = DATATYPE_OF_DTYPE[req.dtype]
 
@@ -203,7 +205,7 @@ def output_tensors(request: InferRequest, result: Result) -> tuple[dict, list[Ou
         if name == "block_gradients":
             return gradient_grid(result).numpy()  # (N, N, 2D), shares the tensor's memory
         if name == "bounds":
-            return np.array(result.bounds, dtype=np.int64)
+            return np.array(block_bounds(req.n, req.factor), dtype=np.int64)
         return to_numpy(result.accumulated if name == "accumulated" else result.losses)
 
     tensors = [OutputTensor(output.name, "INT64" if output.name == "bounds" else datatype,
@@ -212,7 +214,7 @@ def output_tensors(request: InferRequest, result: Result) -> tuple[dict, list[Ou
     if request.id is not None:
         head["id"] = request.id
     head["parameters"] = {"factor": req.factor, "objective": req.objective, "offset": req.offset,
-                          "device": str(result.device)}
+                          "device": str(result.device if result is not None else device)}
     return head, tensors
 
 

@@ -7,11 +7,13 @@ import logging
 
 from flask import Response, current_app, g, request
 
-from ...core.device import usable_device
+from ...core.device import resolve_device, usable_device
 from ...core.errors import BlockgradError
 from ...core.run import run
 from ...http.docs import OPEN_ROUTE, documents_errors
 from ...http.errors import ErrorStyle, model_not_found, unsupported_media_type
+from ...core.memory import predict_peak_bytes
+from ...http.memory import reserve_for_request
 from ...http.observe import Work
 from ...http.parsing import ApiBlueprint, is_json_mimetype, read_body
 from ...http.settings import current_settings
@@ -48,7 +50,7 @@ def document_errors(*codes: str):
 
 METADATA_ERRORS = ("unauthorized", "model_not_found", "internal_error")
 INFER_ERRORS = ("bad_json", "validation_error", "non_finite_result", "unauthorized", "model_not_found",
-                "too_large", "limit_exceeded", "unsupported_media_type", "deadline_exceeded",
+                "too_large", "limit_exceeded", "unsupported_media_type", "deadline_exceeded", "overloaded",
                 "device_out_of_memory", "internal_error")
 
 
@@ -138,20 +140,30 @@ def infer(model: str, version: str | None = None):
     if mimetype and not is_json_mimetype(mimetype) and mimetype != BINARY_CONTENT_TYPE:
         raise unsupported_media_type(
             f"Send the body as application/json or {BINARY_CONTENT_TYPE} (got {mimetype!r}).")
-    parsed = parse_infer_request(read_body(request), request.headers.get(HEADER_LENGTH), current_settings())
+    settings = current_settings()
+    body = read_body(request)
+    parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), settings)
     req = parsed.gradient
     g.work = work = Work.of(req.n, req.dim, req.factor, tuple(output.name for output in parsed.outputs),
                             req.outputs)  # for the log line and metrics
+    reserve_for_request(predict_peak_bytes(
+        req.n, req.dim, req.factor, req.objective, req.dtype, tuple(output.name for output in parsed.outputs),
+        encoding="v2_binary" if request.headers.get(HEADER_LENGTH) is not None else "v2_json",
+        body_bytes=len(body), json_outputs=tuple(output.name for output in parsed.outputs if not output.binary),
+        settings=settings))
     with work.computing():
-        result = run(req, current_settings())
-        head, tensors = output_tensors(parsed, result)
-    g.device = str(result.device)
+        # Only what the outputs need: `bounds` alone needs no block computed.
+        result = run(req, settings) if req.outputs else None
+        device = result.device if result is not None else resolve_device(settings.device)
+        head, tensors = output_tensors(parsed, result, device)
+    g.device = str(device)
     if not has_binary(tensors):
         # Streamed: the worker holds the output arrays and about one chunk of text, not the document.
         return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")
-    # Binary data follows a JSON header whose length is sent first: that header is built whole.
-    header, payload = encode_response(head, tensors)
-    response = Response(iter_body(header, payload), content_type=BINARY_CONTENT_TYPE)
-    response.headers[HEADER_LENGTH] = str(len(header))
-    response.content_length = body_length(header, payload)
+    # Binary data follows a JSON header whose length is sent first: counted, then streamed.
+    header_length, payload = encode_response(head, tensors)
+    response = Response(iter_body(gather(iter_json(head, tensors), CHUNK_BYTES), payload),
+                        content_type=BINARY_CONTENT_TYPE)
+    response.headers[HEADER_LENGTH] = str(header_length)
+    response.content_length = body_length(header_length, payload)
     return response
