@@ -157,14 +157,15 @@ def iter_bands(vectors: torch.Tensor, factor: int, objective: Objective, offset:
 
 def band_blocks(results: list[ChunkResult]) -> Iterator[Block]:
     """A band's chunk results taken apart into blocks, row-block-major."""
+    # unbind makes every block's views in one call: indexing block by block cost ~10 us each.
+    parts = [(result.chunk, result.losses.unbind(0), result.gradient.unbind(0)) for result in results]
     for i, r in enumerate(results[0].chunk.rows):
-        for result in results:
-            chunk = result.chunk
+        for chunk, losses, gradients in parts:
             row_start = r * chunk.base
-            for j, c in enumerate(chunk.cols):
+            for c, loss, gradient in zip(chunk.cols, losses[i].unbind(0), gradients[i].unbind(0)):
                 col_start = c * chunk.base
                 yield Block(r, c, (row_start, row_start + chunk.height), (col_start, col_start + chunk.width),
-                            result.losses[i, j], result.gradient[i, j])
+                            loss, gradient)
 
 
 def iter_blocks(vectors: torch.Tensor, factor: int, objective: Objective, offset: float,

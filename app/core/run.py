@@ -84,7 +84,7 @@ class Result:
 
 def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = None) -> Result:
     """Admit (limit_exceeded before any tensor), then compute on this worker's device."""
-    admit(req.n, req.dim, req.factor, req.outputs, settings)
+    admit(req.n, req.dim, req.factor, req.outputs, settings, req.objective, req.dtype)
     device = resolve_device(settings.device)
     deadline = deadline or Deadline(settings.request_timeout_s)
     with device_memory_guard():

@@ -59,6 +59,10 @@ class Settings:
     log_level: str = "INFO"
     # Optional bearer token for every route but the probes (app/http/auth.py); None = open.
     api_token: str | None = None
+    # The cost model's constants (app/core/cost.py): when set, they replace its measured
+    # table for every objective and dtype (tests pin them so no verdict depends on the machine).
+    cost_per_block_s: float | None = None
+    cost_per_number_s: float | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, Any] = os.environ) -> "Settings":
@@ -71,6 +75,8 @@ class Settings:
                 values[field.name] = parse_int(name, raw, field.default)
             elif field.type is float:
                 values[field.name] = parse_float(name, raw, field.default)
+            elif field.type == float | None:
+                values[field.name] = parse_float(name, raw, None)
             elif raw:
                 values[field.name] = str(raw)
         return cls(**values)
