@@ -22,7 +22,8 @@ LARGE_ANSWER = {"vectors": np.linspace(-1, 1, 400 * 64).reshape(400, 64).tolist(
 
 @pytest.fixture(scope="module")
 def server():
-    env = {"GUNICORN_CMD_ARGS": f"--timeout {GUNICORN_TIMEOUT_S}", "BLOCKGRAD_REQUEST_TIMEOUT_S": "600"}
+    env = {"GUNICORN_CMD_ARGS": f"--timeout {GUNICORN_TIMEOUT_S}", "BLOCKGRAD_REQUEST_TIMEOUT_S": "600",
+           "BLOCKGRAD_COST_PER_BLOCK_S": "1e-15", "BLOCKGRAD_COST_PER_NUMBER_S": "1e-15"}  # admitted
     with gunicorn_server(workers=1, env=env) as server:
         yield server
 

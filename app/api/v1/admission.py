@@ -11,7 +11,8 @@ from flask import g
 
 from ...core.limits import admit, admit_shape
 from ...core.memory import predict_peak_bytes
-from ...core.objectives import DEFAULT_OBJECTIVE
+from ...core.compute_budget import admit_compute
+from ...core.objectives import DEFAULT_OBJECTIVE, OBJECTIVES
 from ...core.request import DEFAULT_DTYPE, DEFAULT_OUTPUTS, DTYPES, OUTPUTS, default_factor, ordered_outputs
 from ...http.memory import reserve_for_request
 from ...http.observe import Work
@@ -32,11 +33,13 @@ def admit_document(document: Any) -> None:
     outputs = ordered_outputs(outputs)
     g.work = Work.of(n, dim, factor, outputs)  # for the log line, even when refused
     settings = current_settings()
-    admit(n, dim, factor, outputs, settings)
     # An objective or dtype the schema will refuse: predicted as the default (the refusal is near).
     dtype = document.get("dtype", DEFAULT_DTYPE)
+    dtype = dtype if isinstance(dtype, str) and dtype in DTYPES else DEFAULT_DTYPE
     objective = document.get("objective", DEFAULT_OBJECTIVE)
-    reserve_for_request(predict_peak_bytes(
-        n, dim, factor, objective if isinstance(objective, str) else DEFAULT_OBJECTIVE,
-        dtype if isinstance(dtype, str) and dtype in DTYPES else DEFAULT_DTYPE, outputs, encoding="v1_json",
-        body_bytes=g.get("body_bytes", 0), json_outputs=outputs, settings=settings))
+    objective = objective if isinstance(objective, str) and objective in OBJECTIVES else DEFAULT_OBJECTIVE
+    admit(n, dim, factor, outputs, settings, objective, dtype)
+    admit_compute(n, dim, factor, objective, dtype, outputs, settings)
+    reserve_for_request(predict_peak_bytes(n, dim, factor, objective, dtype, outputs, encoding="v1_json",
+                                           body_bytes=g.get("body_bytes", 0), json_outputs=outputs,
+                                           settings=settings))

@@ -12,6 +12,7 @@ from ...core.errors import BlockgradError
 from ...core.run import run
 from ...http.docs import OPEN_ROUTE, documents_errors
 from ...http.errors import ErrorStyle, model_not_found, unsupported_media_type
+from ...core.compute_budget import admit_compute
 from ...core.memory import predict_peak_bytes
 from ...http.memory import reserve_for_request
 from ...http.observe import Work
@@ -146,6 +147,7 @@ def infer(model: str, version: str | None = None):
     req = parsed.gradient
     g.work = work = Work.of(req.n, req.dim, req.factor, tuple(output.name for output in parsed.outputs),
                             req.outputs)  # for the log line and metrics
+    admit_compute(req.n, req.dim, req.factor, req.objective, req.dtype, req.outputs, settings)
     reserve_for_request(predict_peak_bytes(
         req.n, req.dim, req.factor, req.objective, req.dtype, tuple(output.name for output in parsed.outputs),
         encoding="v2_binary" if request.headers.get(HEADER_LENGTH) is not None else "v2_json",
