@@ -164,3 +164,11 @@ def test_mixed_json_and_binary_outputs_match_the_all_json_answer(client):
     _, expected = read_infer_response(all_json.get_data(), all_json.headers)
     for name in ("block_gradients", "bounds", "losses"):
         np.testing.assert_array_equal(tensors[name], expected[name])
+
+
+def test_a_body_at_the_size_limit_fits_the_default_budget():
+    # A chunked body reserves for the whole body limit before it is read: that must fit.
+    from app.core.memory import body_parse_bytes
+
+    settings = Settings()
+    assert body_parse_bytes(settings.max_body_bytes, binary=False) <= settings.worker_memory_bytes
