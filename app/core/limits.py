@@ -56,3 +56,33 @@ def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], settings: Set
             f"The answer would hold {total} numbers, over BLOCKGRAD_MAX_OUTPUT_ELEMENTS = {max_output}; "
             "ask for fewer outputs (for example only accumulated and losses) or send fewer vectors.",
             "BLOCKGRAD_MAX_OUTPUT_ELEMENTS", total, max_output)
+
+
+# During backward the gradients of the saved activations are live beside them: at most as
+# large again, so a model block is charged twice what its forward saves (README, "Models").
+BACKWARD_FACTOR = 2
+
+
+def activation_bytes(n: int, factor: int, bytes_per_pair: int) -> int:
+    """A model's activation memory for the largest block: its pairs x bytes_per_pair x 2."""
+    side = largest_block_side(n, factor)
+    return side * side * bytes_per_pair * BACKWARD_FACTOR
+
+
+def admit_activations(n: int, factor: int, objective, settings: Settings) -> None:
+    """A model objective's activations for the largest block must fit BLOCKGRAD_MAX_ACTIVATION_BYTES;
+    built-ins (no bytes_per_pair) are bounded by BLOCKGRAD_MAX_BLOCK_ELEMENTS alone."""
+    per_pair = getattr(objective, "bytes_per_pair", None)
+    if per_pair is None:
+        return
+    limit = settings.max_activation_bytes
+    needed = activation_bytes(n, factor, per_pair)
+    if needed <= limit:
+        return
+    fitting = next((f for f in range(factor, n + 1) if activation_bytes(n, f, per_pair) <= limit), None)
+    advice = (f"factor {fitting} fits (the smallest larger factor that does)" if fitting
+              else "this model's activations for even one pair are too large")
+    raise limit_exceeded(
+        f"With factor {factor} the model's activations for the largest block take about {needed} bytes "
+        f"({per_pair} bytes per pair, x{BACKWARD_FACTOR} for backward), over BLOCKGRAD_MAX_ACTIVATION_BYTES = "
+        f"{limit}; {advice}.", "BLOCKGRAD_MAX_ACTIVATION_BYTES", needed, limit)

@@ -19,8 +19,7 @@ import torch
 from .device import release_device_memory, resolve_device
 from .engine import Block, add_to_vectors, block_at, block_bounds, iter_blocks
 from .errors import deadline_exceeded, device_out_of_memory, non_finite_accumulated, non_finite_block
-from .limits import admit
-from .objectives import OBJECTIVES
+from .limits import admit, admit_activations
 from .request import GradientRequest
 from .settings import Settings
 
@@ -69,7 +68,7 @@ class Result:
         req = self.request
         with device_memory_guard():
             source = self.kept if self.kept is not None else iter_blocks(
-                self.vectors, req.factor, OBJECTIVES[req.objective], req.offset)
+                self.vectors, req.factor, req.objective_fn, req.offset)
             for block in source:
                 yield block
                 self.deadline.check()
@@ -78,6 +77,7 @@ class Result:
 def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = None) -> Result:
     """Admit (limit_exceeded before any tensor), then compute on this worker's device."""
     admit(req.n, req.dim, req.factor, req.outputs, settings)
+    admit_activations(req.n, req.factor, req.objective_fn, settings)
     device = resolve_device(settings.device)
     deadline = deadline or Deadline(settings.request_timeout_s)
     with device_memory_guard():
@@ -97,7 +97,7 @@ def summarize(req: GradientRequest, device: torch.device, vectors: torch.Tensor,
     # False may also be an overflowing sum, so those blocks are rechecked exactly below.
     surely_finite = torch.empty((f, f), dtype=torch.bool, device=device)  # (F, F), no per-block sync
     accumulated = torch.zeros_like(vectors)  # (N, D)
-    for block in iter_blocks(vectors, f, OBJECTIVES[req.objective], req.offset):
+    for block in iter_blocks(vectors, f, req.objective_fn, req.offset):
         row_sums, col_sums = add_to_vectors(accumulated, block)  # (h, D), (w, D)
         losses[block.r, block.c] = block.loss
         surely_finite[block.r, block.c] = (
@@ -122,7 +122,7 @@ def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest,
     """Row-block-major, the first block whose loss or gradient is not finite, checked entry by entry."""
     bounds = block_bounds(req.n, req.factor)
     for r, c in torch.nonzero(~surely_finite).tolist():  # row-major order
-        block = block_at(vectors, bounds, r, c, OBJECTIVES[req.objective], req.offset)
+        block = block_at(vectors, bounds, r, c, req.objective_fn, req.offset)
         if not (bool(torch.isfinite(block.loss)) and bool(torch.isfinite(block.gradient).all())):
             return r, c
     return None  # only sums overflowed: the accumulated check reports it

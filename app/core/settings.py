@@ -56,6 +56,10 @@ class Settings:
     log_level: str = "INFO"
     # Optional bearer token for every route but the probes (app/http/auth.py); None = open.
     api_token: str | None = None
+    # Directory of exported programs served as objectives (app/core/models.py); None = built-ins only.
+    model_dir: str | None = None
+    # A model objective's activation memory for one block: pairs x bytes_per_pair x 2 (README, "Models").
+    max_activation_bytes: int = 256 * 1024 * 1024
 
     @classmethod
     def from_env(cls, environ: Mapping[str, Any] = os.environ) -> "Settings":

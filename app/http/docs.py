@@ -12,6 +12,7 @@ from flask_smorest import Api
 from marshmallow import Schema, fields
 from swagger_ui_bundle import swagger_ui_path
 
+from ..core.registry import describe
 from ..core.settings import Settings
 from .errors import ERRORS, error_body
 
@@ -63,7 +64,16 @@ def documents_errors(blp, *codes: str) -> Callable:
     return decorate
 
 
-def api_description(settings: Settings) -> str:
+def objectives_table(objectives) -> str:
+    rows = []
+    for name, objective in objectives.items():
+        entry = describe(name, objective)
+        dim = "any" if entry["dim"] is None else entry["dim"]
+        rows.append(f"| `{name}` | {entry['kind']} | {dim} | {', '.join(entry['dtypes'])} | {entry['description']} |")
+    return "\n".join(rows)
+
+
+def api_description(settings: Settings, objectives) -> str:
     """The document's info.description: limits as configured, errors, headers, other endpoints."""
     limits = [
         ("BLOCKGRAD_MAX_BODY_BYTES", "largest request body, in bytes (413 too_large)"),
@@ -83,6 +93,13 @@ def api_description(settings: Settings) -> str:
 | setting | value | what it limits |
 |---|---|---|
 {rows}
+
+## Objectives of this server
+`objective` (in `/v1/gradients` and in `/v2`'s parameters) takes one of these names; `GET /v1/objectives`
+lists them as JSON. A model takes only vectors of its D and only its dtype (422 `validation_error` otherwise).
+| name | kind | D | dtypes | L(B) |
+|---|---|---|---|---|
+{objectives_table(objectives)}
 
 ## Errors
 Every error, on every path but `/v2`, is `{{"error": {{"code", "message", "details"}}}}` (schema `Error`);
@@ -105,16 +122,27 @@ BEARER_SCHEME = "bearerAuth"
 OPEN_ROUTE = {"security": []}  # blp.doc(**OPEN_ROUTE): probes and metrics never need the token
 
 
-def spec_options(settings: Settings) -> dict:
+def spec_options(settings: Settings, objectives) -> dict:
     """API_SPEC_OPTIONS: the description, and the bearer requirement when a token is set."""
-    options = {"info": {"description": api_description(settings)}}
+    options = {"info": {"description": api_description(settings, objectives)}}
     if (settings.api_token or "").strip():
         options["security"] = [{BEARER_SCHEME: []}]
     return options
 
 
-def register_docs(app: Flask, api: Api) -> None:
+def list_objectives_in_schemas(api: Api, objectives) -> None:
+    """The request schemas' `objective` as an enum of this server's objectives (the validator
+    reads the registry per request, so apispec cannot see the names by itself)."""
+    names = list(objectives)
+    schemas = api.spec.components.schemas
+    schemas["GradientRequest"]["properties"]["objective"]["enum"] = names
+    parameters = schemas["InferRequest"]["properties"]["parameters"]
+    parameters["description"] += f" objective is one of: {', '.join(names)}."
+
+
+def register_docs(app: Flask, api: Api, objectives) -> None:
     """Serve Swagger UI's files under /docs/assets/ and describe /openapi.json and /docs."""
+    list_objectives_in_schemas(api, objectives)
     api.spec.components.security_scheme(BEARER_SCHEME, {
         "type": "http", "scheme": "bearer",
         "description": "Required on every route but the probes and /metrics when BLOCKGRAD_API_TOKEN is set."})

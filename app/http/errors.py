@@ -110,7 +110,8 @@ ERRORS: dict[str, ErrorCode] = {
                                          "right ones", lambda: method_not_allowed(["GET", "HEAD", "OPTIONS"]),
                                     ("Allow",)),
     "too_large": ErrorCode(413, "the body is over BLOCKGRAD_MAX_BODY_BYTES", too_large),
-    "limit_exceeded": ErrorCode(413, "N, D, the largest block or the whole answer is over its limit; "
+    "limit_exceeded": ErrorCode(413, "N, D, the largest block, a model's activations or the whole answer is "
+                                     "over its limit; "
                                      "`details.limit` names it, the message says what to change",
                                 lambda: core.limit_exceeded(
                                     "8193 vectors is over BLOCKGRAD_MAX_N = 8192; send at most 8192.",

@@ -7,8 +7,7 @@ rules that need the numbers. The response schemas document the routes.
 from marshmallow import Schema, fields
 from marshmallow.validate import Length, OneOf, Range
 
-from ...core.objectives import OBJECTIVES
-from ...http.fields import JsonNumber
+from ...http.fields import JsonNumber, ObjectiveName
 
 Parameters = fields.Dict  # $parameters: {name: $string | $number | $boolean}
 
@@ -24,7 +23,7 @@ class RequestInputSchema(Schema):
 class ParametersSchema(Schema):
     """The model's parameters (factor, objective, offset): JSON types as /v1 takes them."""
     factor = fields.Integer(strict=True, validate=Range(min=1))
-    objective = fields.String(validate=OneOf(OBJECTIVES))
+    objective = fields.String(validate=ObjectiveName())
     offset = JsonNumber()
 
 
