@@ -74,10 +74,6 @@ class ModelObjective:
         scores = self.module_on(blocks.device)(pairs)  # (P,) or (P, 1)
         return scores.reshape(k, h * w).sum(dim=1)  # (k,)
 
-    def __call__(self, block: torch.Tensor, offset: float) -> torch.Tensor:
-        """One block (h, w, 2D) -> its 0-d loss: the single-block objective form."""
-        return self.losses(block[None], offset)[0]
-
 
 def copy_module(module: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(module)  # the CPU module stays as loaded

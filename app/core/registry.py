@@ -11,14 +11,6 @@ from .objectives import OBJECTIVES, Objective
 from .settings import Settings
 
 ALL_DTYPES = ("float32", "float64")
-# The built-ins' formulas, as listed by GET /v1/objectives.
-BUILTIN_FORMULAS = {
-    "sum": "sum(B + offset): the sum of every entry of the block plus offset",
-    "mean": "mean(B)",
-    "sum_of_squares": "sum(B * B)",
-    "l2_norm": "||B||_2, the Euclidean norm of all of B (gradient 0 where the norm is 0)",
-    "logsumexp": "log(sum(exp(B))), computed max-shifted",
-}
 
 Registry = Mapping[str, Objective]
 
@@ -45,4 +37,4 @@ def describe(name: str, objective: Objective) -> dict[str, Any]:
                 "size_bytes": objective.size_bytes, "parameters": objective.parameter_count,
                 "bytes_per_pair": objective.bytes_per_pair}
     return {"name": name, "kind": "builtin", "dim": None, "dtypes": list(ALL_DTYPES),
-            "description": BUILTIN_FORMULAS[name]}
+            "description": objective.description}
