@@ -21,6 +21,7 @@ ROWS = [
     rows.peak_worker_rss,
     rows.parse_vs_loads,
     rows.v2_binary_infer,  # issue 4: binary tensors against JSON
+    rows.model_scorer,  # issue 12: a model objective against a plain loop and the all-pairs floor
 ]
 
 
