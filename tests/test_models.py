@@ -248,14 +248,14 @@ def test_a_block_whose_activations_are_over_the_budget_is_refused(tmp_path, libr
     error = response.get_json()["error"]
     assert error["code"] == "limit_exceeded" and error["details"]["limit"] == "BLOCKGRAD_MAX_ACTIVATION_BYTES"
     per_pair = app.extensions["blockgrad_objectives"]["pairmlp"].bytes_per_pair
-    assert error["details"]["value"] == 1 * 1 * per_pair * 2
+    assert error["details"]["value"] == 1 * 1 * per_pair
 
 
 def test_the_activation_budget_names_the_smallest_factor_that_fits(tmp_path, library):
     directory = model_dir(tmp_path, library, "pairmlp")
     probe = create_app({"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(directory)})
     per_pair = probe.extensions["blockgrad_objectives"]["pairmlp"].bytes_per_pair
-    budget = 4 * 4 * per_pair * 2  # blocks of 4 x 4 pairs fit, 8 x 8 do not
+    budget = 4 * 4 * per_pair  # blocks of 4 x 4 pairs fit, 8 x 8 do not
     app = create_app({"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(directory),
                       "BLOCKGRAD_MAX_ACTIVATION_BYTES": str(budget)})
     client = app.test_client()

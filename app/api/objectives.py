@@ -24,8 +24,9 @@ class ObjectiveSchema(Schema):
     size_bytes = fields.Integer(metadata={"description": "Models: the file's size."})
     parameters = fields.Integer(metadata={"description": "Models: the number of parameters."})
     bytes_per_pair = fields.Integer(metadata={
-        "description": "Models: activation bytes autograd keeps per pair, measured at start-up; a block is "
-                       "charged pairs x bytes_per_pair x 2 against BLOCKGRAD_MAX_ACTIVATION_BYTES."})
+        "description": "Models: estimated peak activation bytes per pair (3 x what autograd saves for "
+                       "backward, measured at start-up); a block is charged pairs x bytes_per_pair against "
+                       "BLOCKGRAD_MAX_ACTIVATION_BYTES, and the engine's chunks count it."})
 
 
 class ObjectivesSchema(Schema):

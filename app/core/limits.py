@@ -58,15 +58,11 @@ def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], settings: Set
             "BLOCKGRAD_MAX_OUTPUT_ELEMENTS", total, max_output)
 
 
-# During backward the gradients of the saved activations are live beside them: at most as
-# large again, so a model block is charged twice what its forward saves (README, "Models").
-BACKWARD_FACTOR = 2
-
 
 def activation_bytes(n: int, factor: int, bytes_per_pair: int) -> int:
-    """A model's activation memory for the largest block: its pairs x bytes_per_pair x 2."""
+    """A model's estimated peak activation memory for the largest block: its pairs x bytes_per_pair."""
     side = largest_block_side(n, factor)
-    return side * side * bytes_per_pair * BACKWARD_FACTOR
+    return side * side * bytes_per_pair
 
 
 def admit_activations(n: int, factor: int, objective, settings: Settings) -> None:
@@ -84,5 +80,5 @@ def admit_activations(n: int, factor: int, objective, settings: Settings) -> Non
               else "this model's activations for even one pair are too large")
     raise limit_exceeded(
         f"With factor {factor} the model's activations for the largest block take about {needed} bytes "
-        f"({per_pair} bytes per pair, x{BACKWARD_FACTOR} for backward), over BLOCKGRAD_MAX_ACTIVATION_BYTES = "
-        f"{limit}; {advice}.", "BLOCKGRAD_MAX_ACTIVATION_BYTES", needed, limit)
+        f"({per_pair} bytes per pair), over BLOCKGRAD_MAX_ACTIVATION_BYTES = {limit}; {advice}.",
+        "BLOCKGRAD_MAX_ACTIVATION_BYTES", needed, limit)

@@ -58,7 +58,8 @@ class Settings:
     api_token: str | None = None
     # Directory of exported programs served as objectives (app/core/models.py); None = built-ins only.
     model_dir: str | None = None
-    # A model objective's activation memory for one block: pairs x bytes_per_pair x 2 (README, "Models").
+    # A model objective's estimated peak activation memory for one block: pairs x bytes_per_pair
+    # (README, "Model objectives").
     max_activation_bytes: int = 256 * 1024 * 1024
 
     @classmethod
