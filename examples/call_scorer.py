@@ -1,7 +1,7 @@
 """Call a served model objective from Python, through /v1 (JSON) and /v2 (binary tensors).
 
     BLOCKGRAD_MODEL_DIR=models make serve   # with models/relnet.pt2 from export_scorer.py
-    python examples/call_scorer.py relnet --dim 64
+    python -m examples.call_scorer relnet --dim 64   # from the repository root
 """
 import argparse
 
