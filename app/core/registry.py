@@ -3,7 +3,6 @@
 Built once per app (create_app) and passed explicitly to `build_request`; the
 request then carries the resolved objective, so `run` needs no registry.
 """
-from collections.abc import Mapping
 from typing import Any
 
 from .models import ModelObjective, load_models
@@ -11,8 +10,6 @@ from .objectives import OBJECTIVES, Objective
 from .settings import Settings
 
 ALL_DTYPES = ("float32", "float64")
-
-Registry = Mapping[str, Objective]
 
 
 def build_registry(settings: Settings) -> dict[str, Objective]:
