@@ -602,8 +602,8 @@ def test_v1_errors_keep_their_shape(client):
 
 
 def test_client_helpers_round_trip(client):
-    """tools/infer_client.py (for the benchmark) agrees with the struct reader above."""
-    from tools.infer_client import binary_infer_request, read_infer_response
+    """The client package's codec (client/blockgrad_client/infer.py) agrees with the struct reader above."""
+    from blockgrad_client.infer import binary_infer_request, read_infer_response
 
     vectors = np.random.default_rng(3).standard_normal((6, 2))
     body, headers = binary_infer_request(vectors, {"factor": 2}, outputs=["losses", "block_gradients"])
