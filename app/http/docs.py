@@ -27,9 +27,11 @@ class ErrorDetailSchema(Schema):
     code = fields.String(required=True, metadata={
         "description": "Stable snake_case error code (the table in the description at the top)."})
     message = fields.String(required=True, metadata={"description": "What went wrong and what to change."})
-    details = fields.Dict(metadata={
-        "description": "Optional: `fields` (validation_error: field -> list of messages), `limit`, `value`, "
-                       "`allowed` (limit_exceeded), `block` (non_finite_result), `timeout_s` (deadline_exceeded)."})
+    details = fields.Dict(required=True, metadata={
+        "description": "Always present, {} when the code adds nothing: `fields` (validation_error: field -> list "
+                       "of messages), `limit`, `value`, `allowed` (limit_exceeded; too_large: `limit`, `allowed`), "
+                       "`routes` (not_found), `allowed` (method_not_allowed), `block` (non_finite_result), "
+                       "`timeout_s` (deadline_exceeded)."})
 
 
 class ErrorSchema(Schema):
