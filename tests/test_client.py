@@ -276,3 +276,12 @@ def test_the_package_requires_numpy_requests_and_ijson_only(tmp_path):
         assert "blockgrad_client/client.py" in archive.namelist()
     assert requirement_names(requires) == {"numpy", "requests", "ijson"}
     assert blockgrad_client.__version__ in wheel.name
+
+
+def test_a_compressed_answer_is_decompressed():
+    import gzip
+
+    answer = Answer(body=gzip.compress(V1_ANSWER), headers={"Content-Encoding": "gzip"})
+    with stub_server([answer]) as stub:
+        result = call(stub)
+    assert result.accumulated.tolist() == [[4.0]] and len(result.blocks) == 1

@@ -146,6 +146,7 @@ class Client:
             return BlockgradError("connection_failed", f"No answer from {self.url}: {exc}")
         except requests.Timeout as exc:  # the request was sent: the computation may be running
             return BlockgradError("timeout", f"No answer within {timeout:g} s: {exc}")
+        response.raw.decode_content = True  # raw reads undo a Content-Encoding, as response.content does
         if response.status_code < 400:
             return response
         with response:
