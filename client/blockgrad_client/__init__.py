@@ -2,7 +2,7 @@
 
     from blockgrad_client import Client, BlockgradError
 
-    with Client("http://127.0.0.1:8000", token=None, timeout=60) as client:
+    with Client("http://127.0.0.1:8000", token=None, timeout=120) as client:
         result = client.gradients(vectors, factor=2, outputs=["blocks", "accumulated"])
         tensors = client.infer(vectors, factor=2)   # /v2, binary tensors both ways
 

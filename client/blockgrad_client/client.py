@@ -44,10 +44,13 @@ class Client:
     """url: the service's base URL (http://host:port). token: BLOCKGRAD_API_TOKEN, sent as a
     bearer token. timeout: seconds to wait for the server (connecting, and between bytes of
     the answer) on each attempt. retries: extra attempts where safe (see above).
-    deadline_s: most seconds one call may take, its retries and their waits included."""
+    deadline_s: most seconds one call may take, its retries and their waits included.
+    The default timeout outlasts the server's default deadline (BLOCKGRAD_REQUEST_TIMEOUT_S,
+    60 s), so its 503 deadline_exceeded arrives instead of a client-side timeout. One client
+    per thread: it keeps one requests.Session."""
 
-    def __init__(self, url: str, token: str | None = None, timeout: float = 60.0, *, retries: int = 3,
-                 deadline_s: float = 300.0, session: requests.Session | None = None):
+    def __init__(self, url: str, token: str | None = None, timeout: float = 120.0, *, retries: int = 3,
+                 deadline_s: float = 600.0, session: requests.Session | None = None):
         if retries < 0:
             raise ValueError("retries must be >= 0")
         self.url = url.rstrip("/")
