@@ -66,7 +66,7 @@ def method_not_allowed(method: str, path: str, methods: list[str]) -> HttpError:
 
 def too_large(limit_bytes: int) -> HttpError:
     return HttpError("too_large", f"The request body is over BLOCKGRAD_MAX_BODY_BYTES = {limit_bytes} bytes; "
-                                  "send fewer or shorter vectors (or binary /v2 tensors, 4 or 8 bytes a number).",
+                                  "send fewer or shorter vectors.",
                      {"limit": "BLOCKGRAD_MAX_BODY_BYTES", "allowed": limit_bytes})
 
 
