@@ -13,7 +13,7 @@ import orjson
 import requests
 import torch
 
-from tools.infer_client import binary_infer_request, read_infer_response
+from blockgrad_client.infer import binary_infer_request, read_infer_response
 from tools.reference import reference_accumulated, reference_blocks
 from tools.server import Server, gunicorn_server
 

@@ -22,7 +22,7 @@ FLASK_CONFIG = {
     "OPENAPI_URL_PREFIX": "/",
     "OPENAPI_JSON_PATH": "openapi.json",
     "OPENAPI_SWAGGER_UI_PATH": "docs",
-    "OPENAPI_SWAGGER_UI_URL": "docs/assets/",  # relative to /docs; served by docs.py, no CDN
+    "OPENAPI_SWAGGER_UI_URL": "/docs/assets/",  # served by docs.py, no CDN; absolute: /docs and /docs/ both work
     "OPENAPI_SWAGGER_UI_CONFIG": {"validatorUrl": None},  # no badge fetched from swagger.io
 }
 
@@ -46,7 +46,7 @@ def build_app(overrides: Mapping[str, Any]) -> Flask:
     configure_logging(settings.log_level)
     observe.init_app(app)  # first, so that its hooks see every request
 
-    install_auth(app, settings.api_token)  # one app-level hook: every route, present or future, is behind it
+    install_auth(app, settings.api_token, settings.docs_public)  # one app-level hook: every route, present or future, is behind it
     api = BlockgradApi(app)
     from ..api import register_front_ends  # the front ends import this package's glue
 

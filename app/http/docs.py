@@ -15,6 +15,7 @@ from swagger_ui_bundle import swagger_ui_path
 from ..core.registry import describe
 from ..core.settings import Settings
 from .errors import DEFAULT_STYLE, ERRORS, ErrorStyle
+from .settings import EXTENSION as SETTINGS
 
 HEADER_DESCRIPTIONS = {
     "Allow": ("The methods this path accepts.", "string"),
@@ -27,9 +28,11 @@ class ErrorDetailSchema(Schema):
     code = fields.String(required=True, metadata={
         "description": "Stable snake_case error code (the table in the description at the top)."})
     message = fields.String(required=True, metadata={"description": "What went wrong and what to change."})
-    details = fields.Dict(metadata={
-        "description": "Optional: `fields` (validation_error: field -> list of messages), `limit`, `value`, "
-                       "`allowed` (limit_exceeded), `block` (non_finite_result), `timeout_s` (deadline_exceeded)."})
+    details = fields.Dict(required=True, metadata={
+        "description": "Always present, {} when the code adds nothing: `fields` (validation_error: field -> list "
+                       "of messages), `limit`, `value`, `allowed` (limit_exceeded; too_large: `limit`, `allowed`), "
+                       "`routes` (not_found), `allowed` (method_not_allowed), `block` (non_finite_result), "
+                       "`timeout_s` (deadline_exceeded)."})
 
 
 class ErrorSchema(Schema):
@@ -154,17 +157,23 @@ def register_docs(app: Flask, api: Api, objectives) -> None:
         return send_from_directory(swagger_ui_path, filename, max_age=86400)
 
     app.register_blueprint(assets)
+    # /docs/ is the same page, served directly: a redirect would be built from the Host header.
+    app.add_url_rule("/docs/", endpoint="docs_slash", view_func=app.view_functions["api-docs.openapi_swagger_ui"])
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     internal_error = dict(error, description=f"`internal_error`: {ERRORS['internal_error'].when}")
     api.spec.tag({"name": "docs", "description": "This document and its interactive page."})
     rules = {rule.rule: rule for rule in app.url_map.iter_rules()}  # flask-smorest documents a path by its rule
+    # With a token set, the documentation stays open unless BLOCKGRAD_DOCS_PUBLIC=false (app/http/auth.py).
+    settings = app.extensions[SETTINGS]
+    open_docs = OPEN_ROUTE if settings.docs_public else {}
     api.spec.path(rule=rules["/openapi.json"], operations={"get": {
-        "tags": ["docs"], "summary": "This OpenAPI 3 document.",
+        "tags": ["docs"], "summary": "This OpenAPI 3 document.", **open_docs,
         "responses": {"200": {"description": "The document.",
                               "content": {"application/json": {"schema": {"type": "object"}}}},
                       "500": internal_error}}})
-    api.spec.path(rule=rules["/docs"], operations={"get": {
-        "tags": ["docs"], "summary": "Interactive documentation (Swagger UI, served locally).",
-        "responses": {"200": {"description": "An HTML page; its scripts and styles are under /docs/assets/.",
-                              "content": {"text/html": {"schema": {"type": "string"}}}},
-                      "500": internal_error}}})
+    for path in ("/docs", "/docs/"):
+        api.spec.path(rule=rules[path], operations={"get": {
+            "tags": ["docs"], "summary": "Interactive documentation (Swagger UI, served locally).", **open_docs,
+            "responses": {"200": {"description": "An HTML page; its scripts and styles are under /docs/assets/.",
+                                  "content": {"text/html": {"schema": {"type": "string"}}}},
+                          "500": internal_error}}})

@@ -69,6 +69,11 @@ class GradientRequestSchema(Schema):
         return build_request(**data, objectives=current_objectives())
 
 
+# A misspelt field gets the valid names, not just "Unknown field.".
+GradientRequestSchema.error_messages = {
+    "unknown": f"Unknown field; the fields are {', '.join(GradientRequestSchema._declared_fields)}."}
+
+
 class BlockSchema(Schema):
     row = fields.Integer(required=True, metadata={"description": "Row block index r, 0..F-1."})
     col = fields.Integer(required=True, metadata={"description": "Column block index c, 0..F-1."})

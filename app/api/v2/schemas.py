@@ -17,7 +17,9 @@ class RequestInputSchema(Schema):
     shape = fields.List(fields.Integer(strict=True, validate=Range(min=0)), required=True)
     datatype = fields.String(required=True)
     parameters = Parameters(keys=fields.String(), load_default=dict)
-    data = fields.Raw(metadata={"description": "Row-major numbers, flat or nested; absent when binary."})
+    data = fields.Raw(metadata={
+        "type": "array", "items": {"anyOf": [{"type": "number"}, {"type": "array"}]},  # never null
+        "description": "Row-major numbers, flat or nested; absent when binary."})
 
 
 class ParametersSchema(Schema):
@@ -46,7 +48,9 @@ class InferRequestSchema(Schema):
 
 class MetadataTensorSchema(Schema):
     name = fields.String()
-    datatype = fields.String()
+    datatype = fields.String(metadata={"description": "The default datatype (the protocol's one)."})
+    datatypes = fields.List(fields.String(), metadata={
+        "description": "Every datatype taken: FP32 or FP64 for the input; the float outputs take the input's."})
     shape = fields.List(fields.Integer(), metadata={"description": "-1 marks a variable dimension."})
 
 
