@@ -46,6 +46,10 @@ graceful_timeout = math.ceil(request_timeout_s) + 10
 max_requests = 1000  # recycle workers against slow memory growth (allocator fragmentation)
 max_requests_jitter = 100  # so the workers do not all restart at once
 worker_tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None  # heartbeat off disk
+# gunicorn's control socket (gunicornc): one per instance, named by the master's pid, so that
+# instances on one machine never share one, nor remove another's when they stop.
+control_socket = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(),
+                              f"blockgrad-gunicorn-{os.getpid()}.ctl")
 accesslog = None  # the app writes one JSON line per request instead (app/request_log.py)
 errorlog = "-"  # stderr, like the app's log
 created_metrics_dir = None  # set when on_starting made a temporary PROMETHEUS_MULTIPROC_DIR

@@ -18,7 +18,7 @@ import requests
 
 from app.core.memory import predict_peak_bytes
 from app.core.settings import Settings
-from tools.infer_client import binary_infer_request
+from blockgrad_client.infer import binary_infer_request
 from tools.server import gunicorn_server, peak_rss_kib, rss_kib, wait_until
 
 MB = 1024 * 1024

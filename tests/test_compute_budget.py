@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from app import create_app
-from tools.infer_client import binary_infer_request
+from blockgrad_client.infer import binary_infer_request
 
 from .test_api import assert_error
 

@@ -9,7 +9,7 @@ from app import create_app
 from app.core.memory import MemoryLedger, predict_peak_bytes
 from app.core.settings import Settings
 from app.http.memory import EXTENSION
-from tools.infer_client import binary_infer_request, read_infer_response
+from blockgrad_client.infer import binary_infer_request, read_infer_response
 
 from .test_api import GOOD, assert_error
 

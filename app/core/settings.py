@@ -36,6 +36,20 @@ def parse_float(name: str, raw: Any, default: float) -> float:
     return value
 
 
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(name: str, raw: Any, default: bool) -> bool:
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        return default
+    if isinstance(raw, bool):
+        return raw
+    word = str(raw).strip().lower()
+    if word not in TRUE_WORDS + FALSE_WORDS:
+        raise ValueError(f"{name} must be true or false (1/0, yes/no, on/off), got {raw!r}")
+    return word in TRUE_WORDS
+
+
 def env_int(name: str, default: int, environ: Mapping[str, Any] = os.environ) -> int:
     return parse_int(name, environ.get(name), default)
 
@@ -64,6 +78,13 @@ class Settings:
     # table for every objective and dtype (tests pin them so no verdict depends on the machine).
     cost_per_block_s: float | None = None
     cost_per_number_s: float | None = None
+    # Directory of exported programs served as objectives (app/core/models.py); None = built-ins only.
+    model_dir: str | None = None
+    # A model objective's estimated peak activation memory for one block: pairs x bytes_per_pair
+    # (README, "Model objectives").
+    max_activation_bytes: int = 256 * 1024 * 1024
+    # With a token set: whether /docs and /openapi.json stay open (a browser sends no token).
+    docs_public: bool = True
 
     @classmethod
     def from_env(cls, environ: Mapping[str, Any] = os.environ) -> "Settings":
@@ -78,6 +99,8 @@ class Settings:
                 values[field.name] = parse_float(name, raw, field.default)
             elif field.type == float | None:
                 values[field.name] = parse_float(name, raw, None)
+            elif field.type is bool:
+                values[field.name] = parse_bool(name, raw, field.default)
             elif raw:
                 values[field.name] = str(raw)
         return cls(**values)

@@ -12,11 +12,11 @@ from flask import g
 from ...core.limits import admit, admit_shape
 from ...core.memory import predict_peak_bytes
 from ...core.compute_budget import admit_compute
-from ...core.objectives import DEFAULT_OBJECTIVE, OBJECTIVES
+from ...core.objectives import DEFAULT_OBJECTIVE
 from ...core.request import DEFAULT_DTYPE, DEFAULT_OUTPUTS, DTYPES, OUTPUTS, default_factor, ordered_outputs
 from ...http.memory import reserve_for_request
 from ...http.observe import Work
-from ...http.settings import current_settings
+from ...http.settings import current_objectives, current_settings
 
 
 def admit_document(document: Any) -> None:
@@ -37,7 +37,7 @@ def admit_document(document: Any) -> None:
     dtype = document.get("dtype", DEFAULT_DTYPE)
     dtype = dtype if isinstance(dtype, str) and dtype in DTYPES else DEFAULT_DTYPE
     objective = document.get("objective", DEFAULT_OBJECTIVE)
-    objective = objective if isinstance(objective, str) and objective in OBJECTIVES else DEFAULT_OBJECTIVE
+    objective = objective if isinstance(objective, str) and objective in current_objectives() else DEFAULT_OBJECTIVE
     admit(n, dim, factor, outputs, settings, objective, dtype)
     admit_compute(n, dim, factor, objective, dtype, outputs, settings)
     reserve_for_request(predict_peak_bytes(n, dim, factor, objective, dtype, outputs, encoding="v1_json",
