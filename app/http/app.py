@@ -13,6 +13,7 @@ from .docs import ErrorSchema, register_docs, spec_options
 from .errors import register_error_handlers
 from .request_log import configure_logging
 from .settings import install_settings
+from .slot import install_gate
 
 FLASK_CONFIG = {
     "API_TITLE": "blockgrad",
@@ -38,6 +39,7 @@ def build_app(overrides: Mapping[str, Any]) -> Flask:
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config.setdefault("API_SPEC_OPTIONS", spec_options(settings))
     install_settings(app, settings)
+    install_gate(app, settings)  # one compute slot and its queue per worker
     configure_logging(settings.log_level)
     observe.init_app(app)  # first, so that its hooks see every request
 

@@ -81,6 +81,12 @@ def model_not_found(message: str) -> HttpError:
     return HttpError("model_not_found", message)
 
 
+def read_timeout(seconds: float) -> HttpError:
+    return HttpError("read_timeout", f"The request body did not arrive within BLOCKGRAD_READ_TIMEOUT_S = {seconds:g} s; "
+                                     "send it faster, or through a proxy that buffers it.",
+                     {"timeout_s": seconds})
+
+
 def internal_error() -> HttpError:
     return HttpError("internal_error", INTERNAL_MESSAGE)
 
@@ -131,7 +137,19 @@ ERRORS: dict[str, ErrorCode] = {
                                       core.device_out_of_memory, RETRY_AFTER),
     "not_ready": ErrorCode(503, "the compute device is not usable",
                            lambda: core.not_ready("BLOCKGRAD_DEVICE=cuda but CUDA is not available in this process")),
+    # Serving (issue 9): the worker model's refusals; README, "Worker model".
+    "read_timeout": ErrorCode(408, "the whole body did not arrive within BLOCKGRAD_READ_TIMEOUT_S; the connection "
+                                   "is closed after the answer", lambda: read_timeout(30.0)),
+    "overloaded": ErrorCode(503, "the worker's compute slot is taken and BLOCKGRAD_QUEUE_DEPTH requests already "
+                                 "wait for it: refused at once, retry after Retry-After (any replica)",
+                            lambda: core.overloaded(4), RETRY_AFTER),
+    "client_closed": ErrorCode(499, "never sent: the client closed the connection before the answer was complete "
+                                    "(the computation stopped; logged and counted under this code)",
+                               core.client_closed),
 }
+# Codes only the log and metrics carry (the answer was cut short, no error answer is sent).
+LOG_ONLY_CODES = {"send_timeout": "a write made no progress for BLOCKGRAD_SEND_TIMEOUT_S; the answer was cut",
+                  "client_closed": ERRORS["client_closed"].when}
 
 
 def error_body(error: BlockgradError) -> dict[str, Any]:

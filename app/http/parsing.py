@@ -14,7 +14,9 @@ from webargs.flaskparser import FlaskParser
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from ..core.errors import validation_error
-from .errors import bad_json, compressed_body, wrong_content_type
+from .connection import ReadAlarm
+from .errors import bad_json, compressed_body, read_timeout, wrong_content_type
+from .settings import current_settings
 
 
 def is_json_mimetype(mimetype: str) -> bool:
@@ -22,7 +24,8 @@ def is_json_mimetype(mimetype: str) -> bool:
 
 
 def read_body(request: Request) -> bytes:
-    """The whole body, uncompressed and within MAX_CONTENT_LENGTH, or an error (415, 413).
+    """The whole body, uncompressed and within MAX_CONTENT_LENGTH, or an error (415, 413),
+    within BLOCKGRAD_READ_TIMEOUT_S else 408 read_timeout (connection.ReadAlarm).
 
     A body with Content-Length over the limit is refused by werkzeug before reading.
     A chunked body has none: werkzeug then stops reading at the limit without a word,
@@ -32,10 +35,20 @@ def read_body(request: Request) -> bytes:
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise compressed_body(encoding)
-    data = request.get_data(cache=False)
-    limit = request.max_content_length
-    if (limit is not None and len(data) >= limit and request.content_length is None
-            and request.environ.get("wsgi.input_terminated") and request.environ["wsgi.input"].read(1)):
+    seconds = current_settings().read_timeout_s
+    with ReadAlarm(request.environ, seconds) as alarm:
+        try:
+            data = request.get_data(cache=False)
+            limit = request.max_content_length
+            more = (limit is not None and len(data) >= limit and request.content_length is None
+                    and request.environ.get("wsgi.input_terminated") and request.environ["wsgi.input"].read(1))
+        except Exception:
+            if alarm.fired:  # the read side was shut at the deadline: whatever broke, that is why
+                raise read_timeout(seconds) from None
+            raise
+        if alarm.fired and (request.content_length or 0) > len(data):
+            raise read_timeout(seconds)
+    if more:
         raise RequestEntityTooLarge()
     return data
 

@@ -7,7 +7,7 @@ import logging
 
 from flask import Response, current_app, g, request
 
-from ...core.device import usable_device
+from ...core.device import ready_device
 from ...core.errors import BlockgradError
 from ...core.run import run
 from ...http.docs import OPEN_ROUTE
@@ -15,6 +15,7 @@ from ...http.errors import ErrorStyle, model_not_found, unsupported_media_type
 from ...http.observe import Work
 from ...http.parsing import ApiBlueprint, is_json_mimetype, read_body
 from ...http.settings import current_settings
+from ...http.slot import compute_slot, held_until_written, request_deadline
 from ...http.streaming import gather
 from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, body_length, encode_response, has_binary,
                     iter_body, iter_json)
@@ -35,9 +36,11 @@ ERRORS = {
     400: "The request is not valid (or the result is not finite).",
     401: "BLOCKGRAD_API_TOKEN is set and the request has no valid `Authorization: Bearer <token>`.",
     404: "No such model or version.",
+    408: "The body did not arrive within BLOCKGRAD_READ_TIMEOUT_S.",
     413: "Over the body size or a configured limit.",
     415: "The body is neither application/json nor application/octet-stream.",
-    503: "The request ran past its deadline, or the device ran out of memory (see Retry-After).",
+    503: "The worker is overloaded (its queue is full), the request ran past its deadline (also while "
+         "queued), or the device ran out of memory (see Retry-After).",
 }
 
 
@@ -65,7 +68,7 @@ def health(ok: bool) -> Response:
 
 def device_ready() -> bool:
     try:
-        g.device = str(usable_device(current_settings().device))  # for the device metric
+        g.device = str(ready_device(current_settings().device))  # for the device metric
     except BlockgradError as exc:
         log.warning("not ready: %s", exc.message)
         return False
@@ -137,7 +140,7 @@ def model_ready(model: str, version: str | None = None):
     BINARY_CONTENT_TYPE: {"schema": {"type": "string", "format": "binary", "description": (
         "The JSON request, then each binary input's bytes; Inference-Header-Content-Length "
         "gives the JSON's length.")}}}})
-@document_errors(400, 401, 404, 413, 415, 503)
+@document_errors(400, 401, 404, 408, 413, 415, 503)
 def infer(model: str, version: str | None = None):
     """Per-block gradients as output tensors; JSON or binary tensor data both ways."""
     check_model(model, version)
@@ -149,16 +152,23 @@ def infer(model: str, version: str | None = None):
     req = parsed.gradient
     g.work = work = Work.of(req.n, req.dim, req.factor, tuple(output.name for output in parsed.outputs),
                             req.outputs)  # for the log line and metrics
-    with work.computing():
-        result = run(req, current_settings())
-        head, tensors = output_tensors(parsed, result)
-    g.device = str(result.device)
-    if not has_binary(tensors):
-        # Streamed: the worker holds the output arrays and about one chunk of text, not the document.
-        return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")
-    # Binary data follows a JSON header whose length is sent first: that header is built whole.
-    header, payload = encode_response(head, tensors)
-    response = Response(iter_body(header, payload), content_type=BINARY_CONTENT_TYPE)
+    deadline = request_deadline()
+    ticket = compute_slot(req, deadline)  # one computation at a time; held until the answer is written
+    try:
+        with work.computing():
+            result = run(req, current_settings(), deadline)
+            head, tensors = output_tensors(parsed, result)
+        g.device = str(result.device)
+        if not has_binary(tensors):
+            # Streamed: the worker holds the output arrays and about one chunk of text, not the document.
+            return Response(held_until_written(gather(iter_json(head, tensors), CHUNK_BYTES), ticket),
+                            mimetype="application/json")
+        # Binary data follows a JSON header whose length is sent first: that header is built whole.
+        header, payload = encode_response(head, tensors)
+    except BaseException:
+        ticket.release()
+        raise
+    response = Response(held_until_written(iter_body(header, payload), ticket), content_type=BINARY_CONTENT_TYPE)
     response.headers[HEADER_LENGTH] = str(len(header))
     response.content_length = body_length(header, payload)
     return response
