@@ -74,8 +74,13 @@ class HeldBody:
             self.ticket.release()
 
 
-def held_until_written(body: bytes | Iterable[bytes], ticket: Ticket) -> bytes | Iterable[bytes]:
-    if isinstance(body, (bytes, bytearray)):
+def held_until_written(body: bytes | Iterable[bytes], ticket: Ticket,
+                       computes: bool = True) -> bytes | Iterable[bytes]:
+    """`body` with the slot held while it is written; `computes`: whether producing it still
+    runs the engine (blocks recomputed as they are streamed). When all is computed the slot
+    goes to the next request now: a client that reads slowly then holds its thread (up to
+    BLOCKGRAD_SEND_TIMEOUT_S without progress), never the worker's compute slot."""
+    if isinstance(body, (bytes, bytearray)) or not computes:
         ticket.release()
         return body
     return HeldBody(body, ticket)

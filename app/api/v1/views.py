@@ -35,4 +35,5 @@ def post_gradients(req: GradientRequest):
     except BaseException:
         ticket.release()
         raise
-    return Response(held_until_written(body, ticket), mimetype="application/json")
+    streams_computed_blocks = "blocks" in req.outputs and result.kept is None  # recomputed as written
+    return Response(held_until_written(body, ticket, computes=streams_computed_blocks), mimetype="application/json")

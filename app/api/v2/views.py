@@ -153,7 +153,7 @@ def infer(model: str, version: str | None = None):
     g.work = work = Work.of(req.n, req.dim, req.factor, tuple(output.name for output in parsed.outputs),
                             req.outputs)  # for the log line and metrics
     deadline = request_deadline()
-    ticket = compute_slot(req, deadline)  # one computation at a time; held until the answer is written
+    ticket = compute_slot(req, deadline)  # one computation at a time; every output is computed before writing
     try:
         with work.computing():
             result = run(req, current_settings(), deadline)
@@ -161,14 +161,15 @@ def infer(model: str, version: str | None = None):
         g.device = str(result.device)
         if not has_binary(tensors):
             # Streamed: the worker holds the output arrays and about one chunk of text, not the document.
-            return Response(held_until_written(gather(iter_json(head, tensors), CHUNK_BYTES), ticket),
-                            mimetype="application/json")
+            return Response(held_until_written(gather(iter_json(head, tensors), CHUNK_BYTES), ticket,
+                                               computes=False), mimetype="application/json")
         # Binary data follows a JSON header whose length is sent first: that header is built whole.
         header, payload = encode_response(head, tensors)
     except BaseException:
         ticket.release()
         raise
-    response = Response(held_until_written(iter_body(header, payload), ticket), content_type=BINARY_CONTENT_TYPE)
+    response = Response(held_until_written(iter_body(header, payload), ticket, computes=False),
+                        content_type=BINARY_CONTENT_TYPE)
     response.headers[HEADER_LENGTH] = str(len(header))
     response.content_length = body_length(header, payload)
     return response
