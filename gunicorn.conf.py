@@ -4,6 +4,7 @@ Workers x torch threads never exceed the cores, so workers do not fight over the
 This file must not import torch (only app.core.settings, standard library): the master stays
 free of CUDA state; on CPU only, on_starting imports the app (and torch) before the fork.
 """
+import ctypes
 import fcntl
 import glob
 import math
@@ -125,11 +126,26 @@ def post_fork(server, worker):
     import torch
 
     torch.set_num_threads(torch_threads)
+    limit_malloc_arenas()
     # Its own open file (flock locks belong to it): held while this worker loads, so that a
     # sibling does not start draining while this one cannot serve yet.
     worker.recycle_lock = open(recycle_lock_path, "a+") if recycle_lock_path else None
     worker.loading_lock = try_lock(worker.recycle_lock)
     worker.draining = False
+
+
+MALLOC_ARENAS = 2
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def limit_malloc_arenas() -> None:
+    """glibc gives each new thread its own malloc arena (up to 8 per core): with a pool of
+    threads parsing bodies, every arena would grow to a large request's size and the
+    worker's memory with them. Two are enough (one computation at a time). Not glibc: skip."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, MALLOC_ARENAS)
+    except (OSError, AttributeError):
+        pass
 
 
 def post_worker_init(worker):
