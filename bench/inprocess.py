@@ -8,7 +8,7 @@ import orjson
 import torch
 
 from app.api.v1.schemas import GradientRequestSchema
-from app.core.engine import add_to_vectors, block_bounds, iter_blocks
+from app.core.engine import add_to_vectors, band_blocks, block_bounds, iter_bands
 from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest
 from app.core.run import Deadline, run
@@ -40,10 +40,12 @@ def floor_body(req: GradientRequest) -> bytes:
     vectors = torch.as_tensor(req.vectors, dtype=torch.float32 if req.dtype == "float32" else torch.float64)  # (N, D)
     accumulated = torch.zeros_like(vectors)  # (N, D)
     kept = []
-    for block in iter_blocks(vectors, req.factor, OBJECTIVES[req.objective], req.offset):
-        add_to_vectors(accumulated, block)
-        kept.append({"row": block.r, "col": block.c, "rows": block.row_span, "cols": block.col_span,
-                     "loss": to_numpy(block.loss)[()], "gradient": to_numpy(block.gradient)})
+    for band in iter_bands(vectors, req.factor, OBJECTIVES[req.objective], req.offset):
+        for result in band:
+            add_to_vectors(accumulated, result)
+        kept.extend({"row": block.r, "col": block.c, "rows": block.row_span, "cols": block.col_span,
+                     "loss": to_numpy(block.loss)[()], "gradient": to_numpy(block.gradient)}
+                    for block in band_blocks(band))
     return orjson.dumps({
         "n": req.n, "dim": req.dim, "factor": req.factor, "bounds": block_bounds(req.n, req.factor),
         "objective": req.objective, "dtype": req.dtype, "device": "cpu",

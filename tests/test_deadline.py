@@ -14,6 +14,7 @@ import requests
 import app.core.run as compute
 from app import create_app
 from app.core.errors import deadline_exceeded
+from app.core.engine import DEFAULT_CHUNK_ELEMENTS, plan_bands
 from app.core.run import Deadline
 from app.core.errors import BlockgradError
 
@@ -61,7 +62,8 @@ class ExpiresAfter(Deadline):
 
 def test_deadline_mid_stream_cuts_the_body(monkeypatch, tensor_refs):
     factor = 4
-    ExpiresAfter.checks_allowed = factor * factor + 2  # all of pass one, two blocks of pass two
+    # All of pass one (one check per band of chunks), then two blocks of pass two.
+    ExpiresAfter.checks_allowed = len(plan_bands(8, 2, factor, DEFAULT_CHUNK_ELEMENTS)) + 2
     monkeypatch.setattr(compute, "Deadline", ExpiresAfter)
     client = create_app({"TESTING": True}).test_client()
     response = client.post("/v1/gradients", json={"vectors": np.ones((8, 2)).tolist(), "factor": factor,
@@ -97,8 +99,9 @@ def short_deadline_server():
 
 @pytest.mark.slow
 def test_gunicorn_answers_503_before_streaming(short_deadline_server):
-    # 1024 x 1024 one-row blocks take about a minute; the deadline stops them at 2 s.
-    body = {"vectors": np.arange(1024.0)[:, None].tolist(), "factor": 1024, "outputs": ["accumulated"]}
+    # N=8192, D=128 is 17 billion numbers of blocks (tens of seconds on 2 cores); the
+    # deadline stops it at 2 s.
+    body = {"vectors": np.zeros((8192, 128)).tolist(), "factor": 64, "outputs": ["accumulated"]}
     response = requests.post(short_deadline_server.url + "/v1/gradients", json=body, headers=AUTH, timeout=30)
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "deadline_exceeded"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.core.engine import add_to_vectors, block_bounds, iter_blocks
+from app.core.engine import add_to_vectors, band_blocks, block_bounds, iter_bands
 from app.core.request import GradientRequest, default_factor
 from app.core.run import Deadline, run
 from app.core.settings import Settings
@@ -22,11 +22,12 @@ SHAPES = [  # (N, D, F): default split, N not divisible by F, F = 1, F = N, N = 
 ]
 
 
-def engine_run(vectors, factor, objective, offset=5.0):
+def engine_run(vectors, factor, objective, offset=5.0, max_elements=4 * 1024 * 1024):
     blocks, accumulated = [], torch.zeros_like(vectors)
-    for block in iter_blocks(vectors, factor, OBJECTIVES[objective], offset):
-        blocks.append(block)
-        add_to_vectors(accumulated, block)
+    for band in iter_bands(vectors, factor, OBJECTIVES[objective], offset, max_elements):
+        for result in band:
+            add_to_vectors(accumulated, result)
+        blocks.extend(band_blocks(band))
     return blocks, accumulated
 
 

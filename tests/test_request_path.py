@@ -12,6 +12,7 @@ from app.core.engine import iter_blocks
 from app.core.limits import admit
 from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest
+import app.core.run as compute
 from app.core.run import Deadline, first_non_finite_block, load_vectors, summarize
 from app.core.settings import Settings
 from app.http.streaming import to_numpy
@@ -96,12 +97,22 @@ def test_stream_is_one_json_document_whatever_the_chunking(monkeypatch, chunk_by
         assert len(chunks) > 9  # streamed, not built whole
 
 
-def test_kept_and_recomputed_answers_are_the_same_bytes():
+def test_kept_and_recomputed_answers_are_the_same_bytes(monkeypatch):
     body = {"vectors": np.random.default_rng(2).standard_normal((11, 3)).tolist(), "factor": 3,
             "objective": "l2_norm", "outputs": ["blocks", "accumulated", "losses"]}
+    real, kept_by_pass_one, keep_nothing = compute.summarize, [], []
+
+    def summarize(req, device, vectors, deadline, keep_bytes, *rest):
+        result = real(req, device, vectors, deadline, 0 if keep_nothing else keep_bytes, *rest)
+        kept_by_pass_one.append(result.kept is not None)
+        return result
+    monkeypatch.setattr(compute, "summarize", summarize)
     kept = create_app().test_client().post("/v1/gradients", json=body)
-    # Largest block 5 x 5 x 6 = 150 numbers fits; all dense blocks (726) do not: pass two recomputes.
-    recomputed = create_app({"BLOCKGRAD_MAX_BLOCK_ELEMENTS": 150}).test_client().post("/v1/gradients", json=body)
+    # The same limits (so the same chunks and the same order of additions in the accumulated
+    # gradient), but nothing may be kept: pass two recomputes.
+    keep_nothing.append(True)
+    recomputed = create_app().test_client().post("/v1/gradients", json=body)
+    assert kept_by_pass_one == [True, False]
     assert kept.status_code == recomputed.status_code == 200
     assert kept.get_data() == recomputed.get_data()
     blocks = json.loads(recomputed.get_data())["blocks"]

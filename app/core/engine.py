@@ -1,22 +1,50 @@
 """Per-block gradients of a pairwise feature matrix: the numeric core.
 
 V has shape (N, D). The pair matrix M[i, j] = concat(V[i], V[j]) has shape
-(N, N, 2D) and is never built whole: each block is built on its own, detached
-as its own autograd leaf, and differentiated alone, so that no graph is
-backwarded twice and no gradient leaks from one block into another. The
-accumulated gradient on V is the chain rule from each block's gradient back to
-the rows and columns it came from, which equals calling
-backward(retain_graph=True) once per block on one shared graph.
-Blocks are ordered row-block-major: r outer, c inner.
+(N, N, 2D) and is never built whole. It is cut into F x F blocks, the last row
+and column of blocks taking the remainder, so there are at most four block
+shapes: base x base, base x last, last x base, last x last.
+
+Blocks of equal shape are computed together, a chunk at a time: a chunk is a
+stack (k, h, w, 2D) of whole blocks holding at most `max_elements` numbers
+(BLOCKGRAD_MAX_BLOCK_ELEMENTS, the memory of the largest block a request may
+have; always at least one block). The stack is detached as one autograd leaf,
+the objective gives one loss per block (k,), and the gradient of their sum is
+taken with respect to the leaf.
+
+Why this is each block differentiated on its own: block i's loss is a function
+of stack[i] alone (objectives take any max-shift or scale per block), so
+d(sum_j L_j)/d stack[i] = dL_i/d stack[i] + sum_{j != i} dL_j/d stack[i]
+= dL_i/d stack[i] + 0. The slice i of the leaf's gradient is therefore exactly
+the gradient a leaf holding block i alone would get, and no gradient reaches V
+or another block: no graph is shared with V, nothing is backwarded twice. On
+CPU the block gradients and losses are the same numbers, bit for bit, as one
+block at a time (tests/test_engine.py). Batching pays because the cost of a
+block was Python and autograd dispatch, not arithmetic: at the default factor
+ceil(N / 6) one at a time spent ~0.2 ms per block on 6 x 6 blocks
+(docs/benchmarks.md, "Choosing a factor" in the README).
+
+The accumulated gradient on V is the chain rule from each block's gradient
+back to the rows and columns it came from, which equals calling
+backward(retain_graph=True) once per block on one shared graph; summed a chunk
+at a time, it differs from that only in the order of the additions.
+
+Blocks are streamed row-block-major (r outer, c inner): the chunks are planned
+in bands of whole block rows, so a band's chunks hold every block of its rows
+and are taken apart in that order. Memory is bounded by a chunk, not by N.
 
 Pure module: tensors and ints in, tensors out. No Flask, no JSON.
 """
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
 from .objectives import Objective
+from .settings import Settings
+
+DEFAULT_CHUNK_ELEMENTS = Settings.max_block_elements  # BLOCKGRAD_MAX_BLOCK_ELEMENTS's default
+
 
 def block_bounds(n: int, factor: int) -> list[int]:
     """F + 1 boundaries; the last block takes the remainder."""
@@ -39,59 +67,152 @@ class Block:
     gradient: torch.Tensor  # (rows, cols, 2D), dL/dblock
 
 
-def pair_block(vectors: torch.Tensor, row_span: tuple[int, int], col_span: tuple[int, int]) -> torch.Tensor:
-    """M[rows, cols] built directly from V, without the rest of M."""
-    row_vecs = vectors[row_span[0]:row_span[1]]  # (h, D)
-    col_vecs = vectors[col_span[0]:col_span[1]]  # (w, D)
-    h, w, d = row_vecs.shape[0], col_vecs.shape[0], vectors.shape[1]
+@dataclass(frozen=True)
+class Chunk:
+    """Blocks rows x cols (block indices, consecutive), all of shape height x width."""
+    rows: range
+    cols: range
+    height: int
+    width: int
+    base: int  # rows of every block but the last: block r starts at row r * base
+
+    @property
+    def count(self) -> int:
+        return len(self.rows) * len(self.cols)
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    chunk: Chunk
+    losses: torch.Tensor  # (kr, kc)
+    gradient: torch.Tensor  # (kr, kc, h, w, 2D)
+
+
+def shape_groups(n: int, factor: int) -> list[tuple[range, int]]:
+    """Block indices of equal side: [(indices, side)], one group when the last block is not larger."""
+    base = n // factor
+    last = n - (factor - 1) * base
+    if last == base:
+        return [(range(factor), base)]
+    return [(range(factor - 1), base), (range(factor - 1, factor), last)]
+
+
+def split(indices: range, size: int) -> list[range]:
+    return [indices[k:k + size] for k in range(0, len(indices), size)]
+
+
+def plan_bands(n: int, dim: int, factor: int, max_elements: int) -> list[list[Chunk]]:
+    """Chunks of at most max_elements numbers (at least one block each), grouped in bands
+    of whole block rows, in row-block-major order. A band's chunks partition its rows'
+    blocks by column, left to right; several block rows share a band when a whole block
+    row fits, else each chunk is a run of one row's blocks and a band of its own."""
+    base, pair = n // factor, 2 * dim
+    columns = shape_groups(n, factor)
+    bands = []
+    for row_group, height in shape_groups(n, factor):
+        row_numbers = height * n * pair  # one whole block row
+        if row_numbers <= max_elements:
+            for rows in split(row_group, max_elements // row_numbers):
+                bands.append([Chunk(rows, cols, height, width, base) for cols, width in columns])
+            continue
+        for r in row_group:
+            for cols_group, width in columns:
+                per_chunk = max(1, max_elements // (height * width * pair))
+                bands.extend([Chunk(range(r, r + 1), cols, height, width, base)]
+                             for cols in split(cols_group, per_chunk))
+    return bands
+
+
+def pair_blocks(vectors: torch.Tensor, chunk: Chunk) -> torch.Tensor:
+    """The chunk's blocks of M built directly from V, without the rest of M: (kr, kc, h, w, 2D)."""
+    kr, kc, h, w, d = len(chunk.rows), len(chunk.cols), chunk.height, chunk.width, vectors.shape[1]
+    row_start, col_start = chunk.rows.start * chunk.base, chunk.cols.start * chunk.base
+    row_vecs = vectors[row_start:row_start + kr * h].reshape(kr, h, d)  # (kr, h, D)
+    col_vecs = vectors[col_start:col_start + kc * w].reshape(kc, w, d)  # (kc, w, D)
     return torch.cat(
-        (row_vecs[:, None, :].expand(h, w, d),  # (h, w, D): V[i]
-         col_vecs[None, :, :].expand(h, w, d)),  # (h, w, D): V[j]
+        (row_vecs[:, None, :, None, :].expand(kr, kc, h, w, d),  # V[i]
+         col_vecs[None, :, None, :, :].expand(kr, kc, h, w, d)),  # V[j]
         dim=-1,
-    )  # (h, w, 2D)
+    )  # (kr, kc, h, w, 2D)
 
 
-def block_gradient(block: torch.Tensor, objective: Objective, offset: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss and dL/dblock with the block detached as a leaf of its own graph."""
-    leaf = block.detach().requires_grad_(True)  # (h, w, 2D)
+def chunk_gradients(vectors: torch.Tensor, chunk: Chunk, objective: Objective, offset: float) -> ChunkResult:
+    """Every block of the chunk: loss and dL/dblock, the stack detached as one leaf (see the
+    module docstring for why each block's gradient is its own)."""
+    pairs = pair_blocks(vectors, chunk)  # (kr, kc, h, w, 2D)
+    kr, kc = pairs.shape[:2]
+    leaf = pairs.reshape(kr * kc, *pairs.shape[2:]).detach().requires_grad_(True)  # (k, h, w, 2D)
     with torch.enable_grad():
-        loss = objective(leaf, offset)  # ()
-        (grad,) = torch.autograd.grad(loss, leaf)  # (h, w, 2D)
-    return loss.detach(), grad
+        losses = objective.losses(leaf, offset)  # (k,)
+        (grad,) = torch.autograd.grad(losses.sum(), leaf)  # (k, h, w, 2D)
+    return ChunkResult(chunk, losses.detach().reshape(kr, kc), grad.reshape(pairs.shape))
 
 
-def block_at(vectors: torch.Tensor, bounds: list[int], r: int, c: int,
-             objective: Objective, offset: float) -> Block:
-    """Block (r, c): its loss and gradient, computed alone."""
-    row_span, col_span = (bounds[r], bounds[r + 1]), (bounds[c], bounds[c + 1])
-    loss, grad = block_gradient(pair_block(vectors, row_span, col_span), objective, offset)
-    return Block(r, c, row_span, col_span, loss, grad)
+def iter_bands(vectors: torch.Tensor, factor: int, objective: Objective, offset: float,
+               max_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Iterator[list[ChunkResult]]:
+    """Every chunk's result, a band at a time, row-block-major across bands."""
+    for band in plan_bands(vectors.shape[0], vectors.shape[1], factor, max_elements):
+        yield [chunk_gradients(vectors, chunk, objective, offset) for chunk in band]
 
 
-def iter_blocks(vectors: torch.Tensor, factor: int, objective: Objective, offset: float) -> Iterator[Block]:
-    """Every block's loss and gradient, row-block-major.
-
-    One block at a time: computing equal-shaped blocks together (batched) was
-    measured no faster on CPU, as the work is elementwise, not per-call overhead.
-    """
-    bounds = block_bounds(vectors.shape[0], factor)
-    for r in range(factor):
-        for c in range(factor):
-            yield block_at(vectors, bounds, r, c, objective, offset)
-
-
-def chain_rule_sums(block: Block) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block's share of dL/dV: entry (i, j) holds V[i] in its first D and V[j] in its last D."""
-    d = block.gradient.shape[2] // 2
-    row_sums = block.gradient[:, :, :d].sum(dim=1)  # (h, D), onto V[rows]
-    col_sums = block.gradient[:, :, d:].sum(dim=0)  # (w, D), onto V[cols]
-    return row_sums, col_sums
+def band_blocks(results: list[ChunkResult]) -> Iterator[Block]:
+    """A band's chunk results taken apart into blocks, row-block-major."""
+    for i, r in enumerate(results[0].chunk.rows):
+        for result in results:
+            chunk = result.chunk
+            row_start = r * chunk.base
+            for j, c in enumerate(chunk.cols):
+                col_start = c * chunk.base
+                yield Block(r, c, (row_start, row_start + chunk.height), (col_start, col_start + chunk.width),
+                            result.losses[i, j], result.gradient[i, j])
 
 
-def add_to_vectors(accumulated: torch.Tensor, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chain rule from one block back to the rows and columns it came from; returns the
-    row and column sums it added."""
-    row_sums, col_sums = chain_rule_sums(block)
-    accumulated[block.row_span[0]:block.row_span[1]] += row_sums  # (h, D)
-    accumulated[block.col_span[0]:block.col_span[1]] += col_sums  # (w, D)
-    return row_sums, col_sums
+def iter_blocks(vectors: torch.Tensor, factor: int, objective: Objective, offset: float,
+                max_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Iterator[Block]:
+    """Every block's loss and gradient, row-block-major, computed a chunk at a time; one band
+    of chunk results is held at a time."""
+    for band in iter_bands(vectors, factor, objective, offset, max_elements):
+        yield from band_blocks(band)
+
+
+def block_at(vectors: torch.Tensor, factor: int, r: int, c: int, objective: Objective, offset: float) -> Block:
+    """Block (r, c) alone: a chunk of one block."""
+    n = vectors.shape[0]
+    base, bounds = n // factor, block_bounds(n, factor)
+    chunk = Chunk(range(r, r + 1), range(c, c + 1), bounds[r + 1] - bounds[r], bounds[c + 1] - bounds[c], base)
+    return next(band_blocks([chunk_gradients(vectors, chunk, objective, offset)]))
+
+
+@dataclass(frozen=True)
+class ChunkSums:
+    """A chunk's share of dL/dV: entry (i, j) of a block holds V[i] in its first D and V[j] in its last D."""
+    row_sums: torch.Tensor  # (kr, kc, h, D): each block's sums onto its rows
+    col_sums: torch.Tensor  # (kr, kc, w, D): each block's sums onto its columns
+
+
+def chain_rule_sums(result: ChunkResult) -> ChunkSums:
+    d = result.gradient.shape[-1] // 2
+    return ChunkSums(result.gradient[..., :d].sum(dim=3),  # (kr, kc, h, D)
+                     result.gradient[..., d:].sum(dim=2))  # (kr, kc, w, D)
+
+
+def add_to_vectors(accumulated: torch.Tensor, result: ChunkResult) -> ChunkSums:
+    """Chain rule from a chunk's blocks back to the rows and columns they came from; returns
+    the per-block sums it added. Block rows (columns) of a chunk are consecutive in V."""
+    sums, chunk = chain_rule_sums(result), result.chunk
+    d = accumulated.shape[1]
+    row_start, col_start = chunk.rows.start * chunk.base, chunk.cols.start * chunk.base
+    rows = len(chunk.rows) * chunk.height
+    cols = len(chunk.cols) * chunk.width
+    accumulated[row_start:row_start + rows] += sums.row_sums.sum(dim=1).reshape(rows, d)  # (kr * h, D)
+    accumulated[col_start:col_start + cols] += sums.col_sums.sum(dim=0).reshape(cols, d)  # (kc * w, D)
+    return sums
+
+
+def elements_per_chunk(max_elements: int, objective: Objective, dim: int, element_size: int) -> int:
+    """Numbers per chunk: max_elements (the memory of the largest allowed block), less for an
+    objective that declares `bytes_per_pair` of activations, so that pairs plus activations
+    take about the memory of max_elements numbers. A chunk always holds one block."""
+    extra = getattr(objective, "bytes_per_pair", 0) or 0
+    pair_bytes = 2 * dim * element_size
+    return max(1, max_elements * pair_bytes // (pair_bytes + extra))

@@ -1,53 +1,104 @@
-"""The fixed registry of block objectives: name -> L(block, offset).
+"""The fixed registry of block objectives: name -> Objective.
 
-Each objective maps one block B of shape (rows, cols, 2D) to a 0-d tensor.
+An objective maps a stack of equal-shaped blocks (k, h, w, 2D) to one loss per
+block (k,), differentiably, each block's loss depending on its own block only
+(any max-shift or scale is taken per block). The engine differentiates the sum
+of these losses, so each block's gradient is exactly its own (app/core/engine.py).
 User input only ever selects a name from this table; nothing is evaluated.
 """
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 
-Objective = Callable[[torch.Tensor, float], torch.Tensor]
+BLOCK_DIMS = (1, 2, 3)  # the dimensions of one block in a (k, h, w, 2D) stack
 
 
-def block_sum(block: torch.Tensor, offset: float) -> torch.Tensor:
-    return torch.sum(block + offset)  # sum(i + 5) of the per-block loop this service replaces
+class Objective(Protocol):
+    """What the engine needs of an objective. A model-backed objective may also expose
+    `bytes_per_pair` (activation memory per pair), which the engine uses to size its chunks."""
+    name: str
+    description: str
+
+    def losses(self, blocks: torch.Tensor, offset: float) -> torch.Tensor:
+        """(k, h, w, 2D) -> (k,), block i's loss a function of blocks[i] alone."""
 
 
-def block_mean(block: torch.Tensor, offset: float) -> torch.Tensor:
-    return torch.mean(block)
+@dataclass(frozen=True)
+class BuiltinObjective:
+    name: str
+    description: str
+    stacked: Callable[[torch.Tensor, float], torch.Tensor]  # (k, h, w, 2D), offset -> (k,)
+
+    def losses(self, blocks: torch.Tensor, offset: float) -> torch.Tensor:
+        return self.stacked(blocks, offset)
 
 
-def block_sum_of_squares(block: torch.Tensor, offset: float) -> torch.Tensor:
-    return torch.sum(block * block)
+def per_block(values: torch.Tensor) -> torch.Tensor:
+    """(k,) -> (k, 1, 1, 1): a per-block constant broadcast over its block."""
+    return values[:, None, None, None]
 
 
-def largest_magnitude(block: torch.Tensor) -> torch.Tensor:
-    """max |B| as a constant (no gradient), 1 where B is all zeros."""
-    scale = block.detach().abs().amax()  # ()
+def stacked_sum(blocks: torch.Tensor, offset: float) -> torch.Tensor:
+    return torch.sum(blocks + offset, dim=BLOCK_DIMS)  # (k,): sum(i + 5) of the per-block loop replaced
+
+
+def stacked_mean(blocks: torch.Tensor, offset: float) -> torch.Tensor:
+    return torch.sum(blocks, dim=BLOCK_DIMS) / blocks[0].numel()  # (k,), sum / count as mean is defined
+
+
+def stacked_sum_of_squares(blocks: torch.Tensor, offset: float) -> torch.Tensor:
+    return torch.sum(blocks * blocks, dim=BLOCK_DIMS)  # (k,)
+
+
+def largest_magnitude(blocks: torch.Tensor) -> torch.Tensor:
+    """(k,) max |B| per block as a constant (no gradient), 1 where a block is all zeros."""
+    scale = blocks.detach().abs().amax(dim=BLOCK_DIMS)  # (k,)
     return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
-def block_l2_norm(block: torch.Tensor, offset: float) -> torch.Tensor:
-    # Scaled by max |B| so that squares neither underflow (1e-23 in float32) nor overflow;
-    # vector_norm's backward is 0 (not NaN) where the norm is 0.
-    scale = largest_magnitude(block)  # ()
-    return scale * torch.linalg.vector_norm(block / scale)
+class ScaledNorm(torch.autograd.Function):
+    """||B||_2 per block, computed on B / max|B| so that squares neither underflow nor
+    overflow, with the gradient B / ||B|| = u / ||u|| (u = B / max|B|) taken directly.
+
+    Autograd through `scale * norm(B / scale)` would form `scale * u / ||u||` and then
+    divide by `scale`: for subnormal blocks (1e-45 in float32, 1e-320 in float64) the
+    product underflows and the gradient comes out 0 or off by a whole factor.
+    """
+
+    @staticmethod
+    def forward(ctx, blocks: torch.Tensor) -> torch.Tensor:
+        scale = largest_magnitude(blocks)  # (k,)
+        unit = blocks / per_block(scale)  # (k, h, w, 2D), |u| <= 1
+        norms = torch.linalg.vector_norm(unit, dim=BLOCK_DIMS)  # (k,), >= 1 unless the block is 0
+        ctx.save_for_backward(unit, norms)
+        return scale * norms  # (k,)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
+        unit, norms = ctx.saved_tensors
+        # 0 (not NaN) where the norm is 0, as torch.linalg.vector_norm's own backward.
+        safe = torch.where(norms > 0, norms, torch.ones_like(norms))  # (k,)
+        return unit * per_block(grad_out / safe)  # (k, h, w, 2D)
 
 
-def block_logsumexp(block: torch.Tensor, offset: float) -> torch.Tensor:
-    # Shifted by a constant max: the gradient is exp(B - m) / sum(exp(B - m)) computed
+def stacked_l2_norm(blocks: torch.Tensor, offset: float) -> torch.Tensor:
+    return ScaledNorm.apply(blocks)  # (k,)
+
+
+def stacked_logsumexp(blocks: torch.Tensor, offset: float) -> torch.Tensor:
+    # Shifted by a constant max per block: the gradient is exp(B - m) / sum(exp(B - m)) computed
     # directly, not exp(B - L), which loses every digit once L is large (1e8 in float32).
-    shift = block.detach().amax()  # ()
-    return shift + torch.log(torch.sum(torch.exp(block - shift)))
+    shift = blocks.detach().amax(dim=BLOCK_DIMS)  # (k,)
+    return shift + torch.log(torch.sum(torch.exp(blocks - per_block(shift)), dim=BLOCK_DIMS))  # (k,)
 
 
-OBJECTIVES: dict[str, Objective] = {
-    "sum": block_sum,
-    "mean": block_mean,
-    "sum_of_squares": block_sum_of_squares,
-    "l2_norm": block_l2_norm,
-    "logsumexp": block_logsumexp,
-}
+OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (
+    BuiltinObjective("sum", "sum(B + offset), offset default 5.0", stacked_sum),
+    BuiltinObjective("mean", "mean(B)", stacked_mean),
+    BuiltinObjective("sum_of_squares", "sum(B * B)", stacked_sum_of_squares),
+    BuiltinObjective("l2_norm", "Euclidean norm of all of B (gradient 0 where the norm is 0)", stacked_l2_norm),
+    BuiltinObjective("logsumexp", "log(sum(exp(B))), computed max-shifted", stacked_logsumexp),
+)}
 DEFAULT_OBJECTIVE = "sum"
 DEFAULT_OFFSET = 5.0

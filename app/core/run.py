@@ -5,10 +5,10 @@ and proves every block finite, so that an error is known before the first byte
 of a 200 is sent. The blocks themselves are taken from the result afterwards
 (`Result.blocks()`): kept from pass one while their gradients hold no more
 memory than one largest block may (autograd often returns a view of one number,
-e.g. for `sum`), else recomputed one at a time as they are consumed, so that
-memory stays bounded by a block, not by N x N x 2D.
+e.g. for `sum`), else recomputed a band of chunks at a time as they are
+consumed (app/core/engine.py), so that memory stays bounded by a chunk, not by
+N x N x 2D.
 """
-import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .device import release_device_memory, resolve_device
-from .engine import Block, add_to_vectors, block_at, block_bounds, iter_blocks
+from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, add_to_vectors, band_blocks, block_at, block_bounds,
+                     elements_per_chunk, iter_bands)
 from .errors import client_closed, deadline_exceeded, device_out_of_memory, non_finite_accumulated, non_finite_block
 from .limits import admit
 from .objectives import OBJECTIVES
@@ -82,13 +83,19 @@ class Result:
     vectors: torch.Tensor = field(repr=False)  # (N, D), on `device`
     deadline: Deadline = field(repr=False)
     kept: list[Block] | None = field(default=None, repr=False)  # every block, when they fit
+    chunk_elements: int = field(default=DEFAULT_CHUNK_ELEMENTS, repr=False)  # numbers per chunk
 
     def blocks(self) -> Iterator[Block]:
-        """Every block, row-block-major: kept, or recomputed as consumed; the deadline holds."""
+        """Every block, row-block-major: kept, or recomputed a band of chunks at a time as
+        consumed; the deadline is checked between blocks."""
         req = self.request
         with device_memory_guard():
-            source = self.kept if self.kept is not None else iter_blocks(
-                self.vectors, req.factor, OBJECTIVES[req.objective], req.offset)
+            if self.kept is not None:
+                source = iter(self.kept)
+            else:
+                bands = iter_bands(self.vectors, req.factor, OBJECTIVES[req.objective], req.offset,
+                                   self.chunk_elements)
+                source = (block for band in bands for block in band_blocks(band))
             for block in source:
                 yield block
                 self.deadline.check()
@@ -102,29 +109,41 @@ def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = No
     with device_memory_guard():
         vectors = load_vectors(req, device)  # (N, D)
         keep_bytes = settings.max_block_elements * vectors.element_size()
-        return summarize(req, device, vectors, deadline, keep_bytes)
+        chunk = elements_per_chunk(settings.max_block_elements, OBJECTIVES[req.objective], req.dim,
+                                   vectors.element_size())
+        return summarize(req, device, vectors, deadline, keep_bytes, chunk)
 
 
 def summarize(req: GradientRequest, device: torch.device, vectors: torch.Tensor, deadline: Deadline,
-              keep_bytes: int) -> Result:
-    """Pass one: losses (F, F) and accumulated (N, D); non_finite_result if anything is not finite."""
+              keep_bytes: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Result:
+    """Pass one: losses (F, F) and accumulated (N, D); non_finite_result if anything is not finite.
+
+    Blocks' gradients are kept (for `blocks()`) while they hold at most keep_bytes: autograd
+    often returns a view of a few numbers (e.g. for `sum`); past that they are let go and
+    recomputed as consumed, so memory stays bounded by a band of chunks, not by N x N x 2D.
+    No host synchronisation per block or chunk: one at the end."""
     f = req.factor
     keep, kept, kept_bytes = "blocks" in req.outputs, [], 0
     losses = torch.empty((f, f), dtype=vectors.dtype, device=device)  # (F, F)
     # True proves the block finite: a sum is finite only if all its terms are, and the row
     # and column sums cover every gradient entry. This saves a pass over each gradient;
     # False may also be an overflowing sum, so those blocks are rechecked exactly below.
-    surely_finite = torch.empty((f, f), dtype=torch.bool, device=device)  # (F, F), no per-block sync
+    surely_finite = torch.empty((f, f), dtype=torch.bool, device=device)  # (F, F)
     accumulated = torch.zeros_like(vectors)  # (N, D)
-    for block in iter_blocks(vectors, f, OBJECTIVES[req.objective], req.offset):
-        row_sums, col_sums = add_to_vectors(accumulated, block)  # (h, D), (w, D)
-        losses[block.r, block.c] = block.loss
-        surely_finite[block.r, block.c] = (
-            torch.isfinite(block.loss) & torch.isfinite(row_sums).all() & torch.isfinite(col_sums).all())
+    for band in iter_bands(vectors, f, OBJECTIVES[req.objective], req.offset, chunk_elements):
+        for result in band:
+            sums = add_to_vectors(accumulated, result)  # (kr, kc, h, D), (kr, kc, w, D)
+            rows, cols = result.chunk.rows, result.chunk.cols
+            losses[rows.start:rows.stop, cols.start:cols.stop] = result.losses  # (kr, kc)
+            surely_finite[rows.start:rows.stop, cols.start:cols.stop] = (
+                torch.isfinite(result.losses)
+                & torch.isfinite(sums.row_sums).flatten(2).all(dim=2)
+                & torch.isfinite(sums.col_sums).flatten(2).all(dim=2))  # (kr, kc)
+            if keep:
+                kept_bytes += result.gradient.untyped_storage().nbytes()
+                keep = kept_bytes <= keep_bytes  # over budget: let them go, blocks() recomputes
         if keep:
-            kept.append(block)
-            kept_bytes += block.gradient.untyped_storage().nbytes()
-            keep = kept_bytes <= keep_bytes  # over budget: let them go, blocks() recomputes
+            kept.extend(band_blocks(band))
         deadline.check()
     if not bool(surely_finite.all()):
         first = first_non_finite_block(vectors, req, surely_finite)
@@ -133,15 +152,14 @@ def summarize(req: GradientRequest, device: torch.device, vectors: torch.Tensor,
     if not bool(torch.isfinite(accumulated).all()):
         raise non_finite_accumulated(req.dtype)
     return Result(req, device, block_bounds(req.n, f), losses, accumulated, vectors, deadline,
-                  kept if keep else None)
+                  kept if keep else None, chunk_elements)
 
 
 def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest,
                            surely_finite: torch.Tensor) -> tuple[int, int] | None:
     """Row-block-major, the first block whose loss or gradient is not finite, checked entry by entry."""
-    bounds = block_bounds(req.n, req.factor)
     for r, c in torch.nonzero(~surely_finite).tolist():  # row-major order
-        block = block_at(vectors, bounds, r, c, OBJECTIVES[req.objective], req.offset)
+        block = block_at(vectors, req.factor, r, c, OBJECTIVES[req.objective], req.offset)
         if not (bool(torch.isfinite(block.loss)) and bool(torch.isfinite(block.gradient).all())):
             return r, c
     return None  # only sums overflowed: the accumulated check reports it

@@ -52,16 +52,18 @@ def available_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
 
 
 def default_queue_depth() -> int:
-    """Requests a worker lets wait for its compute slot: two per core of the machine (pod).
+    """Requests a worker lets wait for its compute slot: four per core of the machine (pod).
 
     A waiting request is worth keeping only while the slot frees soon enough for it to
-    finish inside its deadline, and a pod clears about one computation per core at a
-    time: two per core keeps every core fed through the gap between two requests
-    (reading and parsing the next body while the current one computes) without building
-    a backlog that would turn into deadline errors a minute later. Beyond it the answer
-    is an immediate 503 `overloaded` that a balancer or client retries elsewhere.
+    finish inside its deadline; a pod clears about one computation per core at a time, and
+    two waiting per core keep every core fed through the gap between two requests (reading
+    and parsing the next body while the current one computes). gthread workers do not share
+    connections evenly (whichever worker wakes first accepts), so one worker's queue must
+    absorb what the whole pod would hold: twice that again. Beyond it the answer is an
+    immediate 503 `overloaded` that a balancer or client retries elsewhere, instead of a
+    backlog that turns into deadline errors a minute later.
     """
-    return 2 * available_cores()
+    return 4 * available_cores()
 
 
 def env_int(name: str, default: int, environ: Mapping[str, Any] = os.environ) -> int:

@@ -13,7 +13,7 @@ from marshmallow import Schema, fields
 from swagger_ui_bundle import swagger_ui_path
 
 from ..core.settings import Settings
-from .errors import ERRORS, error_body
+from .errors import DEFAULT_STYLE, ERRORS, ErrorStyle
 
 HEADER_DESCRIPTIONS = {
     "Allow": ("The methods this path accepts.", "string"),
@@ -35,30 +35,31 @@ class ErrorSchema(Schema):
     error = fields.Nested(ErrorDetailSchema, required=True)
 
 
-def error_example(code: str, style_body: Callable = error_body) -> dict:
+def error_example(code: str, style: ErrorStyle = DEFAULT_STYLE) -> dict:
     """The documented example: what the constructor that raises `code` makes, rendered as sent."""
     entry = ERRORS[code]
-    return {"summary": f"{code}: {entry.when}", "value": style_body(entry.example())}
+    return {"summary": f"{code}: {entry.when}", "value": style.body(entry.example())}
 
 
-def error_responses_spec(*codes: str, style_body: Callable = error_body) -> dict[int, dict]:
-    """Group `codes` by status: {status: {"description", "examples", "headers"}}."""
+def error_responses_spec(*codes: str, style: ErrorStyle = DEFAULT_STYLE) -> dict[int, dict]:
+    """Group `codes` by the status `style` answers them with: {status: {"description", "examples", "headers"}}."""
     by_status: dict[int, list[str]] = {}
     for code in codes:
-        by_status.setdefault(ERRORS[code].status, []).append(code)
+        by_status.setdefault(style.status(ERRORS[code].status), []).append(code)
     return {status: {"description": "; ".join(f"`{code}`: {ERRORS[code].when}" for code in group),
-                     "examples": {code: error_example(code, style_body) for code in group},
+                     "examples": {code: error_example(code, style) for code in group},
                      "headers": {name: {"description": HEADER_DESCRIPTIONS[name][0],
                                         "schema": {"type": HEADER_DESCRIPTIONS[name][1]}}
                                  for code in group for name in ERRORS[code].headers}}
             for status, group in by_status.items()}
 
 
-def documents_errors(blp, *codes: str) -> Callable:
-    """Decorator: one documented error response (ErrorSchema, examples) per status of `codes`."""
+def documents_errors(blp, *codes: str, style: ErrorStyle = DEFAULT_STYLE, schema=None) -> Callable:
+    """Decorator: one documented error response (schema, examples) per status of `codes`."""
     def decorate(view):
-        for status, spec in error_responses_spec(*codes).items():
-            view = blp.alt_response(status, schema=ErrorSchema, **{k: v for k, v in spec.items() if v})(view)
+        for status, spec in error_responses_spec(*codes, style=style).items():
+            view = blp.alt_response(status, schema=schema or ErrorSchema,
+                                    **{k: v for k, v in spec.items() if v})(view)
         return view
     return decorate
 

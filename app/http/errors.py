@@ -105,7 +105,7 @@ ERRORS: dict[str, ErrorCode] = {
                              lambda: HttpError("bad_request", "The browser (or proxy) sent a request that this "
                                                               "server could not understand.")),
     "bad_json": ErrorCode(400, "the body is not valid JSON (NaN and Infinity literals included)",
-                          lambda: bad_json("unexpected character: line 1 column 1 (char 0)")),
+                          lambda: bad_json("unexpected character, expected a JSON value: line 1 column 1 (char 0)")),
     "unauthorized": ErrorCode(401, "BLOCKGRAD_API_TOKEN is set and the request lacks `Authorization: Bearer "
                                    "<token>` with the right token (probes and /metrics stay open); see "
                                    "WWW-Authenticate", missing_token, ("WWW-Authenticate",)),

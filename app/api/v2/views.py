@@ -10,7 +10,7 @@ from flask import Response, current_app, g, request
 from ...core.device import ready_device
 from ...core.errors import BlockgradError
 from ...core.run import run
-from ...http.docs import OPEN_ROUTE
+from ...http.docs import OPEN_ROUTE, documents_errors
 from ...http.errors import ErrorStyle, model_not_found, unsupported_media_type
 from ...http.observe import Work
 from ...http.parsing import ApiBlueprint, is_json_mimetype, read_body
@@ -32,18 +32,6 @@ blp = ApiBlueprint("v2", __name__, url_prefix="/v2",
 ERROR_STYLE = ErrorStyle(body=lambda error: {"error": error.message},
                          status=lambda status: 400 if status == 422 else status)
 
-ERRORS = {
-    400: "The request is not valid (or the result is not finite).",
-    401: "BLOCKGRAD_API_TOKEN is set and the request has no valid `Authorization: Bearer <token>`.",
-    404: "No such model or version.",
-    408: "The body did not arrive within BLOCKGRAD_READ_TIMEOUT_S.",
-    413: "Over the body size or a configured limit.",
-    415: "The body is neither application/json nor application/octet-stream.",
-    503: "The worker is overloaded (its queue is full), the request ran past its deadline (also while "
-         "queued), or the device ran out of memory (see Retry-After).",
-}
-
-
 def path_parameter(name: str, value: str, description: str) -> dict:
     # One value each: other names are valid paths that answer 404, not schema-valid requests.
     return {"in": "path", "name": name, "required": True, "description": description,
@@ -54,12 +42,15 @@ MODEL = [path_parameter("model", MODEL_NAME, "The model's name.")]
 VERSIONED = MODEL + [path_parameter("version", MODEL_VERSION, "The model's version.")]
 
 
-def document_errors(*statuses: int):
-    def decorate(view):
-        for status in statuses:
-            view = blp.alt_response(status, schema=ProtocolErrorSchema, description=ERRORS[status])(view)
-        return view
-    return decorate
+def document_errors(*codes: str):
+    """The table's codes, as /v2 answers them (the protocol's body, 400 for invalid requests)."""
+    return documents_errors(blp, *codes, style=ERROR_STYLE, schema=ProtocolErrorSchema)
+
+
+METADATA_ERRORS = ("unauthorized", "model_not_found", "internal_error")
+INFER_ERRORS = ("bad_json", "validation_error", "non_finite_result", "unauthorized", "model_not_found",
+                "too_large", "limit_exceeded", "unsupported_media_type", "deadline_exceeded",
+                "device_out_of_memory", "read_timeout", "overloaded", "internal_error")
 
 
 def health(ok: bool) -> Response:
@@ -110,7 +101,7 @@ def server_ready():
 @blp.route("/models/<model>/versions/<version>", methods=["GET"], parameters=VERSIONED)
 @blp.alt_response(200, schema=ModelMetadataSchema, description="Model metadata; -1 marks a variable dimension.",
                   success=True)
-@document_errors(401, 404)
+@document_errors(*METADATA_ERRORS)
 def get_model_metadata(model: str, version: str | None = None):
     """Inputs and outputs of the model: names, datatypes, shapes."""
     check_model(model, version)
@@ -121,7 +112,7 @@ def get_model_metadata(model: str, version: str | None = None):
 @blp.route("/models/<model>/versions/<version>/ready", methods=["GET"], parameters=VERSIONED)
 @blp.alt_response(200, description="Ready (empty body).", success=True)
 @blp.alt_response(400, description="Not ready (empty body).")
-@document_errors(401, 404)
+@document_errors(*METADATA_ERRORS)
 def model_ready(model: str, version: str | None = None):
     """The model can run on the configured device."""
     check_model(model, version)
@@ -140,7 +131,7 @@ def model_ready(model: str, version: str | None = None):
     BINARY_CONTENT_TYPE: {"schema": {"type": "string", "format": "binary", "description": (
         "The JSON request, then each binary input's bytes; Inference-Header-Content-Length "
         "gives the JSON's length.")}}}})
-@document_errors(400, 401, 404, 408, 413, 415, 503)
+@document_errors(*INFER_ERRORS)
 def infer(model: str, version: str | None = None):
     """Per-block gradients as output tensors; JSON or binary tensor data both ways."""
     check_model(model, version)
