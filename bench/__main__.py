@@ -21,6 +21,7 @@ ROWS = [
     rows.peak_worker_rss,
     rows.parse_vs_loads,
     rows.v2_binary_infer,  # issue 4: binary tensors against JSON
+    rows.serving_small_requests,  # issue 9: the worker model
 ]
 
 
