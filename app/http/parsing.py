@@ -17,6 +17,7 @@ from ..core.errors import validation_error
 from .connection import ReadAlarm
 from .errors import bad_json, compressed_body, read_timeout, wrong_content_type
 from .settings import current_settings
+from .slices import loads_sliced
 
 
 def is_json_mimetype(mimetype: str) -> bool:
@@ -98,7 +99,9 @@ class OrjsonParser(FlaskParser):
     def _raw_load_json(self, req):
         if not is_json_mimetype(req.mimetype):
             raise wrong_content_type(req.mimetype)
-        return decode_json(read_body(req))
+        body = read_body(req)
+        document = loads_sliced(body)  # large bodies a slice at a time (slices.py)
+        return document if document is not None else decode_json(body)
 
     def handle_error(self, error, req, schema, *, error_status_code, error_headers):
         messages = error.messages.get("json", error.messages) if isinstance(error.messages, dict) else error.messages
