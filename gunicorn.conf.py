@@ -10,6 +10,7 @@ import glob
 import math
 import os
 import shutil
+import sys
 import tempfile
 
 from app.core.settings import Settings, available_cores, env_int  # standard library only: no torch here
@@ -127,6 +128,9 @@ def post_fork(server, worker):
 
     torch.set_num_threads(torch_threads)
     limit_malloc_arenas()
+    # A thread waiting for the GIL (the main loop handing over a connection, a probe) waits
+    # for the running thread's switch interval: 5 ms by default, 1 ms here.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     # Its own open file (flock locks belong to it): held while this worker loads, so that a
     # sibling does not start draining while this one cannot serve yet.
     worker.recycle_lock = open(recycle_lock_path, "a+") if recycle_lock_path else None
@@ -134,6 +138,7 @@ def post_fork(server, worker):
     worker.draining = False
 
 
+SWITCH_INTERVAL_S = 0.001
 MALLOC_ARENAS = 2
 M_ARENA_MAX = -8  # glibc's mallopt parameter
 
