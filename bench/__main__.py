@@ -23,6 +23,7 @@ ROWS = [
     rows.v2_binary_infer,  # issue 4: binary tensors against JSON
     rows.model_scorer,  # issue 12: a model objective against a plain loop and the all-pairs floor
     client_rows.client_v1_read,  # issue 13: the client package
+    rows.serving_small_requests,  # issue 9: the worker model
 ]
 
 

@@ -279,4 +279,87 @@ def model_scorer(bench: Bench) -> list[Result]:
         Result(f"6b. model scorer: engine vs all pairs at once, {label}", f"<= {floor_target}x",
                f"{floor.ratio:.2f}x", at_most(floor.ratio, floor_target),
                f"engine {ms(floor.a_s)}, floor {ms(floor.b_s)}; {objective.bytes_per_pair} activation bytes/pair"),
+
+
+# 7. ---------------------------------------------------------------------------------------
+SERVING_CLIENTS = 4
+SERVING_SECONDS = 6.0  # per configuration, after a warm-up; bounded in count too
+PROBE_EVERY_S = 0.05
+
+
+def load(server: Server, path: str, body: bytes, probe: bool = False) -> tuple[float, list[float], list[float]]:
+    """SERVING_CLIENTS threads, each with its own Session, POSTing `body` back to back for
+    SERVING_SECONDS; with `probe`, one more thread times GET /readyz every PROBE_EVERY_S.
+    Returns (requests per second, client latencies, probe latencies)."""
+    latencies, probes, lock = [], [], threading.Lock()
+    stop = threading.Event()
+
+    def client():
+        mine = []
+        with requests.Session() as session:
+            for _ in range(5):  # warm the connection and the worker
+                session.post(server.url + path, data=body, headers={"Content-Type": "application/json"}, timeout=60)
+            end = time.monotonic() + SERVING_SECONDS
+            for _ in range(100_000):
+                start = time.perf_counter()
+                response = session.post(server.url + path, data=body, timeout=60,
+                                        headers={"Content-Type": "application/json"})
+                if response.status_code != 200:
+                    raise RuntimeError(f"HTTP {response.status_code}: {response.content[:300]!r}")
+                mine.append(time.perf_counter() - start)
+                if time.monotonic() > end:
+                    break
+        with lock:
+            latencies.extend(mine)
+
+    def prober():
+        with requests.Session() as session:
+            while not stop.wait(PROBE_EVERY_S):
+                start = time.perf_counter()
+                session.get(server.url + "/readyz", timeout=60)
+                probes.append(time.perf_counter() - start)
+
+    threads = [threading.Thread(target=client) for _ in range(SERVING_CLIENTS)]
+    watcher = threading.Thread(target=prober) if probe else None
+    start = time.perf_counter()
+    for thread in threads + ([watcher] if watcher else []):
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    stop.set()
+    if watcher:
+        watcher.join()
+    return len(latencies) / wall, latencies, probes
+
+
+def logged_median_ms(server: Server, route: str) -> float:
+    durations = [line["duration_ms"] for line in map(orjson.loads, (
+        raw for raw in server.log().splitlines() if raw.startswith('{"ts"'))) if line.get("route") == route]
+    return statistics.median(durations)
+
+
+def serving_small_requests(bench: Bench) -> list[Result]:
+    """Issue 9: the 10 x 5 example with 4 clients, gthread (this configuration) against the
+    sync worker on the same commit and against a no-op WSGI app served the same way."""
+    body = workloads.body(workloads.SEED_EXAMPLE)
+    with gunicorn_server(workers=None, device=None, ready_path="/readyz") as server:
+        rate, latencies, probes = load(server, "/v1/gradients", body, probe=True)
+        server_ms = logged_median_ms(server, "/v1/gradients")
+    sync_env = {"GUNICORN_CMD_ARGS": "--worker-class sync --threads 1 --keep-alive 2"}
+    with gunicorn_server(workers=None, device=None, ready_path="/readyz", env=sync_env) as server:
+        sync_rate, _, _ = load(server, "/v1/gradients", body)
+    with gunicorn_server(workers=None, device=None, ready_path="/", app="bench.noop:app") as server:
+        noop_rate, _, _ = load(server, "/", body)
+    p99 = float(np.percentile(probes, 99)) if probes else float("nan")
+    return [
+        Result("7. seed 10x5, 4 clients: gthread vs sync worker", ">= 2x", f"{rate / sync_rate:.2f}x",
+               at_least(rate / sync_rate, 2.0), f"{rate:.0f} vs {sync_rate:.0f} req/s"),
+        Result("7. seed 10x5, 4 clients: gthread vs no-op WSGI app", ">= 50%", f"{100 * rate / noop_rate:.0f}%",
+               at_least(rate / noop_rate, 0.5), f"{rate:.0f} vs {noop_rate:.0f} req/s; client median "
+                                               f"{ms(statistics.median(latencies))}"),
+        Result("7. seed 10x5: server-side median per request (request log)", "<= 1 ms", f"{server_ms:.2f} ms",
+               at_most(server_ms, 1.0), f"{len(latencies)} requests"),
+        Result("7. /readyz p99 under that load", "<= 100 ms", ms(p99), at_most(p99, 0.1),
+               f"{len(probes)} probes every {PROBE_EVERY_S * 1e3:.0f} ms"),
     ]

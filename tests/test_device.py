@@ -51,3 +51,15 @@ def test_api_on_cuda_matches_cpu():
     torch.testing.assert_close(torch.tensor(gpu_body["accumulated"]), torch.tensor(cpu_body["accumulated"]))
     for a, b in zip(gpu_body["blocks"], cpu_body["blocks"]):
         torch.testing.assert_close(torch.tensor(a["gradient"]), torch.tensor(b["gradient"]))
+
+
+def test_readiness_is_checked_once_and_cached(monkeypatch):
+    """Probes answer from memory: the device computation runs once per process."""
+    import app.core.device as device_module
+
+    calls = []
+    monkeypatch.setattr(device_module, "_ready", {})
+    monkeypatch.setattr(device_module, "usable_device", lambda setting: calls.append(setting) or torch.device("cpu"))
+    for _ in range(5):
+        assert device_module.ready_device("cpu") == torch.device("cpu")
+    assert calls == ["cpu"]

@@ -2,9 +2,12 @@
 import pytest
 import torch
 from gunicorn.http.errors import InvalidChunkSize
+from werkzeug.exceptions import BadRequest, ClientDisconnected
 
 from app import create_app
 from app.api.v2.views import ERROR_STYLE as V2_STYLE
+from app.core.errors import client_closed
+from app.core.gate import Gate
 from app.core.run import Deadline
 from app.http.docs import error_example
 from app.http.errors import ERROR_CODE_HEADER, ERRORS, not_found, service_routes
@@ -25,15 +28,37 @@ def fail_with(exc):
 class ExpiredDeadline(Deadline):
     """The default 60 s deadline, already past when first checked."""
 
-    def __init__(self, timeout_s):
-        super().__init__(timeout_s)
+    def __init__(self, timeout_s, **kwargs):
+        super().__init__(timeout_s, **kwargs)
         self.expires = 0
 
 
-def busy_reserve(self, nbytes):
-    """Another request holds 600 MiB of a 1280 MiB budget; this one predicts 900 MiB."""
-    from app.core.memory import memory_busy
-    raise memory_busy(900 * 2 ** 20, 600 * 2 ** 20, 1280 * 2 ** 20)
+class ClientGone(Deadline):
+    """A client that has left by the first check between blocks."""
+
+    def check(self):
+        raise client_closed()
+
+
+def full_gate():
+    """The slot taken and 4 requests waiting: the next is refused."""
+    gate = Gate(queue_depth=4, slots=0)
+    gate._queue.extend(object() for _ in range(4))
+    return gate
+
+
+class FiredAlarm:
+    """The read deadline passed while the body was being read."""
+    fired = True
+
+    def __init__(self, *args):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
 
 
 # code -> (settings, the request that triggers it, patches (target, value), error style)
@@ -56,8 +81,11 @@ TRIGGERS = {
     "deadline_exceeded": ({}, post_v1(), [("app.core.run.Deadline", ExpiredDeadline)], None),
     "device_out_of_memory": ({}, post_v1(), [("app.core.run.load_vectors",
                                               fail_with(torch.OutOfMemoryError("out of memory")))], None),
-    "overloaded": ({}, post_v1(), [("app.core.memory.MemoryLedger.reserve", busy_reserve)], None),
     "not_ready": ({"BLOCKGRAD_DEVICE": "cuda"}, lambda c: c.get("/readyz"), [], None),
+    "read_timeout": ({}, post_v1(), [("app.http.parsing.ReadAlarm", FiredAlarm),
+                                     ("app.http.parsing.Request.get_data", fail_with(ClientDisconnected()))], None),
+    "overloaded": ({}, post_v1(), [("app.http.slot.current_gate", full_gate)], None),
+    "client_closed": ({}, post_v1(), [("app.core.run.Deadline", ClientGone)], None),
 }
 
 

@@ -73,3 +73,45 @@ def test_web_concurrency_blank_means_the_default(monkeypatch, value, workers):
 def test_bad_values_stop_the_start_with_the_variables_name(monkeypatch, name, value):
     with pytest.raises(ValueError, match=name):
         load(monkeypatch, **{name: value})
+
+
+def test_worker_model(monkeypatch):
+    """gthread: threads above the compute slot + queue + spare; keep-alive from the settings."""
+    assert load(monkeypatch)["keepalive"] == 75
+    conf = load(monkeypatch, BLOCKGRAD_QUEUE_DEPTH="5", BLOCKGRAD_KEEPALIVE_S="80")
+    assert conf["worker_class"] == "gthread"
+    assert conf["threads"] == 1 + 5 + conf["SPARE_THREADS"] and conf["SPARE_THREADS"] >= 16 + 4
+    assert conf["keepalive"] == 80
+    assert conf["max_requests"] >= 100 and conf["max_requests_jitter"] >= conf["max_requests"] // 10
+
+
+class FakeConfig:
+    def __init__(self, max_requests, jitter):
+        self.max_requests, self.max_requests_jitter = max_requests, jitter
+
+    def set(self, name, value):
+        setattr(self, name, value)
+
+
+class FakeLog:
+    def __init__(self):
+        self.warnings = []
+
+    def warning(self, message, *args):
+        self.warnings.append(message % args)
+
+
+@pytest.mark.parametrize("given,expected", [((20, 0), (100, 10)), ((1000, 50), (1000, 100)),
+                                            ((500, 100), (500, 100)), ((0, 0), (0, 0))])
+def test_recycling_floor_applies_to_any_source(monkeypatch, given, expected):
+    """What GUNICORN_CMD_ARGS or the command line set reaches on_starting as server.cfg."""
+    conf = load(monkeypatch)
+    cfg, log = FakeConfig(*given), FakeLog()
+    conf["enforce_recycling_floor"](cfg, log)
+    assert (cfg.max_requests, cfg.max_requests_jitter) == expected
+    assert bool(log.warnings) == (given != expected)
+
+
+@pytest.mark.parametrize("device,warm", [("cpu", True), ("cuda", False), ("cuda:1", False)])
+def test_warm_start_only_on_cpu(monkeypatch, device, warm):
+    assert load(monkeypatch, BLOCKGRAD_DEVICE=device)["warm_start"] is warm

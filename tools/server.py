@@ -40,11 +40,11 @@ def gunicorn_settings() -> dict:
     return runpy.run_path(str(ROOT / "gunicorn.conf.py"))
 
 
-def gunicorn_command() -> list[str]:
+def gunicorn_command(app: str = "wsgi:app") -> list[str]:
     """`make serve`'s command: .venv/bin/gunicorn beside this Python, else the module."""
     script = Path(sys.executable).parent / "gunicorn"
     launcher = [str(script)] if script.exists() else [sys.executable, "-m", "gunicorn"]
-    return [*launcher, "-c", "gunicorn.conf.py", "wsgi:app"]
+    return [*launcher, "-c", "gunicorn.conf.py", app]
 
 
 def children(pid: int) -> list[int]:
@@ -149,11 +149,12 @@ class Server:
 
 @contextlib.contextmanager
 def gunicorn_server(workers: int | None = 2, env: dict[str, str] | None = None, *,
-                    device: str | None = "cpu", ready_path: str = "/healthz"):
+                    device: str | None = "cpu", ready_path: str = "/healthz", app: str = "wsgi:app"):
     """gunicorn on 127.0.0.1:<free port>, ready when `ready_path` answers and every worker is up.
 
     workers: WEB_CONCURRENCY, or None for gunicorn.conf.py's default. device:
-    BLOCKGRAD_DEVICE, or None for the app's default. env: more variables, set last.
+    BLOCKGRAD_DEVICE, or None for the app's default. env: more variables, set last (e.g.
+    GUNICORN_CMD_ARGS="--worker-class sync"). app: the WSGI app (the benchmark's no-op floor).
     """
     port = free_port()
     full_env = {**os.environ, "BLOCKGRAD_BIND": f"127.0.0.1:{port}"}
@@ -167,7 +168,7 @@ def gunicorn_server(workers: int | None = 2, env: dict[str, str] | None = None, 
         log_path = Path(tmp) / "gunicorn.log"
         with open(log_path, "wb") as log_file:
             process = subprocess.Popen(
-                gunicorn_command(), cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
+                gunicorn_command(app), cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True)  # its own process group, so teardown reaches the workers
         try:
             server = Server(process, port, expected_workers, log_path)

@@ -1,7 +1,7 @@
 """Probes: /healthz (the process answers) and /readyz (torch and the device work)."""
 from marshmallow import Schema, fields
 
-from ..core.device import usable_device
+from ..core.device import ready_device
 from ..http.docs import OPEN_ROUTE, documents_errors
 from ..http.parsing import ApiBlueprint
 from ..http.settings import current_settings
@@ -34,6 +34,6 @@ def healthz():
 @documents_errors(blp, "not_ready", "internal_error")
 def readyz():
     """torch is loaded and the configured device runs a small computation."""
-    device = usable_device(current_settings().device)  # not_ready if it cannot
+    device = ready_device(current_settings().device)  # not_ready if it cannot
     g.device = str(device)  # for the device metric (app/http/observe.py)
     return {"status": "ready", "device": str(device)}

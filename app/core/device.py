@@ -5,6 +5,8 @@ context before it forks the workers.
 """
 import functools
 import gc
+import threading
+import time
 import traceback
 
 import torch
@@ -53,3 +55,26 @@ def release_device_memory(exc: BaseException) -> None:
     gc.collect()
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+READY_RECHECK_S = 10.0  # a failed check is retried at most this often (e.g. a GPU that comes back)
+_ready_lock = threading.Lock()
+_ready: dict[str, tuple[float, torch.device | Exception]] = {}
+
+
+def ready_device(setting: str) -> torch.device:
+    """usable_device, checked once per process and cached: a probe answers from memory,
+    never waits for a device computation (nor for a busy worker's compute slot).
+    A failure is cached too, and checked again after READY_RECHECK_S."""
+    now = time.monotonic()
+    with _ready_lock:
+        cached = _ready.get(setting)
+        if cached is None or (isinstance(cached[1], Exception) and now - cached[0] > READY_RECHECK_S):
+            try:
+                outcome: torch.device | Exception = usable_device(setting)
+            except Exception as exc:  # noqa: BLE001 - cached and raised to every caller
+                outcome = exc
+            cached = _ready[setting] = (now, outcome)
+    if isinstance(cached[1], Exception):
+        raise cached[1]
+    return cached[1]

@@ -82,11 +82,35 @@ def non_finite_accumulated(dtype: str) -> BlockgradError:
                           {"output": "accumulated"})
 
 
-def deadline_exceeded(timeout_s: float) -> BlockgradError:
+def deadline_exceeded(timeout_s: float, queued: bool = False) -> BlockgradError:
+    """`queued`: the deadline passed while the request waited for the compute slot."""
+    if queued:
+        message = (f"The request waited for the compute slot until its {timeout_s:g} s deadline passed; "
+                   "the server is busy, retry later.")
+    else:
+        message = (f"The request did not finish within {timeout_s:g} s; retry later, or send a larger factor "
+                   "or fewer outputs.")
+    details: dict[str, Any] = {"timeout_s": timeout_s}
+    if queued:
+        details["queued"] = True
+    return BlockgradError("deadline_exceeded", message, details, retry_after_s=max(1, math.ceil(timeout_s / 10)))
+
+
+OVERLOADED_RETRY_AFTER_S = 1
+
+
+def overloaded(queue_depth: int) -> BlockgradError:
+    """The compute slot is taken and `queue_depth` requests already wait for it."""
     return BlockgradError(
-        "deadline_exceeded",
-        f"The request did not finish within {timeout_s:g} s; retry later, or send a larger factor or fewer outputs.",
-        {"timeout_s": timeout_s}, retry_after_s=max(1, math.ceil(timeout_s / 10)))
+        "overloaded",
+        f"The server is busy: {queue_depth} requests already wait for this worker's compute slot "
+        "(BLOCKGRAD_QUEUE_DEPTH); retry after the Retry-After seconds, on any replica.",
+        {"queue_depth": queue_depth}, retry_after_s=OVERLOADED_RETRY_AFTER_S)
+
+
+def client_closed() -> BlockgradError:
+    """The client went away; no answer reaches it, the code is for the log and metrics."""
+    return BlockgradError("client_closed", "The client closed the connection before the answer was complete.")
 
 
 OOM_RETRY_AFTER_S = 5

@@ -10,7 +10,7 @@ consumed (app/core/engine.py), so that memory stays bounded by a chunk, not by
 N x N x 2D.
 """
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -19,7 +19,7 @@ import torch
 from .device import release_device_memory, resolve_device
 from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, add_to_vectors, band_blocks, block_at, block_bounds,
                      elements_per_chunk, iter_bands)
-from .errors import deadline_exceeded, device_out_of_memory, non_finite_accumulated, non_finite_block
+from .errors import client_closed, deadline_exceeded, device_out_of_memory, non_finite_accumulated, non_finite_block
 from .limits import admit, admit_activations
 from .request import GradientRequest
 from .settings import Settings
@@ -28,15 +28,34 @@ TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 class Deadline:
-    """Checked between blocks; past it the request stops and frees its tensors."""
+    """Checked between blocks; past it, or once the client has gone, the request stops and
+    frees its tensors.
 
-    def __init__(self, timeout_s: float):
+    `started`: time.monotonic() at the request's arrival (default now), so that time spent
+    reading the body and waiting for the compute slot counts. `cancelled`: asks whether the
+    client has gone (the HTTP layer peeks at the connection); polled at most every
+    CANCEL_POLL_S, so that tiny blocks do not each cost a system call.
+    """
+    CANCEL_POLL_S = 0.02
+
+    def __init__(self, timeout_s: float, started: float | None = None,
+                 cancelled: Callable[[], bool] | None = None):
         self.timeout_s = timeout_s
-        self.expires = time.monotonic() + timeout_s
+        self.expires = (time.monotonic() if started is None else started) + timeout_s
+        self.cancelled = cancelled
+        self.next_poll = 0.0
+
+    def remaining(self) -> float:
+        return self.expires - time.monotonic()
 
     def check(self) -> None:
-        if time.monotonic() > self.expires:
+        now = time.monotonic()
+        if now > self.expires:
             raise deadline_exceeded(self.timeout_s)
+        if self.cancelled is not None and now >= self.next_poll:
+            self.next_poll = now + self.CANCEL_POLL_S
+            if self.cancelled():
+                raise client_closed()
 
 
 @contextmanager

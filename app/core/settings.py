@@ -4,9 +4,10 @@ Standard library only, so that gunicorn.conf.py can import it without torch.
 The limits are sized so that a 2-core, 24 GiB machine serves every request it
 accepts (README, "Limits").
 """
+import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 
@@ -50,6 +51,35 @@ def parse_bool(name: str, raw: Any, default: bool) -> bool:
     return word in TRUE_WORDS
 
 
+def available_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
+    """Cores this process may use: the cgroup CPU quota in a container (rounded down), else
+    the affinity mask. os.cpu_count() alone would see the whole node from inside a pod."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open(cpu_max) as f:  # cgroup v2: "<quota> <period>" or "max <period>"
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.floor(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def default_queue_depth() -> int:
+    """Requests a worker lets wait for its compute slot: four per core of the machine (pod).
+
+    A waiting request is worth keeping only while the slot frees soon enough for it to
+    finish inside its deadline; a pod clears about one computation per core at a time, and
+    two waiting per core keep every core fed through the gap between two requests (reading
+    and parsing the next body while the current one computes). gthread workers do not share
+    connections evenly (whichever worker wakes first accepts), so one worker's queue must
+    absorb what the whole pod would hold: twice that again. Beyond it the answer is an
+    immediate 503 `overloaded` that a balancer or client retries elsewhere, instead of a
+    backlog that turns into deadline errors a minute later.
+    """
+    return 4 * available_cores()
+
+
 def env_int(name: str, default: int, environ: Mapping[str, Any] = os.environ) -> int:
     return parse_int(name, environ.get(name), default)
 
@@ -85,24 +115,31 @@ class Settings:
     max_activation_bytes: int = 256 * 1024 * 1024
     # With a token set: whether /docs and /openapi.json stay open (a browser sends no token).
     docs_public: bool = True
+    # Serving (README, "Worker model"): idle keep-alive longer than a balancer's usual 60 s,
+    # so that the balancer, not the server, closes idle connections.
+    keepalive_s: float = 75.0
+    queue_depth: int = field(default_factory=default_queue_depth)
+    read_timeout_s: float = 30.0  # the whole body must arrive within it (408 read_timeout)
+    send_timeout_s: float = 30.0  # a write making no progress this long ends the request
 
     @classmethod
     def from_env(cls, environ: Mapping[str, Any] = os.environ) -> "Settings":
         """Each field from BLOCKGRAD_<FIELD> (upper case); a bad value raises naming the variable."""
         values: dict[str, Any] = {}
-        for field in fields(cls):
-            name = env_name(field.name)
+        for item in fields(cls):
+            name = env_name(item.name)
             raw = environ.get(name)
-            if field.type is int:
-                values[field.name] = parse_int(name, raw, field.default)
-            elif field.type is float:
-                values[field.name] = parse_float(name, raw, field.default)
-            elif field.type == float | None:
-                values[field.name] = parse_float(name, raw, None)
-            elif field.type is bool:
-                values[field.name] = parse_bool(name, raw, field.default)
+            default = item.default if item.default_factory is MISSING else item.default_factory()
+            if item.type is int:
+                values[item.name] = parse_int(name, raw, default)
+            elif item.type is float:
+                values[item.name] = parse_float(name, raw, default)
+            elif item.type == float | None:
+                values[item.name] = parse_float(name, raw, None)
+            elif item.type is bool:
+                values[item.name] = parse_bool(name, raw, default)
             elif raw:
-                values[field.name] = str(raw)
+                values[item.name] = str(raw)
         return cls(**values)
 
 

@@ -15,6 +15,7 @@ from .errors import register_error_handlers
 from .memory import install_memory_ledger
 from .request_log import configure_logging
 from .settings import install_objectives, install_settings
+from .slot import install_gate
 
 FLASK_CONFIG = {
     "API_TITLE": "blockgrad",
@@ -49,6 +50,7 @@ def build_app(overrides: Mapping[str, Any]) -> Flask:
     install_settings(app, settings)
     install_memory_ledger(app, settings)
     install_objectives(app, objectives)
+    install_gate(app, settings)  # one compute slot and its queue per worker
     configure_logging(settings.log_level)
     observe.init_app(app)  # first, so that its hooks see every request
 

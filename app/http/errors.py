@@ -18,7 +18,6 @@ from flask import Flask, Response, current_app, g, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
 from ..core import errors as core
-from ..core import memory
 from ..core.errors import BlockgradError
 
 log = logging.getLogger("blockgrad")
@@ -107,6 +106,12 @@ def model_not_found(message: str) -> HttpError:
     return HttpError("model_not_found", message)
 
 
+def read_timeout(seconds: float) -> HttpError:
+    return HttpError("read_timeout", f"The request body did not arrive within BLOCKGRAD_READ_TIMEOUT_S = {seconds:g} s; "
+                                     "send it faster, or through a proxy that buffers it.",
+                     {"timeout_s": seconds})
+
+
 def internal_error() -> HttpError:
     return HttpError("internal_error", INTERNAL_MESSAGE)
 
@@ -160,13 +165,25 @@ ERRORS: dict[str, ErrorCode] = {
     "device_out_of_memory": ErrorCode(503, "the GPU ran out of memory on this request; its memory was freed and "
                                            "the worker serves on (see Retry-After)",
                                       core.device_out_of_memory, RETRY_AFTER),
-    "overloaded": ErrorCode(503, "only the requests this worker already holds are in the way: their reserved "
-                                 "memory plus this request's predicted peak is over "
-                                 "BLOCKGRAD_WORKER_MEMORY_BYTES (see Retry-After)",
-                            lambda: memory.memory_busy(900 * 2 ** 20, 600 * 2 ** 20, 1280 * 2 ** 20), RETRY_AFTER),
     "not_ready": ErrorCode(503, "the compute device is not usable",
                            lambda: core.not_ready("BLOCKGRAD_DEVICE=cuda but CUDA is not available in this process")),
+    # Serving (issue 9): the worker model's refusals; README, "Worker model".
+    "read_timeout": ErrorCode(408, "the whole body did not arrive within BLOCKGRAD_READ_TIMEOUT_S; the connection "
+                                   "is closed after the answer", lambda: read_timeout(30.0)),
+    "overloaded": ErrorCode(503, "the worker's compute slot is taken and BLOCKGRAD_QUEUE_DEPTH requests already "
+                                 "wait for it, or the memory its requests hold plus this one's predicted peak "
+                                 "is over BLOCKGRAD_WORKER_MEMORY_BYTES (`details.limit` then names it): "
+                                 "refused at once, retry after Retry-After (any replica)",
+                            lambda: core.overloaded(4), RETRY_AFTER),
+    "client_closed": ErrorCode(499, "never sent: the client closed the connection before the answer was complete "
+                                    "(the computation stopped; logged and counted under this code)",
+                               core.client_closed),
 }
+# Codes only the log and metrics carry (the answer was cut short, no error answer is sent).
+LOG_ONLY_CODES = {"send_timeout": "a write made no progress for BLOCKGRAD_SEND_TIMEOUT_S; the answer was cut",
+                  "worker_timeout": "gunicorn killed the worker past its timeout while it held the request "
+                                    "(logged by gunicorn.conf.py's worker_abort hook)",
+                  "client_closed": ERRORS["client_closed"].when}
 
 
 def error_body(error: BlockgradError) -> dict[str, Any]:

@@ -63,3 +63,10 @@ def exposition() -> tuple[bytes, str]:
         multiprocess.MultiProcessCollector(registry)
         return generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4
     return generate_latest(REGISTRY), CONTENT_TYPE_PLAIN_0_0_4
+
+# The compute gate (app/core/gate.py): one computation per worker, a bounded queue in front.
+QUEUE_DEPTH = Gauge("blockgrad_queue_depth", "Requests waiting for a compute slot (summed over live workers).",
+                    multiprocess_mode="livesum")
+QUEUE_WAIT = Histogram("blockgrad_queue_wait_seconds", "Time a computing request waited for its compute slot.",
+                       buckets=LATENCY_BUCKETS)
+SHED = Counter("blockgrad_shed_requests", "Requests refused at once (503 overloaded): the queue was full.")

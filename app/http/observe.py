@@ -23,7 +23,9 @@ from flask import Flask, Response, g, request
 from ..core.errors import BlockgradError
 from ..core.limits import output_elements
 from . import metrics
+from .connection import set_send_timeout
 from .request_log import REQUEST_ID_HEADER, log_request, request_id_from
+from .settings import current_settings
 
 
 @dataclass
@@ -75,6 +77,7 @@ UNFINISHED: dict[int, Callable[[str | None], None]] = {}
 
 def before_request() -> None:
     g.started = time.perf_counter()
+    g.arrived = time.monotonic()  # the request's deadline counts from here (slot.request_deadline)
     g.request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
     metrics.IN_FLIGHT.inc()
     g.in_flight = True
@@ -89,12 +92,19 @@ def after_request(response: Response) -> Response:
     if "request_id" not in g:  # an earlier before_request hook refused the request
         g.request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
     response.headers[REQUEST_ID_HEADER] = g.request_id
+    send_timeout_s = current_settings().send_timeout_s
+    set_send_timeout(request.environ, send_timeout_s)  # from here on the socket only writes
     finish = finisher(response.status_code, g._get_current_object(), route_of_request(), request.method)
-    if response.is_streamed:
+    large = response.content_length is not None and response.content_length > PIECE_BYTES
+    if (response.is_streamed or large) and not response.direct_passthrough:
         if "unfinished_key" in g:
             UNFINISHED[g.unfinished_key] = finish  # a kill while streaming: logged with the status sent
-        response.response = finish_after(response.response, finish)
+        # Finished when the body ends or the server closes it: after its last byte, when a
+        # write fails, or without a byte at all (HEAD): PEP 3333 servers always call close().
+        response.response = ObservedBody(response.response, finish, send_timeout_s)
     else:
+        # Answered in full now, HEAD and 304 included; a file (the docs' assets, sent as it
+        # is) needs no computing, so its request is complete too.
         finish(None)
     return response
 
@@ -163,25 +173,62 @@ def finisher(status: int, state, route: str, method: str, answered: bool = True)
     return finish
 
 
-def finish_after(body: Iterable[bytes], finish: Callable[[str | None], None]) -> Iterator[bytes]:
-    """Pass the body through; call `finish` once, when it ends, fails or is closed early."""
-    error: str | None = None
-    try:
-        yield from body
-    except GeneratorExit:  # the server closed it early: the client went away
-        error = "client_closed"
-        raise
-    except BlockgradError as exc:  # e.g. deadline_exceeded between two blocks
-        error = exc.code
-        raise
-    except Exception:
-        error = "internal_error"
-        raise
-    finally:
-        close = getattr(body, "close", None)
-        if close is not None:
-            close()
-        finish(error)
+# The most handed to the server in one write: with a socket timeout on writes, a write
+# that times out has then made no progress for about BLOCKGRAD_SEND_TIMEOUT_S.
+PIECE_BYTES = 1024 * 1024
+SEND_TIMEOUT_SHARE = 0.9  # a write that failed this late into the timeout was the timeout
+
+
+def pieces(item: bytes) -> Iterator[bytes]:
+    if len(item) <= PIECE_BYTES:
+        yield item
+        return
+    view = memoryview(item)
+    for start in range(0, len(item), PIECE_BYTES):
+        yield bytes(view[start:start + PIECE_BYTES])
+
+
+class ObservedBody:
+    """The answer's body as the server iterates it, in pieces of at most PIECE_BYTES; calls
+    `finish` once, from `close`, with what cut it short: the inner body's error (e.g.
+    deadline_exceeded or client_closed between two blocks), or a write that failed
+    (`send_timeout` if it had waited for most of the send timeout, else `client_closed`)."""
+
+    def __init__(self, body: Iterable[bytes], finish: Callable[[str | None], None], send_timeout_s: float):
+        self.body, self.finish, self.send_timeout_s = body, finish, send_timeout_s
+        self.started = self.complete = False
+        self.error: str | None = None
+        self.handed_at = 0.0
+
+    def __iter__(self) -> Iterator[bytes]:
+        self.started = True
+        try:
+            for item in self.body:
+                for piece in pieces(item):
+                    self.handed_at = time.monotonic()
+                    yield piece
+        except BlockgradError as exc:
+            self.error = exc.code
+            self.finish(self.error)
+            raise
+        except Exception:
+            self.error = "internal_error"
+            self.finish(self.error)
+            raise
+        self.complete = True
+        self.finish(None)  # now, not at close: the count and log line follow the last byte
+
+    def close(self) -> None:
+        try:
+            close = getattr(self.body, "close", None)
+            if close is not None:
+                close()
+        finally:
+            error = self.error
+            if error is None and self.started and not self.complete:  # the server stopped writing
+                late = time.monotonic() - self.handed_at >= SEND_TIMEOUT_SHARE * self.send_timeout_s
+                error = "send_timeout" if late else "client_closed"
+            self.finish(error)
 
 
 def init_app(app: Flask) -> None:

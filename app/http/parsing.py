@@ -15,8 +15,11 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from ..core.errors import validation_error
 from ..core.memory import body_parse_bytes
+from .connection import ReadAlarm
+from .errors import BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, read_timeout, wrong_content_type
 from .memory import reserve_for_request
-from .errors import BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, wrong_content_type
+from .settings import current_settings
+from .slices import loads_sliced
 
 
 def is_json_mimetype(mimetype: str) -> bool:
@@ -24,7 +27,8 @@ def is_json_mimetype(mimetype: str) -> bool:
 
 
 def read_body(request: Request) -> bytes:
-    """The whole body, uncompressed and within MAX_CONTENT_LENGTH, or an error (415, 413).
+    """The whole body, uncompressed and within MAX_CONTENT_LENGTH, or an error (415, 413),
+    within BLOCKGRAD_READ_TIMEOUT_S else 408 read_timeout (connection.ReadAlarm).
 
     A body with Content-Length over the limit is refused by werkzeug before reading.
     A chunked body has none: werkzeug then stops reading at the limit without a word,
@@ -39,14 +43,23 @@ def read_body(request: Request) -> bytes:
         limit = request.max_content_length
         reserve_for_request(body_parse_bytes(min(declared, limit) if limit else declared,
                                              binary=request.mimetype == "application/octet-stream"))
-    try:
-        data = request.get_data(cache=False)
-        limit = request.max_content_length
-        if (limit is not None and len(data) >= limit and request.content_length is None
-                and request.environ.get("wsgi.input_terminated") and request.environ["wsgi.input"].read(1)):
-            raise RequestEntityTooLarge()
-    except BODY_STREAM_ERRORS as exc:  # gunicorn parses a chunked body as it is read
-        raise body_unreadable(type(exc).__name__) from None
+    seconds = current_settings().read_timeout_s
+    with ReadAlarm(request.environ, seconds) as alarm:
+        try:
+            data = request.get_data(cache=False)
+            limit = request.max_content_length
+            more = (limit is not None and len(data) >= limit and request.content_length is None
+                    and request.environ.get("wsgi.input_terminated") and request.environ["wsgi.input"].read(1))
+        except Exception as exc:
+            if alarm.fired:  # the read side was shut at the deadline: whatever broke, that is why
+                raise read_timeout(seconds) from None
+            if isinstance(exc, BODY_STREAM_ERRORS):  # gunicorn parses a chunked body as it is read
+                raise body_unreadable(type(exc).__name__) from None
+            raise
+        if alarm.fired and (request.content_length or 0) > len(data):
+            raise read_timeout(seconds)
+    if more:
+        raise RequestEntityTooLarge()
     g.body_bytes = len(data)  # for the memory prediction (app/core/memory.py)
     return data
 
@@ -98,7 +111,9 @@ class OrjsonParser(FlaskParser):
     def _raw_load_json(self, req):
         if not is_json_mimetype(req.mimetype):
             raise wrong_content_type(req.mimetype)
-        return decode_json(read_body(req))
+        body = read_body(req)
+        document = loads_sliced(body)  # large bodies a slice at a time (slices.py)
+        return document if document is not None else decode_json(body)
 
     def handle_error(self, error, req, schema, *, error_status_code, error_headers):
         messages = error.messages.get("json", error.messages) if isinstance(error.messages, dict) else error.messages

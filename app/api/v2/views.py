@@ -7,7 +7,7 @@ import logging
 
 from flask import Response, current_app, g, request
 
-from ...core.device import resolve_device, usable_device
+from ...core.device import ready_device, resolve_device
 from ...core.errors import BlockgradError
 from ...core.run import run
 from ...http.docs import OPEN_ROUTE, documents_errors
@@ -18,6 +18,7 @@ from ...http.memory import reserve_for_request
 from ...http.observe import Work
 from ...http.parsing import ApiBlueprint, is_json_mimetype, read_body
 from ...http.settings import current_settings
+from ...http.slot import compute_slot, held_until_written, request_deadline
 from ...http.streaming import gather
 from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, body_length, encode_response, has_binary,
                     iter_body, iter_json)
@@ -51,8 +52,8 @@ def document_errors(*codes: str):
 
 METADATA_ERRORS = ("unauthorized", "model_not_found", "internal_error")
 INFER_ERRORS = ("bad_json", "validation_error", "non_finite_result", "unauthorized", "model_not_found",
-                "too_large", "limit_exceeded", "unsupported_media_type", "deadline_exceeded", "overloaded",
-                "device_out_of_memory", "internal_error")
+                "too_large", "limit_exceeded", "unsupported_media_type", "deadline_exceeded",
+                "device_out_of_memory", "read_timeout", "overloaded", "internal_error")
 
 
 def health(ok: bool) -> Response:
@@ -61,7 +62,7 @@ def health(ok: bool) -> Response:
 
 def device_ready() -> bool:
     try:
-        g.device = str(usable_device(current_settings().device))  # for the device metric
+        g.device = str(ready_device(current_settings().device))  # for the device metric
     except BlockgradError as exc:
         log.warning("not ready: %s", exc.message)
         return False
@@ -147,22 +148,38 @@ def infer(model: str, version: str | None = None):
     req = parsed.gradient
     g.work = work = Work.of(req.n, req.dim, req.factor, tuple(output.name for output in parsed.outputs),
                             req.outputs)  # for the log line and metrics
+    # Admitted before the slot: a queued request holds its memory reservation while it waits.
     admit_compute(req.n, req.dim, req.factor, req.objective, req.dtype, req.outputs, settings)
     reserve_for_request(predict_peak_bytes(
         req.n, req.dim, req.factor, req.objective, req.dtype, tuple(output.name for output in parsed.outputs),
         encoding="v2_binary" if request.headers.get(HEADER_LENGTH) is not None else "v2_json",
         body_bytes=len(body), json_outputs=tuple(output.name for output in parsed.outputs if not output.binary),
         settings=settings))
-    with work.computing():
-        # Only what the outputs need: `bounds` alone needs no block computed.
-        result = run(req, settings) if req.outputs else None
-        device = result.device if result is not None else resolve_device(settings.device)
-        head, tensors = output_tensors(parsed, result, device)
-    g.device = str(device)
+    if not req.outputs:  # only what the outputs need: `bounds` alone computes no block, takes no slot
+        device = resolve_device(settings.device)
+        head, tensors = output_tensors(parsed, None, device)
+        g.device = str(device)
+        return infer_response(head, tensors)
+    deadline = request_deadline()
+    ticket = compute_slot(req, deadline)  # one computation at a time; every output is computed before writing
+    try:
+        with work.computing():
+            result = run(req, settings, deadline)
+            head, tensors = output_tensors(parsed, result)
+        g.device = str(result.device)
+        response = infer_response(head, tensors)  # a binary answer's JSON header is counted here
+    except BaseException:
+        ticket.release()
+        raise
+    response.response = held_until_written(response.response, ticket, computes=False)
+    return response
+
+
+def infer_response(head: dict, tensors: list) -> Response:
+    """JSON only: streamed (the worker holds the output arrays and about one chunk of text).
+    With binary outputs, the JSON header's length is sent first: counted, then streamed."""
     if not has_binary(tensors):
-        # Streamed: the worker holds the output arrays and about one chunk of text, not the document.
         return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")
-    # Binary data follows a JSON header whose length is sent first: counted, then streamed.
     header_length, payload = encode_response(head, tensors)
     response = Response(iter_body(gather(iter_json(head, tensors), CHUNK_BYTES), payload),
                         content_type=BINARY_CONTENT_TYPE)

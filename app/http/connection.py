@@ -1,0 +1,137 @@
+"""The client's connection, as gunicorn hands it to the app (environ["gunicorn.socket"]).
+
+Three things only the socket can tell or do, used by the request path:
+- `client_gone`: a peek for end-of-file, so that a computation stops when its client leaves;
+- `read_alarm`: the whole body within BLOCKGRAD_READ_TIMEOUT_S. A socket timeout bounds one
+  recv, not a body a client sends a byte at a time, so one watchdog thread per process
+  shuts the socket's read side at the deadline: the blocked read returns at once;
+- `set_send_timeout`: a socket timeout on writes. The server writes pieces of at most
+  PIECE_BYTES (observe.py), so a write that times out made no progress for about that long.
+Outside gunicorn (Flask's test client) there is no socket and all three do nothing.
+"""
+import heapq
+import itertools
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+SOCKET_KEY = "gunicorn.socket"
+
+
+def client_socket(environ: dict[str, Any]) -> socket.socket | None:
+    sock = environ.get(SOCKET_KEY)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def client_gone(sock: socket.socket) -> bool:
+    """Whether the peer has closed (EOF) or reset the connection; never blocks.
+
+    Data waiting (a pipelined next request) means the client is still there. A client
+    that half-closes after sending its request counts as gone, as for nginx.
+    """
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | select.POLLHUP | select.POLLERR)
+        if not poller.poll(0):
+            return False
+        return sock.recv(1, socket.MSG_PEEK) == b""  # readable: recv returns at once
+    except (BlockingIOError, InterruptedError):
+        return False
+    except (OSError, ValueError):  # reset, or already closed
+        return True
+
+
+def cancel_probe(environ: dict[str, Any]) -> Callable[[], bool] | None:
+    sock = client_socket(environ)
+    return None if sock is None else (lambda: client_gone(sock))
+
+
+def set_send_timeout(environ: dict[str, Any], seconds: float) -> None:
+    sock = client_socket(environ)
+    if sock is not None:
+        try:
+            sock.settimeout(seconds)
+        except OSError:
+            pass
+
+
+class Alarm:
+    def __init__(self, due: float, action: Callable[[], None]):
+        self.due, self.action = due, action
+        self.cancelled = self.fired = False
+
+
+class Watchdog:
+    """One daemon thread per process running each armed action at its time, unless cancelled."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Alarm]] = []
+        self._order = itertools.count()
+        self._pid: int | None = None
+
+    def arm(self, seconds: float, action: Callable[[], None]) -> Alarm:
+        alarm = Alarm(time.monotonic() + seconds, action)
+        with self._cond:
+            if self._pid != os.getpid():  # first use in this (forked) process
+                self._pid, self._heap = os.getpid(), []
+                threading.Thread(target=self._run, name="blockgrad-watchdog", daemon=True).start()
+            heapq.heappush(self._heap, (alarm.due, next(self._order), alarm))
+            self._cond.notify()
+        return alarm
+
+    def cancel(self, alarm: Alarm) -> None:
+        with self._cond:
+            alarm.cancelled = True  # left in the heap; dropped when due
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                _, _, alarm = heapq.heappop(self._heap)
+                if alarm.cancelled:
+                    continue
+                alarm.fired = True
+            try:
+                alarm.action()
+            except Exception:  # noqa: BLE001 - a watchdog must outlive any one action
+                pass
+
+
+WATCHDOG = Watchdog()
+
+
+def shut_reading(sock: socket.socket) -> Callable[[], None]:
+    def action() -> None:
+        try:
+            sock.shutdown(socket.SHUT_RD)  # a blocked recv returns b"" at once; writing still works
+        except OSError:
+            pass
+    return action
+
+
+class ReadAlarm:
+    """`with ReadAlarm(environ, seconds) as alarm:` read the body; `alarm.fired` if it took too long."""
+
+    def __init__(self, environ: dict[str, Any], seconds: float):
+        self.sock = client_socket(environ)
+        self.seconds = seconds
+        self.alarm: Alarm | None = None
+
+    @property
+    def fired(self) -> bool:
+        return self.alarm is not None and self.alarm.fired
+
+    def __enter__(self) -> "ReadAlarm":
+        if self.sock is not None:
+            self.alarm = WATCHDOG.arm(self.seconds, shut_reading(self.sock))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.alarm is not None:
+            WATCHDOG.cancel(self.alarm)

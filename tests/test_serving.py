@@ -1,0 +1,256 @@
+"""The worker model against a real gunicorn (gthread, the project's gunicorn.conf.py):
+keep-alive, probes and shedding under full load, disconnect cancellation, slow uploads,
+slow readers, HEAD/304 accounting, and recycling under a small max_requests.
+
+No verdict depends on the machine's speed: the long requests would compute for about a
+minute and are ended by closing their sockets; "not delayed" is shown by order (a normal
+request is answered while the slow clients are still waiting for theirs), with read and
+send timeouts far longer than a small request takes. Every wait is bounded.
+"""
+import http.client
+import json
+import re
+import select
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from tools.infer_client import binary_infer_request
+from tools.server import gunicorn_server, wait_until
+from .test_api import GOOD
+
+pytestmark = pytest.mark.slow
+
+QUEUE_DEPTH = 2
+READ_TIMEOUT_S = 6
+SEND_TIMEOUT_S = 3
+WAIT_S = 60  # bound of every poll below; reached only on failure
+# 1024 one-row blocks per side: about a minute of computing, stopped here by closing the socket.
+LONG = json.dumps({"vectors": np.arange(1024.0)[:, None].tolist(), "factor": 1024,
+                   "outputs": ["accumulated"]}).encode()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with gunicorn_server(workers=1, env={
+            "BLOCKGRAD_QUEUE_DEPTH": str(QUEUE_DEPTH), "BLOCKGRAD_READ_TIMEOUT_S": str(READ_TIMEOUT_S),
+            "BLOCKGRAD_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S), "BLOCKGRAD_REQUEST_TIMEOUT_S": "120"}) as server:
+        yield server
+
+
+def scrape(server) -> dict:
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def metric(server, name, **labels) -> float:
+    return scrape(server).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def log_lines(server) -> list[dict]:
+    return [json.loads(line) for line in server.log().splitlines() if line.startswith('{"ts"')]
+
+
+def raw_post(server, path: str, body: bytes, content_type="application/json", headers: dict | None = None,
+             rcvbuf: int | None = None) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: {content_type}\r\n"
+                 f"Content-Length: {len(body)}\r\n{extra}\r\n".encode() + body)
+    return sock
+
+
+def read_response(sock: socket.socket) -> http.client.HTTPResponse:
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    return response
+
+
+def answered(sock: socket.socket) -> bool:
+    return bool(select.select([sock], [], [], 0)[0])
+
+
+def test_keep_alive_reuses_one_connection(server):
+    with requests.Session() as session:
+        for _ in range(20):
+            response = session.post(server.url + "/v1/gradients", json=GOOD, timeout=30)
+            assert response.status_code == 200
+            assert response.headers.get("Connection", "").lower() != "close"
+        pools = session.get_adapter(server.url).poolmanager.pools
+        opened = sum(pools[key].num_connections for key in pools.keys())
+    assert opened == 1
+
+
+def test_full_load_sheds_at_once_and_probes_answer(server):
+    """One computing, QUEUE_DEPTH waiting: the next is 503 overloaded; probes, /metrics and the
+    docs still answer; closing the clients stops their computations (client_closed)."""
+    shed_before = metric(server, "blockgrad_shed_requests_total")
+    closed_before = metric(server, "blockgrad_errors_total", code="client_closed")
+    computing = raw_post(server, "/v1/gradients", LONG)
+    waiting = []
+    try:
+        assert server.busy_worker() is not None, "the long request did not start"
+        waiting = [raw_post(server, "/v1/gradients", LONG) for _ in range(QUEUE_DEPTH)]
+        assert wait_until(lambda: metric(server, "blockgrad_queue_depth") == QUEUE_DEPTH, WAIT_S)
+        for path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready", "/metrics", "/docs"):
+            assert requests.get(server.url + path, timeout=WAIT_S).status_code == 200, path
+        refused = requests.post(server.url + "/v1/gradients", json=GOOD, timeout=WAIT_S)
+        assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+        assert refused.json()["error"]["code"] == "overloaded"
+        assert refused.headers["X-Blockgrad-Error-Code"] == "overloaded"
+        body, headers = binary_infer_request(np.ones((3, 2)), {"factor": 1})
+        refused = requests.post(server.url + "/v2/models/blockgrad/infer", data=body, headers=headers, timeout=WAIT_S)
+        assert refused.status_code == 503 and set(refused.json()) == {"error"}  # the protocol's shape
+        assert metric(server, "blockgrad_shed_requests_total") == shed_before + 2
+    finally:
+        for sock in [computing, *waiting]:
+            sock.close()
+    # Computing and queued requests alike stop when their client leaves, freeing the slot.
+    assert wait_until(lambda: metric(server, "blockgrad_errors_total", code="client_closed")
+                      == closed_before + 1 + QUEUE_DEPTH, WAIT_S)
+    assert requests.post(server.url + "/v1/gradients", json=GOOD, timeout=WAIT_S).status_code == 200
+    stopped = [line for line in log_lines(server) if line.get("error") == "client_closed"]
+    assert len(stopped) >= 1 + QUEUE_DEPTH and all(line["status"] == 499 for line in stopped)
+
+
+def test_a_client_leaving_mid_stream_stops_the_blocks(server):
+    # Blocks too large to keep are recomputed as they are written: the slot is held meanwhile.
+    body = json.dumps({"vectors": np.ones((512, 16)).tolist(), "factor": 16, "outputs": ["blocks"]}).encode()
+    closed_before = metric(server, "blockgrad_errors_total", code="client_closed")
+    sock = raw_post(server, "/v1/gradients", body, rcvbuf=64 * 1024)
+    response = read_response(sock)
+    assert response.status == 200
+    response.read(1000)
+    response.close()  # the socket's file too: only then is the connection really closed
+    sock.close()
+    assert wait_until(lambda: metric(server, "blockgrad_errors_total", code="client_closed") == closed_before + 1,
+                      WAIT_S)
+    assert requests.post(server.url + "/v1/gradients", json=GOOD, timeout=WAIT_S).status_code == 200
+
+
+def test_slow_uploads_do_not_hold_up_a_normal_request(server):
+    """16 uploads at one byte a second: a normal request is answered while they still upload;
+    each then gets 408 read_timeout after READ_TIMEOUT_S."""
+    slow = []
+    stop = threading.Event()
+    try:
+        for _ in range(16):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
+            sock.sendall(b"POST /v1/gradients HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n")
+            slow.append(sock)
+
+        def drip():
+            for _ in range(3 * READ_TIMEOUT_S):  # bounded: one byte a second each
+                for sock in slow:
+                    try:
+                        sock.send(b" ")
+                    except OSError:
+                        pass
+                if stop.wait(1.0):
+                    return
+        dripper = threading.Thread(target=drip, daemon=True)
+        dripper.start()
+        response = requests.post(server.url + "/v1/gradients", json=GOOD, timeout=WAIT_S)
+        assert response.status_code == 200
+        assert not any(answered(sock) for sock in slow), "the normal request waited for the slow uploads"
+        for sock in slow:
+            refused = read_response(sock)
+            assert refused.status == 408
+            assert json.loads(refused.read())["error"]["code"] == "read_timeout"
+            refused.close()
+    finally:
+        stop.set()
+        for sock in slow:
+            sock.close()
+    assert sum(line.get("error") == "read_timeout" for line in log_lines(server)) >= 16
+
+
+def test_slow_readers_are_cut_after_the_send_timeout_steady_ones_are_not(server):
+    big, headers = binary_infer_request(np.ones((600, 8)), {"factor": 4}, outputs=["block_gradients"])  # ~46 MB out
+    stalled = [raw_post(server, "/v2/models/blockgrad/infer", big, headers["Content-Type"],
+                        {"Inference-Header-Content-Length": headers["Inference-Header-Content-Length"]},
+                        rcvbuf=64 * 1024) for _ in range(2)]
+    responses = []
+    try:
+        for sock in stalled:
+            responses.append(read_response(sock))
+            assert responses[-1].status == 200  # then never read
+        response = requests.post(server.url + "/v1/gradients", json=GOOD, timeout=WAIT_S)
+        assert response.status_code == 200  # the slot went on once their outputs were computed
+        assert wait_until(lambda: sum(line.get("error") == "send_timeout" for line in log_lines(server)) >= 2,
+                          WAIT_S)
+        assert metric(server, "blockgrad_errors_total", code="send_timeout") >= 2
+    finally:
+        for item in [*responses, *stalled]:
+            item.close()
+    # A reader that keeps reading, well under a piece per send timeout, gets all of a long answer.
+    steady, headers = binary_infer_request(np.ones((250, 8)), {"factor": 2}, outputs=["block_gradients"])  # 8 MB
+    sock = raw_post(server, "/v2/models/blockgrad/infer", steady, headers["Content-Type"],
+                    {"Inference-Header-Content-Length": headers["Inference-Header-Content-Length"]},
+                    rcvbuf=64 * 1024)
+    try:
+        response = read_response(sock)
+        length, received = int(response.getheader("Content-Length")), 0
+        for _ in range(length // (256 * 1024) + 2):  # 256 KiB per 0.1 s: a 1 MiB piece in ~0.4 s
+            chunk = response.read(256 * 1024)
+            if not chunk:
+                break
+            received += len(chunk)
+            time.sleep(0.1)
+        assert received == length
+        response.close()
+    finally:
+        sock.close()
+
+
+def test_head_and_304_are_counted_and_leave_the_gauges(server):
+    before = scrape(server)
+    assert requests.head(server.url + "/docs", timeout=WAIT_S).status_code == 200
+    asset = server.url + "/docs/assets/swagger-ui.css"
+    etag = requests.get(asset, timeout=WAIT_S).headers["ETag"]
+    assert requests.get(asset, headers={"If-None-Match": etag}, timeout=WAIT_S).status_code == 304
+    assert requests.head(asset, timeout=WAIT_S).status_code == 200
+    after = scrape(server)
+
+    def count(state, route, method, status):
+        return state.get(("blockgrad_requests_total", (("method", method), ("route", route), ("status", status))), 0)
+    rule = "/docs/assets/<path:filename>"
+    assert count(after, "/docs", "HEAD", "200") == count(before, "/docs", "HEAD", "200") + 1
+    assert count(after, rule, "GET", "304") == count(before, rule, "GET", "304") + 1
+    assert count(after, rule, "HEAD", "200") == count(before, rule, "HEAD", "200") + 1
+    assert after[("blockgrad_requests_in_flight", ())] == 1  # only the scrape itself
+    assert after[("blockgrad_queue_depth", ())] == 0
+    logged = [(line["method"], line["status"]) for line in log_lines(server) if line.get("route") == rule]
+    assert ("GET", 304) in logged and ("HEAD", 200) in logged
+
+
+def test_recycling_under_a_small_max_requests_never_drops_a_request():
+    """max_requests 20 without jitter from GUNICORN_CMD_ARGS is raised to 100 +- 10; four
+    clients keep sending while both workers recycle, one at a time: every request is answered."""
+    with gunicorn_server(workers=2, env={"GUNICORN_CMD_ARGS": "--max-requests 20 --max-requests-jitter 0"}) as srv:
+        first = set(srv.worker_pids())
+
+        def client(_):
+            statuses = []
+            with requests.Session() as session:
+                for _ in range(90):
+                    statuses.append(session.post(srv.url + "/v1/gradients", json=GOOD, timeout=WAIT_S).status_code)
+            return statuses
+        with ThreadPoolExecutor(4) as pool:
+            statuses = [status for batch in pool.map(client, range(4)) for status in batch]
+        assert statuses == [200] * 360
+        assert wait_until(lambda: len(srv.worker_pids()) == 2, WAIT_S)
+        log = srv.log()
+        assert "max_requests 20 raised to 100" in log and "max_requests_jitter 0 raised to 10" in log
+        assert re.search(r"recycles after 1\d\d requests", log)
+        assert set(srv.worker_pids()) != first
