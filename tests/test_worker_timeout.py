@@ -24,8 +24,9 @@ LARGE_ANSWER = {"vectors": np.linspace(-1, 1, 400 * 64).reshape(400, 64).tolist(
 @pytest.fixture(scope="module")
 def server():
     # sync: a worker whose one thread is stuck writing misses its heartbeat, so gunicorn's
-    # timeout is what ends a slow reader (a gthread worker's main loop keeps beating).
-    env = {"GUNICORN_CMD_ARGS": f"--worker-class sync --timeout {GUNICORN_TIMEOUT_S}", "BLOCKGRAD_REQUEST_TIMEOUT_S": "600",
+    # timeout is what ends a slow reader (a gthread worker's main loop keeps beating; gunicorn
+    # runs gthread whenever threads > 1, hence --threads 1).
+    env = {"GUNICORN_CMD_ARGS": f"--worker-class sync --threads 1 --timeout {GUNICORN_TIMEOUT_S}", "BLOCKGRAD_REQUEST_TIMEOUT_S": "600",
            "BLOCKGRAD_COST_PER_BLOCK_S": "1e-15", "BLOCKGRAD_COST_PER_NUMBER_S": "1e-15"}  # admitted
     with gunicorn_server(workers=1, env=env) as server:
         yield server

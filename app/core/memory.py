@@ -65,7 +65,7 @@ def predict_peak_bytes(n: int, dim: int, factor: int, objective: str, dtype: str
     if computes_blocks:
         chunk_bytes = chunk_numbers(n, dim, factor, settings) * item
         total += CHUNKS_IN_FLIGHT.get(objective, DEFAULT_CHUNKS_IN_FLIGHT) * chunk_bytes
-        total += settings.max_block_elements * item  # blocks kept from pass one for the second
+        total += min(settings.max_block_elements, n * n * 2 * dim) * item  # blocks kept between the passes
     if "blocks" in outputs:  # /v1: one block's text at a time, after the head
         side = max(n // factor, n - (factor - 1) * (n // factor))
         total += 2 * text * side * side * 2 * dim
