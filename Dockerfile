@@ -23,12 +23,16 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PATH=/opt/venv/bin:$PATH \
     BLOCKGRAD_BIND=0.0.0.0:8000 \
     PROMETHEUS_MULTIPROC_DIR=/tmp/blockgrad-metrics \
-    XDG_RUNTIME_DIR=/tmp
+    XDG_RUNTIME_DIR=/tmp \
+    BLOCKGRAD_MODEL_DIR=/models
 
 # Unprivileged user with a fixed numeric id, so Kubernetes' runAsNonRoot can verify it.
+# /models is BLOCKGRAD_MODEL_DIR, empty in the image (built-in objectives only): mount the
+# operator's exported programs over it read-only, docker run -v "$PWD/models:/models:ro" ...
 RUN groupadd --system --gid 10001 blockgrad \
  && useradd --system --no-log-init --uid 10001 --gid blockgrad --no-create-home \
-      --home-dir /nonexistent --shell /usr/sbin/nologin blockgrad
+      --home-dir /nonexistent --shell /usr/sbin/nologin blockgrad \
+ && mkdir /models
 
 WORKDIR /srv/blockgrad
 

@@ -56,6 +56,10 @@ RECYCLE_POSTPONE = 10  # requests a worker serves on when a sibling is draining 
 warm_start = settings.device == "cpu" or (settings.device == "auto" and not os.path.exists("/dev/nvidiactl"))
 preload_app = False  # the master imports the app in on_starting instead, after setting the metrics directory
 worker_tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None  # heartbeat off disk
+# gunicorn's control socket (gunicornc): one per instance, named by the master's pid, so that
+# instances on one machine never share one, nor remove another's when they stop.
+control_socket = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(),
+                              f"blockgrad-gunicorn-{os.getpid()}.ctl")
 accesslog = None  # the app writes one JSON line per request instead (app/http/request_log.py)
 errorlog = "-"  # stderr, like the app's log
 created_metrics_dir = None  # set when on_starting made a temporary PROMETHEUS_MULTIPROC_DIR

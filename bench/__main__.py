@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tools.server import gunicorn_settings
 
-from . import rows
+from . import client_rows, rows
 from .measure import table
 
 ROWS = [
@@ -22,6 +22,8 @@ ROWS = [
     rows.parse_vs_loads,
     rows.v2_binary_infer,  # issue 4: binary tensors against JSON
     rows.serving_small_requests,  # issue 9: the worker model
+    rows.model_scorer,  # issue 12: a model objective against a plain loop and the all-pairs floor
+    client_rows.client_v1_read,  # issue 13: the client package
 ]
 
 

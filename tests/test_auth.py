@@ -17,9 +17,10 @@ def locked():
     return create_app({"TESTING": True, "BLOCKGRAD_API_TOKEN": TOKEN}).test_client()
 
 
-PROTECTED = [("POST", "/v1/gradients"), ("GET", "/openapi.json"), ("GET", "/v1/gradients"),
+# /docs and /openapi.json are open unless BLOCKGRAD_DOCS_PUBLIC=false (tests/test_frictions.py).
+PROTECTED = [("POST", "/v1/gradients"), ("GET", "/v1/gradients"),
              ("GET", "/v2"), ("GET", "/v2/models/blockgrad"), ("POST", "/v2/models/blockgrad/infer"),
-             ("GET", "/docs"), ("GET", "/no/such/route"), ("GET", "/healthz/extra")]
+             ("GET", "/no/such/route"), ("GET", "/healthz/extra")]
 BAD_HEADERS = [None, "", "Bearer", "Bearer ", f"Basic {TOKEN}", "Bearer wrong", f"Bearer {TOKEN}x",
                f"Bearer {TOKEN[:-1]}", TOKEN, f"Token {TOKEN}"]
 
@@ -30,7 +31,7 @@ def assert_unauthorized(response, protocol=False):
         assert response.status_code == 401
         assert isinstance(strict_json(response.get_data())["error"], str)
     else:
-        assert "details" not in assert_error(response, 401, "unauthorized")
+        assert assert_error(response, 401, "unauthorized")["details"] == {}
     assert response.headers["WWW-Authenticate"].startswith("Bearer")
     assert TOKEN not in response.get_data(as_text=True)
 

@@ -21,7 +21,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tools.infer_client import binary_infer_request
+from blockgrad_client.infer import binary_infer_request
 from tools.server import gunicorn_server, wait_until
 from .test_api import GOOD
 

@@ -147,18 +147,21 @@ def test_not_ready_is_a_4xx_with_empty_body():
         assert response.status_code == 400 and response.get_data() == b""
 
 
+FLOATS = ["FP32", "FP64"]  # the input takes either; the float outputs follow it
+
+
 @pytest.mark.parametrize("url", ["/v2/models/blockgrad", "/v2/models/blockgrad/versions/1"])
 def test_model_metadata(client, url):
     response = client.get(url)
     assert response.status_code == 200
     assert strict_json(response.get_data()) == {
         "name": "blockgrad", "versions": ["1"], "platform": "pytorch",
-        "inputs": [{"name": "vectors", "datatype": "FP32", "shape": [-1, -1]}],
+        "inputs": [{"name": "vectors", "datatype": "FP32", "datatypes": FLOATS, "shape": [-1, -1]}],
         "outputs": [
-            {"name": "block_gradients", "datatype": "FP32", "shape": [-1, -1, -1]},
-            {"name": "accumulated", "datatype": "FP32", "shape": [-1, -1]},
-            {"name": "bounds", "datatype": "INT64", "shape": [-1]},
-            {"name": "losses", "datatype": "FP32", "shape": [-1, -1]},
+            {"name": "block_gradients", "datatype": "FP32", "datatypes": FLOATS, "shape": [-1, -1, -1]},
+            {"name": "accumulated", "datatype": "FP32", "datatypes": FLOATS, "shape": [-1, -1]},
+            {"name": "bounds", "datatype": "INT64", "datatypes": ["INT64"], "shape": [-1]},
+            {"name": "losses", "datatype": "FP32", "datatypes": FLOATS, "shape": [-1, -1]},
         ],
     }
 
@@ -602,8 +605,8 @@ def test_v1_errors_keep_their_shape(client):
 
 
 def test_client_helpers_round_trip(client):
-    """tools/infer_client.py (for the benchmark) agrees with the struct reader above."""
-    from tools.infer_client import binary_infer_request, read_infer_response
+    """The client package's codec (client/blockgrad_client/infer.py) agrees with the struct reader above."""
+    from blockgrad_client.infer import binary_infer_request, read_infer_response
 
     vectors = np.random.default_rng(3).standard_normal((6, 2))
     body, headers = binary_infer_request(vectors, {"factor": 2}, outputs=["losses", "block_gradients"])

@@ -38,7 +38,8 @@ def test_client_health_and_metadata(client):
     assert not client.is_model_ready("blockgrad", model_version="9")
     assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
     metadata = client.get_model_metadata("blockgrad")
-    assert metadata["inputs"] == [{"name": "vectors", "datatype": "FP32", "shape": [-1, -1]}]
+    assert metadata["inputs"] == [{"name": "vectors", "datatype": "FP32", "datatypes": ["FP32", "FP64"],
+                                   "shape": [-1, -1]}]
     assert [o["name"] for o in metadata["outputs"]] == OUTPUT_NAMES
 
 

@@ -59,3 +59,28 @@ def reference_blocks(vectors, factor, objective, offset=5.0):
         summed.backward()
         out.append((summed.detach(), i.grad))
     return out
+
+
+def model_block_loss(score, block):
+    """A model objective written out: the scores of the block's h x w pairs, summed."""
+    rows, cols, width = block.shape
+    return score(block.reshape(rows * cols, width)).sum()
+
+
+def reference_model_blocks(vectors, factor, score):
+    """Each block detached as its own leaf, the model applied to it, autograd.grad: (loss, gradient)."""
+    out = []
+    for block in batch_matrix(concat_matrix(vectors), factor=factor):
+        leaf = block.detach().requires_grad_(True)
+        loss = model_block_loss(score, leaf)
+        (grad,) = torch.autograd.grad(loss, leaf)
+        out.append((loss.detach(), grad))
+    return out
+
+
+def reference_model_accumulated(vectors, factor, score):
+    """One shared graph, backward(retain_graph=True) once per block: sums onto V."""
+    leaf = vectors.clone().requires_grad_(True)
+    for block in batch_matrix(concat_matrix(leaf), factor=factor):
+        model_block_loss(score, block).backward(retain_graph=True)
+    return leaf.grad

@@ -56,3 +56,29 @@ def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], settings: Set
             f"The answer would hold {total} numbers, over BLOCKGRAD_MAX_OUTPUT_ELEMENTS = {max_output}; "
             "ask for fewer outputs (for example only accumulated and losses) or send fewer vectors.",
             "BLOCKGRAD_MAX_OUTPUT_ELEMENTS", total, max_output)
+
+
+
+def activation_bytes(n: int, factor: int, bytes_per_pair: int) -> int:
+    """A model's estimated peak activation memory for the largest block: its pairs x bytes_per_pair."""
+    side = largest_block_side(n, factor)
+    return side * side * bytes_per_pair
+
+
+def admit_activations(n: int, factor: int, objective, settings: Settings) -> None:
+    """A model objective's activations for the largest block must fit BLOCKGRAD_MAX_ACTIVATION_BYTES;
+    built-ins (no bytes_per_pair) are bounded by BLOCKGRAD_MAX_BLOCK_ELEMENTS alone."""
+    per_pair = getattr(objective, "bytes_per_pair", None)
+    if per_pair is None:
+        return
+    limit = settings.max_activation_bytes
+    needed = activation_bytes(n, factor, per_pair)
+    if needed <= limit:
+        return
+    fitting = next((f for f in range(factor, n + 1) if activation_bytes(n, f, per_pair) <= limit), None)
+    advice = (f"factor {fitting} fits (the smallest larger factor that does)" if fitting
+              else "this model's activations for even one pair are too large")
+    raise limit_exceeded(
+        f"With factor {factor} the model's activations for the largest block take about {needed} bytes "
+        f"({per_pair} bytes per pair), over BLOCKGRAD_MAX_ACTIVATION_BYTES = {limit}; {advice}.",
+        "BLOCKGRAD_MAX_ACTIVATION_BYTES", needed, limit)

@@ -5,12 +5,14 @@ Both front ends turn what they received into keyword values and call
 values within dtype) and raises `validation_error` naming the fields.
 """
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .errors import validation_error
-from .objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET, OBJECTIVES
+from .objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET, OBJECTIVES, Objective
+from .registry import objective_dim, objective_dtypes
 from .vectors import fits_dtype
 
 OUTPUTS = ("blocks", "accumulated", "losses")
@@ -32,6 +34,13 @@ class GradientRequest:
     offset: float
     outputs: tuple[str, ...]  # in OUTPUTS order, no repeats
     dtype: str
+    # What `objective` names in the server's registry (build_request resolves it); left out,
+    # the built-in of that name.
+    objective_fn: Objective | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.objective_fn is None:
+            object.__setattr__(self, "objective_fn", OBJECTIVES[self.objective])
 
     @property
     def n(self) -> int:
@@ -46,16 +55,37 @@ def ordered_outputs(names) -> tuple[str, ...]:
     return tuple(name for name in OUTPUTS if name in names)
 
 
-def build_request(vectors: np.ndarray, *, factor: int | None = None, objective: str = DEFAULT_OBJECTIVE,
+def unknown_objective(objectives: Mapping[str, Objective]) -> str:
+    return f"Must be one of: {', '.join(objectives)}."
+
+
+def objective_fit(name: str, objective: Objective, dim: int, dtype: str) -> dict[str, list[str]]:
+    """A model takes only the D and the dtype it was exported for (it is never cast)."""
+    errors = {}
+    model_dim = objective_dim(objective)
+    if model_dim is not None and dim != model_dim:
+        errors["vectors"] = [f"Objective {name!r} takes vectors of length D = {model_dim}; got {dim}."]
+    dtypes = objective_dtypes(objective)
+    if dtype in DTYPES and dtype not in dtypes:
+        errors["dtype"] = [f"Objective {name!r} takes {' or '.join(dtypes)} only (the dtype it was exported "
+                           f"with); got {dtype}."]
+    return errors
+
+
+def build_request(vectors: np.ndarray, *, objectives: Mapping[str, Objective] = OBJECTIVES,
+                  factor: int | None = None, objective: str = DEFAULT_OBJECTIVE,
                   offset: float = DEFAULT_OFFSET, outputs=DEFAULT_OUTPUTS,
                   dtype: str = DEFAULT_DTYPE) -> GradientRequest:
-    """A checked GradientRequest from values of the right types (the front ends check types)."""
+    """A checked GradientRequest from values of the right types (the front ends check types);
+    `objectives`: this server's registry (app/core/registry.py)."""
     n = vectors.shape[0]
     errors: dict[str, list[str]] = {}
     if factor is not None and not 1 <= factor <= n:
         errors["factor"] = [f"Must be between 1 and N = {n}."]
-    if objective not in OBJECTIVES:
-        errors["objective"] = [f"Must be one of: {', '.join(OBJECTIVES)}."]
+    if objective not in objectives:
+        errors["objective"] = [unknown_objective(objectives)]
+    else:
+        errors.update(objective_fit(objective, objectives[objective], vectors.shape[1], dtype))
     if dtype not in DTYPES:
         errors["dtype"] = [f"Must be one of: {', '.join(DTYPES)}."]
     elif not errors:
@@ -68,4 +98,5 @@ def build_request(vectors: np.ndarray, *, factor: int | None = None, objective: 
     if errors:
         raise validation_error(errors)
     return GradientRequest(vectors=vectors, factor=default_factor(n) if factor is None else factor,
-                           objective=objective, offset=offset, outputs=ordered_outputs(outputs), dtype=dtype)
+                           objective=objective, offset=offset, outputs=ordered_outputs(outputs), dtype=dtype,
+                           objective_fn=objectives[objective])

@@ -20,8 +20,7 @@ from .device import release_device_memory, resolve_device
 from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, add_to_vectors, band_blocks, block_at, block_bounds,
                      elements_per_chunk, iter_bands)
 from .errors import client_closed, deadline_exceeded, device_out_of_memory, non_finite_accumulated, non_finite_block
-from .limits import admit
-from .objectives import OBJECTIVES
+from .limits import admit, admit_activations
 from .request import GradientRequest
 from .settings import Settings
 
@@ -93,7 +92,7 @@ class Result:
             if self.kept is not None:
                 source = iter(self.kept)
             else:
-                bands = iter_bands(self.vectors, req.factor, OBJECTIVES[req.objective], req.offset,
+                bands = iter_bands(self.vectors, req.factor, req.objective_fn, req.offset,
                                    self.chunk_elements)
                 source = (block for band in bands for block in band_blocks(band))
             for block in source:
@@ -104,12 +103,13 @@ class Result:
 def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = None) -> Result:
     """Admit (limit_exceeded before any tensor), then compute on this worker's device."""
     admit(req.n, req.dim, req.factor, req.outputs, settings)
+    admit_activations(req.n, req.factor, req.objective_fn, settings)
     device = resolve_device(settings.device)
     deadline = deadline or Deadline(settings.request_timeout_s)
     with device_memory_guard():
         vectors = load_vectors(req, device)  # (N, D)
         keep_bytes = settings.max_block_elements * vectors.element_size()
-        chunk = elements_per_chunk(settings.max_block_elements, OBJECTIVES[req.objective], req.dim,
+        chunk = elements_per_chunk(settings.max_block_elements, req.objective_fn, req.dim,
                                    vectors.element_size())
         return summarize(req, device, vectors, deadline, keep_bytes, chunk)
 
@@ -130,7 +130,7 @@ def summarize(req: GradientRequest, device: torch.device, vectors: torch.Tensor,
     # False may also be an overflowing sum, so those blocks are rechecked exactly below.
     surely_finite = torch.empty((f, f), dtype=torch.bool, device=device)  # (F, F)
     accumulated = torch.zeros_like(vectors)  # (N, D)
-    for band in iter_bands(vectors, f, OBJECTIVES[req.objective], req.offset, chunk_elements):
+    for band in iter_bands(vectors, f, req.objective_fn, req.offset, chunk_elements):
         for result in band:
             sums = add_to_vectors(accumulated, result)  # (kr, kc, h, D), (kr, kc, w, D)
             rows, cols = result.chunk.rows, result.chunk.cols
@@ -159,7 +159,7 @@ def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest,
                            surely_finite: torch.Tensor) -> tuple[int, int] | None:
     """Row-block-major, the first block whose loss or gradient is not finite, checked entry by entry."""
     for r, c in torch.nonzero(~surely_finite).tolist():  # row-major order
-        block = block_at(vectors, req.factor, r, c, OBJECTIVES[req.objective], req.offset)
+        block = block_at(vectors, req.factor, r, c, req.objective_fn, req.offset)
         if not (bool(torch.isfinite(block.loss)) and bool(torch.isfinite(block.gradient).all())):
             return r, c
     return None  # only sums overflowed: the accumulated check reports it

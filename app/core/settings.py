@@ -66,6 +66,20 @@ def default_queue_depth() -> int:
     return 4 * available_cores()
 
 
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(name: str, raw: Any, default: bool) -> bool:
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        return default
+    if isinstance(raw, bool):
+        return raw
+    word = str(raw).strip().lower()
+    if word not in TRUE_WORDS + FALSE_WORDS:
+        raise ValueError(f"{name} must be true or false (1/0, yes/no, on/off), got {raw!r}")
+    return word in TRUE_WORDS
+
+
 def env_int(name: str, default: int, environ: Mapping[str, Any] = os.environ) -> int:
     return parse_int(name, environ.get(name), default)
 
@@ -86,6 +100,13 @@ class Settings:
     log_level: str = "INFO"
     # Optional bearer token for every route but the probes (app/http/auth.py); None = open.
     api_token: str | None = None
+    # Directory of exported programs served as objectives (app/core/models.py); None = built-ins only.
+    model_dir: str | None = None
+    # A model objective's estimated peak activation memory for one block: pairs x bytes_per_pair
+    # (README, "Model objectives").
+    max_activation_bytes: int = 256 * 1024 * 1024
+    # With a token set: whether /docs and /openapi.json stay open (a browser sends no token).
+    docs_public: bool = True
     # Serving (README, "Worker model"): idle keep-alive longer than a balancer's usual 60 s,
     # so that the balancer, not the server, closes idle connections.
     keepalive_s: float = 75.0
@@ -105,6 +126,8 @@ class Settings:
                 values[item.name] = parse_int(name, raw, default)
             elif item.type is float:
                 values[item.name] = parse_float(name, raw, default)
+            elif item.type is bool:
+                values[item.name] = parse_bool(name, raw, default)
             elif raw:
                 values[item.name] = str(raw)
         return cls(**values)

@@ -6,13 +6,14 @@ from typing import Any
 from flask import Flask
 from flask_smorest import Api
 
+from ..core.registry import build_registry
 from ..core.settings import Settings
 from . import observe
 from .auth import install_auth
 from .docs import ErrorSchema, register_docs, spec_options
 from .errors import register_error_handlers
 from .request_log import configure_logging
-from .settings import install_settings
+from .settings import install_objectives, install_settings
 from .slot import install_gate
 
 FLASK_CONFIG = {
@@ -22,7 +23,7 @@ FLASK_CONFIG = {
     "OPENAPI_URL_PREFIX": "/",
     "OPENAPI_JSON_PATH": "openapi.json",
     "OPENAPI_SWAGGER_UI_PATH": "docs",
-    "OPENAPI_SWAGGER_UI_URL": "docs/assets/",  # relative to /docs; served by docs.py, no CDN
+    "OPENAPI_SWAGGER_UI_URL": "/docs/assets/",  # served by docs.py, no CDN; absolute: /docs and /docs/ both work
     "OPENAPI_SWAGGER_UI_CONFIG": {"validatorUrl": None},  # no badge fetched from swagger.io
 }
 
@@ -33,21 +34,25 @@ class BlockgradApi(Api):
 
 def build_app(overrides: Mapping[str, Any]) -> Flask:
     settings = Settings.from_env({**os.environ, **{k: v for k, v in overrides.items() if k.startswith("BLOCKGRAD_")}})
+    # Models are loaded and checked here, once per process (in each worker: no preload_app);
+    # a file that fails raises ModelError and the service does not start.
+    objectives = build_registry(settings)
     app = Flask("app")
     app.config.update(FLASK_CONFIG)
     app.config.update({k: v for k, v in overrides.items() if not k.startswith("BLOCKGRAD_")})
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    app.config.setdefault("API_SPEC_OPTIONS", spec_options(settings))
+    app.config.setdefault("API_SPEC_OPTIONS", spec_options(settings, objectives))
     install_settings(app, settings)
     install_gate(app, settings)  # one compute slot and its queue per worker
+    install_objectives(app, objectives)
     configure_logging(settings.log_level)
     observe.init_app(app)  # first, so that its hooks see every request
 
-    install_auth(app, settings.api_token)  # one app-level hook: every route, present or future, is behind it
+    install_auth(app, settings.api_token, settings.docs_public)  # one app-level hook: every route, present or future, is behind it
     api = BlockgradApi(app)
     from ..api import register_front_ends  # the front ends import this package's glue
 
     register_front_ends(app, api)
-    register_docs(app, api)
+    register_docs(app, api, objectives)
     register_error_handlers(app)  # after Api, which installs its own HTTP error handler
     return app

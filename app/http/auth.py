@@ -14,9 +14,14 @@ from .errors import invalid_token, missing_token
 # Probes and metrics stay open so that orchestrators and scrapers need no secret.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 OPEN_PREFIXES = ("/v2/health/",)
+# The documentation, open unless BLOCKGRAD_DOCS_PUBLIC=false: a browser cannot send a bearer token.
+DOCS_PATHS = frozenset({"/docs", "/docs/", "/openapi.json"})
+DOCS_PREFIXES = ("/docs/assets/",)
 
 
-def is_open(path: str) -> bool:
+def is_open(path: str, docs_public: bool = False) -> bool:
+    if docs_public and (path in DOCS_PATHS or path.startswith(DOCS_PREFIXES)):
+        return True
     return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 
 
@@ -28,7 +33,7 @@ def bearer_token(header: str) -> bytes | None:
     return token.strip().encode("latin-1", "replace")
 
 
-def install_auth(app: Flask, api_token: str | None) -> None:
+def install_auth(app: Flask, api_token: str | None, docs_public: bool = True) -> None:
     """Require the token on every non-open path, if one is configured."""
     token = (api_token or "").strip()
     if not token:
@@ -37,7 +42,7 @@ def install_auth(app: Flask, api_token: str | None) -> None:
 
     @app.before_request
     def require_bearer_token():
-        if is_open(request.path):
+        if is_open(request.path, docs_public):
             return
         given = bearer_token(request.headers.get("Authorization", ""))
         if given is None:

@@ -12,8 +12,10 @@ from flask_smorest import Api
 from marshmallow import Schema, fields
 from swagger_ui_bundle import swagger_ui_path
 
+from ..core.registry import describe
 from ..core.settings import Settings
 from .errors import DEFAULT_STYLE, ERRORS, ErrorStyle
+from .settings import EXTENSION as SETTINGS
 
 HEADER_DESCRIPTIONS = {
     "Allow": ("The methods this path accepts.", "string"),
@@ -26,9 +28,11 @@ class ErrorDetailSchema(Schema):
     code = fields.String(required=True, metadata={
         "description": "Stable snake_case error code (the table in the description at the top)."})
     message = fields.String(required=True, metadata={"description": "What went wrong and what to change."})
-    details = fields.Dict(metadata={
-        "description": "Optional: `fields` (validation_error: field -> list of messages), `limit`, `value`, "
-                       "`allowed` (limit_exceeded), `block` (non_finite_result), `timeout_s` (deadline_exceeded)."})
+    details = fields.Dict(required=True, metadata={
+        "description": "Always present, {} when the code adds nothing: `fields` (validation_error: field -> list "
+                       "of messages), `limit`, `value`, `allowed` (limit_exceeded; too_large: `limit`, `allowed`), "
+                       "`routes` (not_found), `allowed` (method_not_allowed), `block` (non_finite_result), "
+                       "`timeout_s` (deadline_exceeded)."})
 
 
 class ErrorSchema(Schema):
@@ -64,7 +68,16 @@ def documents_errors(blp, *codes: str, style: ErrorStyle = DEFAULT_STYLE, schema
     return decorate
 
 
-def api_description(settings: Settings) -> str:
+def objectives_table(objectives) -> str:
+    rows = []
+    for name, objective in objectives.items():
+        entry = describe(name, objective)
+        dim = "any" if entry["dim"] is None else entry["dim"]
+        rows.append(f"| `{name}` | {entry['kind']} | {dim} | {', '.join(entry['dtypes'])} | {entry['description']} |")
+    return "\n".join(rows)
+
+
+def api_description(settings: Settings, objectives) -> str:
     """The document's info.description: limits as configured, errors, headers, other endpoints."""
     limits = [
         ("BLOCKGRAD_MAX_BODY_BYTES", "largest request body, in bytes (413 too_large)"),
@@ -84,6 +97,13 @@ def api_description(settings: Settings) -> str:
 | setting | value | what it limits |
 |---|---|---|
 {rows}
+
+## Objectives of this server
+`objective` (in `/v1/gradients` and in `/v2`'s parameters) takes one of these names; `GET /v1/objectives`
+lists them as JSON. A model takes only vectors of its D and only its dtype (422 `validation_error` otherwise).
+| name | kind | D | dtypes | L(B) |
+|---|---|---|---|---|
+{objectives_table(objectives)}
 
 ## Errors
 Every error, on every path but `/v2`, is `{{"error": {{"code", "message", "details"}}}}` (schema `Error`);
@@ -106,16 +126,27 @@ BEARER_SCHEME = "bearerAuth"
 OPEN_ROUTE = {"security": []}  # blp.doc(**OPEN_ROUTE): probes and metrics never need the token
 
 
-def spec_options(settings: Settings) -> dict:
+def spec_options(settings: Settings, objectives) -> dict:
     """API_SPEC_OPTIONS: the description, and the bearer requirement when a token is set."""
-    options = {"info": {"description": api_description(settings)}}
+    options = {"info": {"description": api_description(settings, objectives)}}
     if (settings.api_token or "").strip():
         options["security"] = [{BEARER_SCHEME: []}]
     return options
 
 
-def register_docs(app: Flask, api: Api) -> None:
+def list_objectives_in_schemas(api: Api, objectives) -> None:
+    """The request schemas' `objective` as an enum of this server's objectives (the validator
+    reads the registry per request, so apispec cannot see the names by itself)."""
+    names = list(objectives)
+    schemas = api.spec.components.schemas
+    schemas["GradientRequest"]["properties"]["objective"]["enum"] = names
+    parameters = schemas["InferRequest"]["properties"]["parameters"]
+    parameters["description"] += f" objective is one of: {', '.join(names)}."
+
+
+def register_docs(app: Flask, api: Api, objectives) -> None:
     """Serve Swagger UI's files under /docs/assets/ and describe /openapi.json and /docs."""
+    list_objectives_in_schemas(api, objectives)
     api.spec.components.security_scheme(BEARER_SCHEME, {
         "type": "http", "scheme": "bearer",
         "description": "Required on every route but the probes and /metrics when BLOCKGRAD_API_TOKEN is set."})
@@ -126,17 +157,23 @@ def register_docs(app: Flask, api: Api) -> None:
         return send_from_directory(swagger_ui_path, filename, max_age=86400)
 
     app.register_blueprint(assets)
+    # /docs/ is the same page, served directly: a redirect would be built from the Host header.
+    app.add_url_rule("/docs/", endpoint="docs_slash", view_func=app.view_functions["api-docs.openapi_swagger_ui"])
     error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
     internal_error = dict(error, description=f"`internal_error`: {ERRORS['internal_error'].when}")
     api.spec.tag({"name": "docs", "description": "This document and its interactive page."})
     rules = {rule.rule: rule for rule in app.url_map.iter_rules()}  # flask-smorest documents a path by its rule
+    # With a token set, the documentation stays open unless BLOCKGRAD_DOCS_PUBLIC=false (app/http/auth.py).
+    settings = app.extensions[SETTINGS]
+    open_docs = OPEN_ROUTE if settings.docs_public else {}
     api.spec.path(rule=rules["/openapi.json"], operations={"get": {
-        "tags": ["docs"], "summary": "This OpenAPI 3 document.",
+        "tags": ["docs"], "summary": "This OpenAPI 3 document.", **open_docs,
         "responses": {"200": {"description": "The document.",
                               "content": {"application/json": {"schema": {"type": "object"}}}},
                       "500": internal_error}}})
-    api.spec.path(rule=rules["/docs"], operations={"get": {
-        "tags": ["docs"], "summary": "Interactive documentation (Swagger UI, served locally).",
-        "responses": {"200": {"description": "An HTML page; its scripts and styles are under /docs/assets/.",
-                              "content": {"text/html": {"schema": {"type": "string"}}}},
-                      "500": internal_error}}})
+    for path in ("/docs", "/docs/"):
+        api.spec.path(rule=rules[path], operations={"get": {
+            "tags": ["docs"], "summary": "Interactive documentation (Swagger UI, served locally).", **open_docs,
+            "responses": {"200": {"description": "An HTML page; its scripts and styles are under /docs/assets/.",
+                                  "content": {"text/html": {"schema": {"type": "string"}}}},
+                          "500": internal_error}}})

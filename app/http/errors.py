@@ -51,18 +51,23 @@ def invalid_token() -> HttpError:
     return unauthorized("The bearer token is not valid.", 'Bearer realm="blockgrad", error="invalid_token"')
 
 
-def not_found() -> HttpError:
-    return HttpError("not_found", "The requested URL was not found on the server. If you entered the URL "
-                                  "manually please check your spelling and try again.")
+def not_found(path: str, routes: list[str]) -> HttpError:
+    """`routes`: what exists, as "METHOD /path" (service_routes())."""
+    return HttpError("not_found", f"There is no route {path}; the routes are: {', '.join(routes)} "
+                                  "(documented at /docs and /openapi.json).", {"routes": routes})
 
 
-def method_not_allowed(methods: list[str]) -> HttpError:
-    return HttpError("method_not_allowed", "The method is not allowed for the requested URL.",
-                     headers={"Allow": ", ".join(methods)} if methods else None)
+def method_not_allowed(method: str, path: str, methods: list[str]) -> HttpError:
+    """`methods`: what the route takes (the Allow header lists them all, HEAD and OPTIONS included)."""
+    named = [m for m in methods if m not in ("HEAD", "OPTIONS")] or methods
+    return HttpError("method_not_allowed", f"{path} does not take {method}; send {' or '.join(named)}.",
+                     {"allowed": methods}, headers={"Allow": ", ".join(methods)} if methods else None)
 
 
-def too_large() -> HttpError:
-    return HttpError("too_large", "The request body is over BLOCKGRAD_MAX_BODY_BYTES; send fewer or shorter vectors.")
+def too_large(limit_bytes: int) -> HttpError:
+    return HttpError("too_large", f"The request body is over BLOCKGRAD_MAX_BODY_BYTES = {limit_bytes} bytes; "
+                                  "send fewer or shorter vectors.",
+                     {"limit": "BLOCKGRAD_MAX_BODY_BYTES", "allowed": limit_bytes})
 
 
 def unsupported_media_type(message: str) -> HttpError:
@@ -109,14 +114,19 @@ ERRORS: dict[str, ErrorCode] = {
     "unauthorized": ErrorCode(401, "BLOCKGRAD_API_TOKEN is set and the request lacks `Authorization: Bearer "
                                    "<token>` with the right token (probes and /metrics stay open); see "
                                    "WWW-Authenticate", missing_token, ("WWW-Authenticate",)),
-    "not_found": ErrorCode(404, "no such route (any path not in this document)", not_found),
+    "not_found": ErrorCode(404, "no such route (any path not in this document); the message and "
+                                "`details.routes` list the routes", lambda: not_found("/v1/gradient", [
+                                    "POST /v1/gradients", "GET /healthz", "GET /docs"])),
     "model_not_found": ErrorCode(404, "/v2: no such model or version",
                                  lambda: model_not_found("Unknown model 'other'; this server serves 'blockgrad'.")),
-    "method_not_allowed": ErrorCode(405, "the path exists but not with this method; the Allow header lists the "
-                                         "right ones", lambda: method_not_allowed(["GET", "HEAD", "OPTIONS"]),
+    "method_not_allowed": ErrorCode(405, "the path exists but not with this method; the message, "
+                                         "`details.allowed` and the Allow header list the right ones",
+                                    lambda: method_not_allowed("POST", "/healthz", ["GET", "HEAD", "OPTIONS"]),
                                     ("Allow",)),
-    "too_large": ErrorCode(413, "the body is over BLOCKGRAD_MAX_BODY_BYTES", too_large),
-    "limit_exceeded": ErrorCode(413, "N, D, the largest block or the whole answer is over its limit; "
+    "too_large": ErrorCode(413, "the body is over BLOCKGRAD_MAX_BODY_BYTES; the message and `details.allowed` "
+                                "give the limit in bytes", lambda: too_large(33554432)),
+    "limit_exceeded": ErrorCode(413, "N, D, the largest block, a model's activations or the whole answer is "
+                                     "over its limit; "
                                      "`details.limit` names it, the message says what to change",
                                 lambda: core.limit_exceeded(
                                     "8193 vectors is over BLOCKGRAD_MAX_N = 8192; send at most 8192.",
@@ -153,10 +163,8 @@ LOG_ONLY_CODES = {"send_timeout": "a write made no progress for BLOCKGRAD_SEND_T
 
 
 def error_body(error: BlockgradError) -> dict[str, Any]:
-    body: dict[str, Any] = {"code": error.code, "message": error.message}
-    if error.details:
-        body["details"] = error.details
-    return {"error": body}
+    """`details` is always there, an object ({} when the code has nothing to add)."""
+    return {"error": {"code": error.code, "message": error.message, "details": error.details or {}}}
 
 
 def error_headers(error: BlockgradError) -> dict[str, str]:
@@ -214,14 +222,26 @@ def error_response(error: BlockgradError) -> Response:
     return response
 
 
+def service_routes(app: Flask) -> list[str]:
+    """Every route as "METHOD /rule" (HEAD and OPTIONS left out), without static files and the docs' assets."""
+    routes = []
+    for rule in app.url_map.iter_rules():
+        if rule.endpoint == "static" or rule.rule.startswith("/docs/"):
+            continue
+        routes += [f"{method} {rule.rule}" for method in sorted(rule.methods - {"HEAD", "OPTIONS"})]
+    return routes
+
+
 def from_http_exception(exc: HTTPException) -> BlockgradError:
     status = exc.code or 500
+    path = request.path if has_request_context() else "this path"
     if status == 404:
-        return not_found()
+        return not_found(path, service_routes(current_app) if has_request_context() else [])
     if status == 405:
-        return method_not_allowed(list(getattr(exc, "valid_methods", None) or []))
+        method = request.method if has_request_context() else "this method"
+        return method_not_allowed(method, path, sorted(getattr(exc, "valid_methods", None) or []))
     if status == 413:
-        return too_large()
+        return too_large(current_app.config["MAX_CONTENT_LENGTH"] if has_request_context() else 0)
     if status == 500:  # e.g. an error handler that failed: werkzeug's text says nothing more
         return internal_error()
     if status == 400:

@@ -1,5 +1,9 @@
 """marshmallow field types shared by the front ends' schemas."""
-from marshmallow import fields
+from marshmallow import ValidationError, fields
+from marshmallow.validate import Validator
+
+from ..core.request import unknown_objective
+from .settings import current_objectives
 
 
 class JsonNumber(fields.Float):
@@ -9,3 +13,14 @@ class JsonNumber(fields.Float):
         if isinstance(value, (str, bool)):
             raise self.make_error("invalid")
         return super()._deserialize(value, attr, data, **kwargs)
+
+
+class ObjectiveName(Validator):
+    """One of this server's objectives (built-ins and models), read from the app at load time:
+    the registry is built per app, so a fixed OneOf at import time cannot know it."""
+
+    def __call__(self, value: str) -> str:
+        objectives = current_objectives()
+        if value not in objectives:
+            raise ValidationError(unknown_objective(objectives))
+        return value

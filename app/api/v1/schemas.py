@@ -9,10 +9,11 @@ import numpy as np
 from marshmallow import Schema, ValidationError, fields, post_load, pre_load
 from marshmallow.validate import Length, OneOf, Range
 
-from ...core.objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET, OBJECTIVES
+from ...core.objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET
 from ...core.request import DEFAULT_DTYPE, DEFAULT_OUTPUTS, DTYPES, OUTPUTS, GradientRequest, build_request
 from ...core.vectors import MatrixError, parse_matrix
-from ...http.fields import JsonNumber
+from ...http.fields import JsonNumber, ObjectiveName
+from ...http.settings import current_objectives
 from .admission import admit_document
 
 
@@ -40,9 +41,11 @@ class GradientRequestSchema(Schema):
                        "the matrix is cut into F x F blocks, the last row and column of blocks taking the "
                        "remainder. Default ceil(N / 6). The largest block (side x side x 2D numbers) must fit "
                        "BLOCKGRAD_MAX_BLOCK_ELEMENTS (413 limit_exceeded names the smallest factor that fits)."})
-    objective = fields.String(load_default=DEFAULT_OBJECTIVE, validate=OneOf(OBJECTIVES), metadata={
+    objective = fields.String(load_default=DEFAULT_OBJECTIVE, validate=ObjectiveName(), metadata={
         "description": "Loss of one block B: sum = sum(B + offset), mean = mean(B), sum_of_squares = sum(B*B), "
-                       "l2_norm = ||B||_2 (gradient 0 where the norm is 0), logsumexp = log(sum(exp(B)))."})
+                       "l2_norm = ||B||_2 (gradient 0 where the norm is 0), logsumexp = log(sum(exp(B))); "
+                       "or the name of a model of this server (sum of its scores over the block's pairs). "
+                       "GET /v1/objectives lists them all with their D and dtypes."})
     offset = JsonNumber(load_default=DEFAULT_OFFSET, metadata={
         "description": "Added to every entry by the `sum` objective (the classic i + 5 example); a finite number "
                        "within `dtype`'s range. Ignored by the other objectives."})
@@ -62,7 +65,13 @@ class GradientRequestSchema(Schema):
 
     @post_load
     def make_request(self, data, **kwargs) -> GradientRequest:
-        return build_request(**data)  # the core's rules that need the numbers; validation_error
+        # the core's rules that need the numbers, against this server's objectives; validation_error
+        return build_request(**data, objectives=current_objectives())
+
+
+# A misspelt field gets the valid names, not just "Unknown field.".
+GradientRequestSchema.error_messages = {
+    "unknown": f"Unknown field; the fields are {', '.join(GradientRequestSchema._declared_fields)}."}
 
 
 class BlockSchema(Schema):

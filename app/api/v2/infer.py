@@ -17,6 +17,7 @@ from ...core.run import Result
 from ...core.settings import Settings
 from ...core.vectors import MatrixError, check_matrix, parse_matrix
 from ...http.parsing import decode_json
+from ...http.settings import current_objectives
 from ...http.streaming import to_numpy
 from .codec import CodecError, OutputTensor, decode_tensor, split_body
 from .model import DATATYPE_OF_DTYPE, FLOAT_DATATYPES, GRADIENT_PARAMETERS, INPUT_NAME, MODEL_NAME, MODEL_VERSION, OUTPUTS
@@ -65,7 +66,7 @@ def parse_infer_request(body: bytes, header_length: str | None, settings: Settin
     outputs = requested_outputs(envelope.get("outputs"), binary_output)
     try:
         typed = ParametersSchema().load(parameters)  # JSON types, as /v1 checks its fields
-        gradient = build_request(matrix, dtype=FLOAT_DATATYPES[datatype][1], **typed,
+        gradient = build_request(matrix, objectives=current_objectives(), dtype=FLOAT_DATATYPES[datatype][1], **typed,
                                  outputs=ordered_outputs({OUTPUTS[output.name] for output in outputs}))
     except ValidationError as exc:
         raise invalid(field_messages(exc.messages)) from None
@@ -198,6 +199,8 @@ def gradient_grid(result: Result) -> torch.Tensor:
 
 
 def field_label(name: str) -> str:
+    if name == "dtype":  # the input's datatype is /v1's dtype
+        return f"Input '{INPUT_NAME}' datatype"
     return f"Input '{INPUT_NAME}'" if name == "vectors" else f"Parameter '{name}'"
 
 

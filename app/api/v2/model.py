@@ -20,17 +20,24 @@ GRADIENT_PARAMETERS = ("factor", "objective", "offset")
 
 
 def model_metadata() -> dict:
-    """-1 marks a variable dimension: N vectors of length D, F blocks a side."""
-    float_type = DEFAULT_DATATYPE  # FP64 is accepted too; outputs follow the input's datatype
+    """-1 marks a variable dimension: N vectors of length D, F blocks a side.
+
+    The protocol gives each tensor one `datatype`: the default, FP32. `datatypes` (an
+    addition clients may ignore) lists every one the input takes; the float outputs
+    take the input's.
+    """
+    def floats(name: str, shape: list[int]) -> dict:
+        return {"name": name, "datatype": DEFAULT_DATATYPE, "datatypes": list(FLOAT_DATATYPES), "shape": shape}
+
     return {
         "name": MODEL_NAME,
         "versions": [MODEL_VERSION],
         "platform": PLATFORM,
-        "inputs": [{"name": INPUT_NAME, "datatype": float_type, "shape": [-1, -1]}],
+        "inputs": [floats(INPUT_NAME, [-1, -1])],
         "outputs": [
-            {"name": "block_gradients", "datatype": float_type, "shape": [-1, -1, -1]},  # (N, N, 2D)
-            {"name": "accumulated", "datatype": float_type, "shape": [-1, -1]},  # (N, D)
-            {"name": "bounds", "datatype": "INT64", "shape": [-1]},  # (F + 1,)
-            {"name": "losses", "datatype": float_type, "shape": [-1, -1]},  # (F, F)
+            floats("block_gradients", [-1, -1, -1]),  # (N, N, 2D)
+            floats("accumulated", [-1, -1]),  # (N, D)
+            {"name": "bounds", "datatype": "INT64", "datatypes": ["INT64"], "shape": [-1]},  # (F + 1,)
+            floats("losses", [-1, -1]),  # (F, F)
         ],
     }

@@ -7,8 +7,7 @@ rules that need the numbers. The response schemas document the routes.
 from marshmallow import Schema, fields
 from marshmallow.validate import Length, OneOf, Range
 
-from ...core.objectives import OBJECTIVES
-from ...http.fields import JsonNumber
+from ...http.fields import JsonNumber, ObjectiveName
 
 Parameters = fields.Dict  # $parameters: {name: $string | $number | $boolean}
 
@@ -18,13 +17,15 @@ class RequestInputSchema(Schema):
     shape = fields.List(fields.Integer(strict=True, validate=Range(min=0)), required=True)
     datatype = fields.String(required=True)
     parameters = Parameters(keys=fields.String(), load_default=dict)
-    data = fields.Raw(metadata={"description": "Row-major numbers, flat or nested; absent when binary."})
+    data = fields.Raw(metadata={
+        "type": "array", "items": {"anyOf": [{"type": "number"}, {"type": "array"}]},  # never null
+        "description": "Row-major numbers, flat or nested; absent when binary."})
 
 
 class ParametersSchema(Schema):
     """The model's parameters (factor, objective, offset): JSON types as /v1 takes them."""
     factor = fields.Integer(strict=True, validate=Range(min=1))
-    objective = fields.String(validate=OneOf(OBJECTIVES))
+    objective = fields.String(validate=ObjectiveName())
     offset = JsonNumber()
 
 
@@ -47,7 +48,9 @@ class InferRequestSchema(Schema):
 
 class MetadataTensorSchema(Schema):
     name = fields.String()
-    datatype = fields.String()
+    datatype = fields.String(metadata={"description": "The default datatype (the protocol's one)."})
+    datatypes = fields.List(fields.String(), metadata={
+        "description": "Every datatype taken: FP32 or FP64 for the input; the float outputs take the input's."})
     shape = fields.List(fields.Integer(), metadata={"description": "-1 marks a variable dimension."})
 
 
