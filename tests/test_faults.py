@@ -96,8 +96,8 @@ def test_soak_worker_memory_levels_off(server):
     rng = np.random.default_rng(3)
     big = {"vectors": rng.standard_normal((1024, 32)).tolist(), "factor": 8, "outputs": ["accumulated", "losses"]}
     streamed = {"vectors": rng.standard_normal((160, 16)).tolist(), "factor": 4}  # ~0.8M numbers in blocks
-    # Warm-up, not measured: gthread serves requests on different pool threads, and both of
-    # the worker's malloc arenas (gunicorn.conf.py) have to reach their working size.
+    # Warm-up, not measured: gthread serves requests on different pool threads, and
+    # the worker's malloc arena (gunicorn.conf.py) has to reach its working size.
     for body in (big, streamed) * 4:
         response = post(server, body)
         assert response.status_code == 200, response.text
