@@ -21,9 +21,9 @@ ROWS = [
     rows.peak_worker_rss,
     rows.parse_vs_loads,
     rows.v2_binary_infer,  # issue 4: binary tensors against JSON
+    rows.serving_small_requests,  # issue 9: the worker model
     rows.model_scorer,  # issue 12: a model objective against a plain loop and the all-pairs floor
     client_rows.client_v1_read,  # issue 13: the client package
-    rows.serving_small_requests,  # issue 9: the worker model
 ]
 
 

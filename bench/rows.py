@@ -236,51 +236,6 @@ def v2_binary_infer(bench: Bench) -> list[Result]:
     return results
 
 
-# 6. ---------------------------------------------------------------------------------------
-def model_scorer(bench: Bench) -> list[Result]:
-    """Issue 12: the example's MLP scorer (2D -> 256 -> 1) served as an objective, accumulated
-    and losses at the default factor, against the same model in a plain per-block loop and
-    against one forward and backward over all pairs at once."""
-    from app.core.request import GradientRequest, default_factor
-    from app.core.run import Deadline, run
-    from app.core.settings import Settings
-
-    from . import models
-
-    n, dim, hidden, loop_target, floor_target = 512, 64, 256, 3.0, 1.3
-    where = models.device()
-    objective = models.scorer(dim, hidden)
-    module = objective.module_on(where)
-    factor = default_factor(n)
-    matrix = workloads.vectors(n, dim)
-    req = GradientRequest(vectors=matrix, factor=factor, objective="scorer", offset=5.0,
-                          outputs=("accumulated", "losses"), dtype="float32", objective_fn=objective)
-    vectors = torch.as_tensor(matrix, dtype=torch.float32, device=where)  # (N, D)
-    settings = Settings(device=str(where))
-
-    def engine():
-        result = run(req, settings, Deadline(inprocess.NO_DEADLINE_S))
-        models.sync(where)
-        return result
-
-    result = engine()  # warm-up, and the answer to check the others against
-    loop_acc, loop_losses = models.block_loop(module, vectors, factor)
-    scale = float(loop_acc.abs().max())
-    torch.testing.assert_close(result.accumulated, loop_acc, rtol=1e-4, atol=1e-5 * scale)
-    torch.testing.assert_close(result.losses, loop_losses, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(models.all_pairs_floor(module, vectors), loop_acc, rtol=1e-4, atol=1e-5 * scale)
-    label = f"N={n} D={dim} F={factor}, MLP {2 * dim}->{hidden}->1, accumulated + losses, {where}"
-    loop = paired(lambda: models.block_loop(module, vectors, factor), engine, repeats=3, budget_s=60)
-    floor = paired(engine, lambda: models.all_pairs_floor(module, vectors), repeats=5, budget_s=60)
-    return [
-        Result(f"6a. model scorer: engine vs plain per-block loop, {label}", f">= {loop_target:.0f}x",
-               f"{loop.ratio:.1f}x", at_least(loop.ratio, loop_target),
-               f"loop {ms(loop.a_s)}, engine {ms(loop.b_s)}"),
-        Result(f"6b. model scorer: engine vs all pairs at once, {label}", f"<= {floor_target}x",
-               f"{floor.ratio:.2f}x", at_most(floor.ratio, floor_target),
-               f"engine {ms(floor.a_s)}, floor {ms(floor.b_s)}; {objective.bytes_per_pair} activation bytes/pair"),
-
-
 # 7. ---------------------------------------------------------------------------------------
 SERVING_CLIENTS = 4
 SERVING_SECONDS = 6.0  # per configuration, after a warm-up; bounded in count too
@@ -362,4 +317,50 @@ def serving_small_requests(bench: Bench) -> list[Result]:
                at_most(server_ms, 1.0), f"{len(latencies)} requests"),
         Result("7. /readyz p99 under that load", "<= 100 ms", ms(p99), at_most(p99, 0.1),
                f"{len(probes)} probes every {PROBE_EVERY_S * 1e3:.0f} ms"),
+    ]
+
+
+# 6. ---------------------------------------------------------------------------------------
+def model_scorer(bench: Bench) -> list[Result]:
+    """Issue 12: the example's MLP scorer (2D -> 256 -> 1) served as an objective, accumulated
+    and losses at the default factor, against the same model in a plain per-block loop and
+    against one forward and backward over all pairs at once."""
+    from app.core.request import GradientRequest, default_factor
+    from app.core.run import Deadline, run
+    from app.core.settings import Settings
+
+    from . import models
+
+    n, dim, hidden, loop_target, floor_target = 512, 64, 256, 3.0, 1.3
+    where = models.device()
+    objective = models.scorer(dim, hidden)
+    module = objective.module_on(where)
+    factor = default_factor(n)
+    matrix = workloads.vectors(n, dim)
+    req = GradientRequest(vectors=matrix, factor=factor, objective="scorer", offset=5.0,
+                          outputs=("accumulated", "losses"), dtype="float32", objective_fn=objective)
+    vectors = torch.as_tensor(matrix, dtype=torch.float32, device=where)  # (N, D)
+    settings = Settings(device=str(where))
+
+    def engine():
+        result = run(req, settings, Deadline(inprocess.NO_DEADLINE_S))
+        models.sync(where)
+        return result
+
+    result = engine()  # warm-up, and the answer to check the others against
+    loop_acc, loop_losses = models.block_loop(module, vectors, factor)
+    scale = float(loop_acc.abs().max())
+    torch.testing.assert_close(result.accumulated, loop_acc, rtol=1e-4, atol=1e-5 * scale)
+    torch.testing.assert_close(result.losses, loop_losses, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(models.all_pairs_floor(module, vectors), loop_acc, rtol=1e-4, atol=1e-5 * scale)
+    label = f"N={n} D={dim} F={factor}, MLP {2 * dim}->{hidden}->1, accumulated + losses, {where}"
+    loop = paired(lambda: models.block_loop(module, vectors, factor), engine, repeats=3, budget_s=60)
+    floor = paired(engine, lambda: models.all_pairs_floor(module, vectors), repeats=5, budget_s=60)
+    return [
+        Result(f"6a. model scorer: engine vs plain per-block loop, {label}", f">= {loop_target:.0f}x",
+               f"{loop.ratio:.1f}x", at_least(loop.ratio, loop_target),
+               f"loop {ms(loop.a_s)}, engine {ms(loop.b_s)}"),
+        Result(f"6b. model scorer: engine vs all pairs at once, {label}", f"<= {floor_target}x",
+               f"{floor.ratio:.2f}x", at_most(floor.ratio, floor_target),
+               f"engine {ms(floor.a_s)}, floor {ms(floor.b_s)}; {objective.bytes_per_pair} activation bytes/pair"),
     ]

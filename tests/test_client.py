@@ -90,6 +90,13 @@ def test_infer_binary_equals_the_reference_loops(client, datatype):
 
 
 @pytest.mark.slow
+def test_objectives_lists_the_builtins(client):
+    listed = {entry["name"]: entry for entry in client.objectives()}
+    assert set(listed) == {"sum", "mean", "sum_of_squares", "l2_norm", "logsumexp"}  # no model dir here
+    assert all(entry["kind"] == "builtin" and entry["dim"] is None for entry in listed.values())
+
+
+@pytest.mark.slow
 def test_errors_carry_status_code_message_and_details(client, server):
     with pytest.raises(BlockgradError) as info:
         client.gradients([[1.0, 2.0]], factr=2)

@@ -31,9 +31,9 @@ QUEUE_DEPTH = 2
 READ_TIMEOUT_S = 6
 SEND_TIMEOUT_S = 3
 WAIT_S = 60  # bound of every poll below; reached only on failure
-# 1024 one-row blocks per side: about a minute of computing, stopped here by closing the socket.
-LONG = json.dumps({"vectors": np.arange(1024.0)[:, None].tolist(), "factor": 1024,
-                   "outputs": ["accumulated"]}).encode()
+# N=8192, D=128 is 17 billion numbers of blocks (tens of seconds on 2 cores, even batched),
+# stopped here by closing the socket.
+LONG = json.dumps({"vectors": np.zeros((8192, 128)).tolist(), "factor": 64, "outputs": ["accumulated"]}).encode()
 
 
 @pytest.fixture(scope="module")

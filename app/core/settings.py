@@ -37,20 +37,6 @@ def parse_float(name: str, raw: Any, default: float) -> float:
     return value
 
 
-TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def parse_bool(name: str, raw: Any, default: bool) -> bool:
-    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
-        return default
-    if isinstance(raw, bool):
-        return raw
-    word = str(raw).strip().lower()
-    if word not in TRUE_WORDS + FALSE_WORDS:
-        raise ValueError(f"{name} must be true or false (1/0, yes/no, on/off), got {raw!r}")
-    return word in TRUE_WORDS
-
-
 def available_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     """Cores this process may use: the cgroup CPU quota in a container (rounded down), else
     the affinity mask. os.cpu_count() alone would see the whole node from inside a pod."""
@@ -78,6 +64,20 @@ def default_queue_depth() -> int:
     backlog that turns into deadline errors a minute later.
     """
     return 4 * available_cores()
+
+
+TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_bool(name: str, raw: Any, default: bool) -> bool:
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        return default
+    if isinstance(raw, bool):
+        return raw
+    word = str(raw).strip().lower()
+    if word not in TRUE_WORDS + FALSE_WORDS:
+        raise ValueError(f"{name} must be true or false (1/0, yes/no, on/off), got {raw!r}")
+    return word in TRUE_WORDS
 
 
 def env_int(name: str, default: int, environ: Mapping[str, Any] = os.environ) -> int:

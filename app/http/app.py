@@ -40,17 +40,16 @@ def build_app(overrides: Mapping[str, Any]) -> Flask:
     objectives = build_registry(settings)
     app = Flask("app")
     # werkzeug would answer `/v2//health/live` with a 308 to an absolute URL built from the
-    # Host header; without merging such paths are plain 404s. (No rule ends in "/", so
-    # strict_slashes never redirects either: `/docs/` is a 404 too.)
+    # Host header; without merging such paths are plain 404s.
     app.url_map.merge_slashes = False
     app.config.update(FLASK_CONFIG)
     app.config.update({k: v for k, v in overrides.items() if not k.startswith("BLOCKGRAD_")})
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config.setdefault("API_SPEC_OPTIONS", spec_options(settings, objectives))
     install_settings(app, settings)
-    install_memory_ledger(app, settings)
-    install_objectives(app, objectives)
     install_gate(app, settings)  # one compute slot and its queue per worker
+    install_memory_ledger(app, settings)  # the bytes this worker's requests reserve (app/http/memory.py)
+    install_objectives(app, objectives)
     configure_logging(settings.log_level)
     observe.init_app(app)  # first, so that its hooks see every request
 

@@ -114,6 +114,10 @@ class Client:
             raise BlockgradError("bad_response", f"The /v2 answer could not be read: {exc}", status=200) from exc
         return tensors
 
+    def objectives(self, *, timeout: float | None = None) -> list[dict]:
+        """GET /v1/objectives: the built-ins and the operator's models (name, kind, dim, dtypes, description)."""
+        return self.get_json("/v1/objectives", timeout=timeout)["objectives"]
+
     def model_metadata(self, *, timeout: float | None = None) -> dict:
         return self.get_json(f"/v2/models/{codec.MODEL_NAME}", timeout=timeout)
 
