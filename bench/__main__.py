@@ -21,6 +21,10 @@ ROWS = [
     rows.peak_worker_rss,
     rows.parse_vs_loads,
     rows.v2_binary_infer,  # issue 4: binary tensors against JSON
+    rows.default_factor_vs_16,  # issue 10: the factor users actually send
+    rows.default_factor_http_vs_floor,
+    rows.advice_leads_somewhere_fast,
+    rows.engine_vs_seed_default_factor,
 ]
 
 

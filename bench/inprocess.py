@@ -3,6 +3,8 @@
 Run with as many torch threads as one gunicorn worker gets, so that in-process
 and HTTP times compare like with like.
 """
+import os
+
 import numpy as np
 import orjson
 import torch
@@ -17,6 +19,8 @@ from app.http.streaming import to_numpy
 
 NUMPY = orjson.OPT_SERIALIZE_NUMPY
 NO_DEADLINE_S = 3600.0
+# The in-process engine rows run where BLOCKGRAD_DEVICE says (scripts/gpu_check.sh sets cuda).
+DEVICE = os.environ.get("BLOCKGRAD_DEVICE") or "cpu"
 
 
 def request(matrix: np.ndarray, factor: int, outputs=("blocks", "accumulated"),
@@ -32,6 +36,16 @@ def engine(req: GradientRequest) -> torch.Tensor:
     for block in result.blocks():
         block.gradient.contiguous()
     return result.accumulated
+
+
+def answer(req: GradientRequest) -> torch.Tensor:
+    """What a request costs the engine for the outputs it asks: pass one, and every block's
+    gradient only when blocks are asked. Returns accumulated (on the host)."""
+    result = run(req, Settings(device=DEVICE), Deadline(NO_DEADLINE_S))
+    if "blocks" in req.outputs:
+        for block in result.blocks():
+            block.gradient.contiguous()
+    return result.accumulated.cpu()
 
 
 def floor_body(req: GradientRequest) -> bytes:
