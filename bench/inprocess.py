@@ -51,7 +51,8 @@ def answer(req: GradientRequest) -> torch.Tensor:
 def floor_body(req: GradientRequest) -> bytes:
     """The least work that yields the same answer: one pass over the blocks, every array
     kept, one orjson.dumps. Same keys in the same order as the service writes them."""
-    vectors = torch.as_tensor(req.vectors, dtype=torch.float32 if req.dtype == "float32" else torch.float64)  # (N, D)
+    vectors = torch.as_tensor(req.vectors, dtype=torch.float32 if req.dtype == "float32" else torch.float64,
+                              device=DEVICE)  # (N, D), on the device the service uses
     accumulated = torch.zeros_like(vectors)  # (N, D)
     kept = []
     for band in iter_bands(vectors, req.factor, OBJECTIVES[req.objective], req.offset):
@@ -62,7 +63,7 @@ def floor_body(req: GradientRequest) -> bytes:
                     for block in band_blocks(band))
     return orjson.dumps({
         "n": req.n, "dim": req.dim, "factor": req.factor, "bounds": block_bounds(req.n, req.factor),
-        "objective": req.objective, "dtype": req.dtype, "device": "cpu",
+        "objective": req.objective, "dtype": req.dtype, "device": str(vectors.device),
         "accumulated": to_numpy(accumulated), "blocks": kept,
     }, option=NUMPY)
 
