@@ -16,11 +16,13 @@ from .test_api import GOOD
 
 pytestmark = pytest.mark.slow
 
-# N = 1024 one-row-pair-heavy blocks (factor 256: 65536 blocks) run for seconds; with the
-# `sum` objective every accumulated entry is 2N (each vector is in N row and N column pairs).
-LONG = {"vectors": np.linspace(-1, 1, 1024 * 8).reshape(1024, 8).tolist(), "factor": 256,
+# N = 4096, D = 64: 2.1 billion numbers of blocks run for seconds (the engine's cost follows
+# the numbers, not the blocks); with the `sum` objective every accumulated entry is 2N (each
+# vector is in N row and N column pairs).
+N_LONG = 4096
+LONG = {"vectors": np.linspace(-1, 1, N_LONG * 64).reshape(N_LONG, 64).tolist(), "factor": 64,
         "outputs": ["accumulated"]}
-LONG_MEDIUM = dict(LONG, factor=96)  # a few seconds
+LONG_MEDIUM = dict(LONG, vectors=np.linspace(-1, 1, N_LONG * 16).reshape(N_LONG, 16).tolist())  # a few seconds
 TIMEOUT_S = 120
 
 
@@ -105,6 +107,6 @@ def test_sigterm_lets_the_request_in_flight_finish(server):
     long["thread"].join(TIMEOUT_S)
     response = long.get("result")
     assert response is not None and response.status_code == 200, long
-    assert np.all(np.array(response.json()["accumulated"]) == 2 * 1024)
+    assert np.all(np.array(response.json()["accumulated"]) == 2 * N_LONG)
     assert server.process.wait(30) == 0
     assert not server.worker_pids()
