@@ -125,6 +125,8 @@ def summarize(req: GradientRequest, device: torch.device, vectors: torch.Tensor,
                 keep = kept_bytes <= keep_bytes  # over budget: let them go, blocks() recomputes
         if keep:
             kept.extend(band_blocks(band))
+        else:
+            kept.clear()  # let go of what was kept before the budget ran out
         deadline.check()
     if not bool(surely_finite.all()):
         first = first_non_finite_block(vectors, req, surely_finite)
