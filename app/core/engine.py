@@ -18,9 +18,12 @@ d(sum_j L_j)/d stack[i] = dL_i/d stack[i] + sum_{j != i} dL_j/d stack[i]
 = dL_i/d stack[i] + 0. The slice i of the leaf's gradient is therefore exactly
 the gradient a leaf holding block i alone would get, and no gradient reaches V
 or another block: no graph is shared with V, nothing is backwarded twice. On
-CPU the block gradients and losses are the same numbers, bit for bit, as one
-block at a time (tests/test_engine.py). Batching pays because the cost of a
-block was Python and autograd dispatch, not arithmetic: at the default factor
+CPU with one torch thread (a worker's) the block gradients and losses are the
+same bits as one block at a time, and for sum, mean and sum_of_squares the
+gradients are the literal seed loops' bits (tests/test_batched_engine.py; with
+several threads torch may split one large reduction, changing a loss's last bit).
+Batching pays because the cost of a block was Python and autograd dispatch, not
+arithmetic: at the default factor
 ceil(N / 6) one at a time spent ~0.2 ms per block on 6 x 6 blocks
 (docs/benchmarks.md, "Choosing a factor" in the README).
 
