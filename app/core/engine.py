@@ -7,8 +7,8 @@ shapes: base x base, base x last, last x base, last x last.
 
 Blocks of equal shape are computed together, a chunk at a time: a chunk is a
 stack (k, h, w, 2D) of whole blocks holding at most `max_elements` numbers
-(BLOCKGRAD_MAX_BLOCK_ELEMENTS, the memory of the largest block a request may
-have; always at least one block). The stack is detached as one autograd leaf,
+(1M, or BLOCKGRAD_MAX_BLOCK_ELEMENTS, the memory of the largest block a request
+may have, if that is less; always at least one block). The stack is detached as one autograd leaf,
 the objective gives one loss per block (k,), and the gradient of their sum is
 taken with respect to the leaf.
 
@@ -44,9 +44,12 @@ from dataclasses import dataclass
 import torch
 
 from .objectives import Objective
-from .settings import Settings
 
-DEFAULT_CHUNK_ELEMENTS = Settings.max_block_elements  # BLOCKGRAD_MAX_BLOCK_ELEMENTS's default
+# Numbers per chunk when blocks are smaller: 1M (4 MiB of float32) measured 1.3x to 2x
+# faster than 4M on this CPU (a chunk's tensors stay in cache), and no slower than 256K at
+# the default factor (docs/benchmarks.md, issue 10). A chunk always holds one whole block,
+# so blocks up to BLOCKGRAD_MAX_BLOCK_ELEMENTS still go one per chunk.
+DEFAULT_CHUNK_ELEMENTS = 1024 * 1024
 
 
 def block_bounds(n: int, factor: int) -> list[int]:
@@ -214,9 +217,10 @@ def add_to_vectors(accumulated: torch.Tensor, result: ChunkResult) -> ChunkSums:
 
 
 def elements_per_chunk(max_elements: int, objective: Objective, dim: int, element_size: int) -> int:
-    """Numbers per chunk: max_elements (the memory of the largest allowed block), less for an
-    objective that declares `bytes_per_pair` of activations, so that pairs plus activations
-    take about the memory of max_elements numbers. A chunk always holds one block."""
+    """Numbers per chunk: DEFAULT_CHUNK_ELEMENTS, at most max_elements (the memory of the
+    largest allowed block), less for an objective that declares `bytes_per_pair` of
+    activations, so that pairs plus activations take about that memory. A chunk always
+    holds one block, whatever this returns."""
     extra = getattr(objective, "bytes_per_pair", 0) or 0
     pair_bytes = 2 * dim * element_size
-    return max(1, max_elements * pair_bytes // (pair_bytes + extra))
+    return max(1, min(max_elements, DEFAULT_CHUNK_ELEMENTS) * pair_bytes // (pair_bytes + extra))
