@@ -13,8 +13,8 @@ app/core/run.py), and the output terms (taking each block apart and writing it a
 
 The constants were measured with `python -m bench.costs` (least squares on relative
 error over nine requests from 36 to 1M blocks and D from 2 to 64; one torch thread, the
-2-core machine of docs/benchmarks.md while other work ran on it): the model is off by 23%
-to 66% at worst over those requests, depending on the objective (the comments). They are
+2-core machine of docs/benchmarks.md while other work ran on it): the model is off by 25%
+to 51% at worst over those requests, depending on the objective (the comments). They are
 this machine's CPU; a faster CPU (or a GPU) is overpredicted. BLOCKGRAD_COST_PER_BLOCK_S
 and BLOCKGRAD_COST_PER_NUMBER_S, when set, replace every constant (compute and output) so
 that a test's verdict never depends on the machine.
@@ -25,16 +25,16 @@ from .settings import Settings
 
 # (objective, dtype) -> (seconds per block, seconds per number) of pass one.
 COMPUTE_COSTS: dict[tuple[str, str], tuple[float, float]] = {
-    ("sum", "float32"): (1.34e-08, 2.64e-09),  # worst case off by 49%
-    ("sum", "float64"): (5.93e-08, 4.92e-09),  # worst case off by 63%
-    ("mean", "float32"): (3.32e-08, 2.78e-09),  # worst case off by 31%
-    ("mean", "float64"): (3.66e-08, 6.98e-09),  # worst case off by 48%
-    ("sum_of_squares", "float32"): (4.82e-08, 4.41e-09),  # worst case off by 40%
-    ("sum_of_squares", "float64"): (4.02e-09, 7.81e-09),  # worst case off by 66%
-    ("l2_norm", "float32"): (3.49e-08, 2.99e-09),  # worst case off by 37%
-    ("l2_norm", "float64"): (5.63e-08, 6.50e-09),  # worst case off by 63%
-    ("logsumexp", "float32"): (1.53e-08, 3.65e-09),  # worst case off by 23%
-    ("logsumexp", "float64"): (2.83e-08, 7.52e-09),  # worst case off by 41%
+    ("sum", "float32"): (2.74e-08, 1.39e-09),  # worst case off by 51%
+    ("sum", "float64"): (2.55e-08, 3.07e-09),  # worst case off by 51%
+    ("mean", "float32"): (3.19e-08, 2.12e-09),  # worst case off by 47%
+    ("mean", "float64"): (2.03e-08, 3.90e-09),  # worst case off by 43%
+    ("sum_of_squares", "float32"): (5.82e-08, 2.88e-09),  # worst case off by 31%
+    ("sum_of_squares", "float64"): (1.45e-08, 6.19e-09),  # worst case off by 36%
+    ("l2_norm", "float32"): (2.87e-08, 2.37e-09),  # worst case off by 34%
+    ("l2_norm", "float64"): (1.75e-08, 5.19e-09),  # worst case off by 27%
+    ("logsumexp", "float32"): (2.07e-08, 3.12e-09),  # worst case off by 32%
+    ("logsumexp", "float64"): (9.96e-09, 6.27e-09),  # worst case off by 25%
 }
 # An objective not in the table (a model-backed one) is charged as the dearest built-in.
 UNKNOWN_OBJECTIVE = (max(c[0] for c in COMPUTE_COSTS.values()), max(c[1] for c in COMPUTE_COSTS.values()))
