@@ -172,3 +172,15 @@ def test_chunks_shrink_for_an_objective_with_activation_memory():
         loss.backward()
         torch.testing.assert_close(block.loss, loss.detach())
         torch.testing.assert_close(block.gradient, leaf.grad)
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 200, 4 * 1024 * 1024])
+def test_the_first_non_finite_block_is_named_whatever_the_chunks(chunk_elements):
+    from app.core.errors import BlockgradError
+    vectors = np.zeros((37, 3))
+    vectors[22, 1] = 1e20  # squares overflow float32; row 22 is in block row 4 (base 5), so (0, 4) comes first
+    req = make_request(vectors, objective="sum_of_squares", dtype="float32")
+    with pytest.raises(BlockgradError) as refused:
+        summarize(req, torch.device("cpu"), load_vectors(req, torch.device("cpu")), Deadline(60), 0, chunk_elements)
+    assert refused.value.code == "non_finite_result"
+    assert refused.value.details == {"block": {"row": 0, "col": 4}}

@@ -182,37 +182,28 @@ def iter_blocks(vectors: torch.Tensor, factor: int, objective: Objective, offset
         yield from band_blocks(band)
 
 
-def block_at(vectors: torch.Tensor, factor: int, r: int, c: int, objective: Objective, offset: float) -> Block:
-    """Block (r, c) alone: a chunk of one block."""
-    n = vectors.shape[0]
-    base, bounds = n // factor, block_bounds(n, factor)
-    chunk = Chunk(range(r, r + 1), range(c, c + 1), bounds[r + 1] - bounds[r], bounds[c + 1] - bounds[c], base)
-    return next(band_blocks([chunk_gradients(vectors, chunk, objective, offset)]))
-
-
 @dataclass(frozen=True)
 class ChunkSums:
-    """A chunk's share of dL/dV: entry (i, j) of a block holds V[i] in its first D and V[j] in its last D."""
-    row_sums: torch.Tensor  # (kr, kc, h, D): each block's sums onto its rows
-    col_sums: torch.Tensor  # (kr, kc, w, D): each block's sums onto its columns
+    """A chunk's share of dL/dV: entry (i, j) of a block holds V[i] in its first D and V[j]
+    in its last D, so its gradient goes back to row i and to row j of V."""
+    rows: torch.Tensor  # (kr * h, D): onto the chunk's rows of V, summed over its blocks' columns
+    cols: torch.Tensor  # (kc * w, D): onto its columns of V, summed over its blocks' rows
 
 
 def chain_rule_sums(result: ChunkResult) -> ChunkSums:
-    d = result.gradient.shape[-1] // 2
-    return ChunkSums(result.gradient[..., :d].sum(dim=3),  # (kr, kc, h, D)
-                     result.gradient[..., d:].sum(dim=2))  # (kr, kc, w, D)
+    kr, kc, h, w, pair = result.gradient.shape
+    d = pair // 2
+    return ChunkSums(result.gradient[..., :d].sum(dim=(1, 3)).reshape(kr * h, d),  # (kr * h, D)
+                     result.gradient[..., d:].sum(dim=(0, 2)).reshape(kc * w, d))  # (kc * w, D)
 
 
 def add_to_vectors(accumulated: torch.Tensor, result: ChunkResult) -> ChunkSums:
-    """Chain rule from a chunk's blocks back to the rows and columns they came from; returns
-    the per-block sums it added. Block rows (columns) of a chunk are consecutive in V."""
+    """Chain rule from a chunk's blocks back to the rows and columns they came from (block
+    rows and columns of a chunk are consecutive in V); returns the sums it added."""
     sums, chunk = chain_rule_sums(result), result.chunk
-    d = accumulated.shape[1]
     row_start, col_start = chunk.rows.start * chunk.base, chunk.cols.start * chunk.base
-    rows = len(chunk.rows) * chunk.height
-    cols = len(chunk.cols) * chunk.width
-    accumulated[row_start:row_start + rows] += sums.row_sums.sum(dim=1).reshape(rows, d)  # (kr * h, D)
-    accumulated[col_start:col_start + cols] += sums.col_sums.sum(dim=0).reshape(cols, d)  # (kc * w, D)
+    accumulated[row_start:row_start + sums.rows.shape[0]] += sums.rows  # (kr * h, D)
+    accumulated[col_start:col_start + sums.cols.shape[0]] += sums.cols  # (kc * w, D)
     return sums
 
 
