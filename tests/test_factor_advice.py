@@ -97,9 +97,10 @@ def test_the_advice_is_the_factor_with_the_fewest_blocks_not_the_next_larger():
         admit(1000, 64, 334, ("accumulated",), Settings())
     details = refused.value.details
     assert details["limit"] == "BLOCKGRAD_MAX_BLOCK_ELEMENTS"
-    # Side at most 181 (181^2 x 128 <= 4M): factor 6 (base 166, last 170) is the smallest that fits.
-    assert details["suggested_factor"] == 6
-    assert "factor 6 fits" in refused.value.message
+    # Side at most 181 (181^2 x 128 <= 4M) fits from factor 6, but blocks over a chunk (1M numbers:
+    # side 90) are charged twice: factor 12 (base 83, last 87) has the fewest blocks within a chunk.
+    assert details["suggested_factor"] == 12
+    assert "factor 12 fits" in refused.value.message
 
 
 def test_default_factor_refused_then_the_suggested_one_answers():
