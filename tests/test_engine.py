@@ -31,24 +31,43 @@ def engine_run(vectors, factor, objective, offset=5.0, max_elements=4 * 1024 * 1
     return blocks, accumulated
 
 
+def assert_matches_seed_loops(vectors, factor, objective, chunk_sizes=(4 * 1024 * 1024,)):
+    tol = TOLERANCE[vectors.dtype]
+    expected_blocks = reference_blocks(vectors, factor, objective, offset=2.5)
+    expected_accumulated = reference_accumulated(vectors, factor, objective, offset=2.5)
+    bounds = block_bounds(vectors.shape[0], factor)
+    for max_elements in chunk_sizes:
+        blocks, accumulated = engine_run(vectors, factor, objective, offset=2.5, max_elements=max_elements)
+        assert len(blocks) == len(expected_blocks) == factor * factor
+        for k, (block, (loss, grad)) in enumerate(zip(blocks, expected_blocks)):
+            r, c = divmod(k, factor)  # row-block-major, as the seed's loops
+            assert (block.r, block.c) == (r, c)
+            assert (block.row_span, block.col_span) == ((bounds[r], bounds[r + 1]), (bounds[c], bounds[c + 1]))
+            assert block.gradient.dtype == vectors.dtype
+            assert block.gradient.shape == grad.shape
+            torch.testing.assert_close(block.loss, loss, **tol)
+            torch.testing.assert_close(block.gradient, grad, **tol)
+        torch.testing.assert_close(accumulated, expected_accumulated, **tol)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("objective", OBJECTIVES)
 @pytest.mark.parametrize("n,d,factor", SHAPES)
 def test_engine_matches_seed_loops(n, d, factor, objective, dtype):
     torch.manual_seed(n * 100 + d * 10 + factor)
     vectors = torch.randn(n, d, dtype=DTYPES[dtype])
-    tol = TOLERANCE[DTYPES[dtype]]
+    # The default chunk (every block of a shape together), one block per chunk, and a few.
+    assert_matches_seed_loops(vectors, factor, objective, chunk_sizes=(4 * 1024 * 1024, 1, 40))
 
-    blocks, accumulated = engine_run(vectors, factor, objective, offset=2.5)
-    expected_blocks = reference_blocks(vectors, factor, objective, offset=2.5)
 
-    assert len(blocks) == len(expected_blocks) == factor * factor
-    for block, (loss, grad) in zip(blocks, expected_blocks):
-        assert block.gradient.dtype == vectors.dtype
-        assert block.gradient.shape == grad.shape
-        torch.testing.assert_close(block.loss, loss, **tol)
-        torch.testing.assert_close(block.gradient, grad, **tol)
-    torch.testing.assert_close(accumulated, reference_accumulated(vectors, factor, objective, offset=2.5), **tol)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("objective", OBJECTIVES)
+@pytest.mark.parametrize("factor", [1, 2, default_factor(37), 30, 37])  # small, default (7), large, N
+def test_engine_matches_seed_loops_at_small_default_and_large_factors(factor, objective, dtype):
+    # N = 37 is prime: N % F != 0 for every F but 1 and N; 30 leaves a last block of 8 rows.
+    torch.manual_seed(factor)
+    vectors = torch.randn(37, 3, dtype=DTYPES[dtype])
+    assert_matches_seed_loops(vectors, factor, objective, chunk_sizes=(4 * 1024 * 1024, 1, 100))
 
 
 def test_seed_example_values():

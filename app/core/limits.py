@@ -2,8 +2,11 @@
 
 Runs before any tensor is allocated, so a refusal costs milliseconds at any size.
 """
+from .cost import predict_seconds
 from .engine import largest_block_side
 from .errors import limit_exceeded
+from .objectives import DEFAULT_OBJECTIVE
+from .request import DEFAULT_DTYPE
 from .settings import Settings
 
 
@@ -17,8 +20,34 @@ def block_elements(n: int, dim: int, factor: int) -> int:
     return side * side * 2 * dim
 
 
-def smallest_fitting_factor(n: int, dim: int, factor: int, limit: int) -> int | None:
-    return next((f for f in range(factor, n + 1) if block_elements(n, dim, f) <= limit), None)
+def fits_every_limit(n: int, dim: int, factor: int, outputs: tuple[str, ...], settings: Settings) -> bool:
+    return (block_elements(n, dim, factor) <= settings.max_block_elements
+            and output_elements(n, dim, factor, outputs) <= settings.max_output_elements)
+
+
+def suggested_factor(n: int, dim: int, outputs: tuple[str, ...], settings: Settings,
+                     objective: str = DEFAULT_OBJECTIVE, dtype: str = DEFAULT_DTYPE) -> int | None:
+    """Among the factors that fit every limit for these outputs, the one the cost model
+    predicts fastest (the smaller on a tie); None when none fits. Not "the smallest larger
+    factor": the last block takes the remainder, so a larger factor can be worse, and a
+    factor with hundreds of thousands of blocks fits but is slow."""
+    fitting = (f for f in range(1, n + 1) if fits_every_limit(n, dim, f, outputs, settings))
+    return min(fitting, key=lambda f: (predict_seconds(n, dim, f, objective, dtype, outputs, settings), f),
+               default=None)
+
+
+def advice(n: int, dim: int, outputs: tuple[str, ...], settings: Settings, objective: str, dtype: str,
+           ) -> tuple[str, dict]:
+    """What to send instead, and the details that go with it: a factor where one fits, else what else to change."""
+    factor = suggested_factor(n, dim, outputs, settings, objective, dtype)
+    if factor is not None:
+        seconds = predict_seconds(n, dim, factor, objective, dtype, outputs, settings)
+        return (f"factor {factor} fits every limit for these outputs and is predicted fastest "
+                f"(about {seconds:.2g} s by the cost model)"), {"suggested_factor": factor}
+    if block_elements(n, dim, n) > settings.max_block_elements:
+        return "send shorter vectors: even one pair is too large", {}
+    return ("no factor fits every limit with outputs " + ", ".join(outputs)
+            + ": ask for fewer outputs (for example only accumulated and losses) or send fewer vectors"), {}
 
 
 def admit_shape(n: int, dim: int, settings: Settings) -> None:
@@ -32,31 +61,35 @@ def admit_shape(n: int, dim: int, settings: Settings) -> None:
                              "BLOCKGRAD_MAX_D", dim, max_d)
 
 
-def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], settings: Settings) -> None:
+def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], settings: Settings,
+          objective: str = DEFAULT_OBJECTIVE, dtype: str = DEFAULT_DTYPE) -> None:
     """Raise limit_exceeded naming the limit and what to change, or return.
 
     The one admission function: each front end calls it as soon as it knows the
-    sizes (before converting numbers), and `run` calls it again on the request."""
+    sizes (before converting numbers), and `run` calls it again on the request.
+    A refusal that a factor would cure carries details.suggested_factor."""
     admit_shape(n, dim, settings)
     max_block = settings.max_block_elements
     per_block = block_elements(n, dim, factor)
     if per_block > max_block:
-        fitting = smallest_fitting_factor(n, dim, factor, max_block)
-        # Not "at least": the last block takes the remainder, so a larger factor can be worse.
-        advice = (f"factor {fitting} fits (the smallest larger factor that does)" if fitting
-                  else "send shorter vectors: even one pair is too large")
+        text, extra = advice(n, dim, outputs, settings, objective, dtype)
         raise limit_exceeded(
             f"With factor {factor} the largest block holds {per_block} numbers, over "
-            f"BLOCKGRAD_MAX_BLOCK_ELEMENTS = {max_block}; {advice}.",
-            "BLOCKGRAD_MAX_BLOCK_ELEMENTS", per_block, max_block)
+            f"BLOCKGRAD_MAX_BLOCK_ELEMENTS = {max_block}; {text}.",
+            "BLOCKGRAD_MAX_BLOCK_ELEMENTS", per_block, max_block, **extra)
     max_output = settings.max_output_elements
     total = output_elements(n, dim, factor, outputs)
     if total > max_output:
+        # Only the losses (F x F) depend on the factor: a smaller one helps when they are what is over.
+        fixed = output_elements(n, dim, factor, tuple(o for o in outputs if o != "losses"))
+        if "losses" in outputs and fixed < max_output:
+            text, extra = advice(n, dim, outputs, settings, objective, dtype)
+        else:
+            text, extra = ("ask for fewer outputs (for example only accumulated and losses) "
+                           "or send fewer vectors"), {}
         raise limit_exceeded(
-            f"The answer would hold {total} numbers, over BLOCKGRAD_MAX_OUTPUT_ELEMENTS = {max_output}; "
-            "ask for fewer outputs (for example only accumulated and losses) or send fewer vectors.",
-            "BLOCKGRAD_MAX_OUTPUT_ELEMENTS", total, max_output)
-
+            f"The answer would hold {total} numbers, over BLOCKGRAD_MAX_OUTPUT_ELEMENTS = {max_output}; {text}.",
+            "BLOCKGRAD_MAX_OUTPUT_ELEMENTS", total, max_output, **extra)
 
 
 def activation_bytes(n: int, factor: int, bytes_per_pair: int) -> int:

@@ -43,12 +43,57 @@ def stacked_sum(blocks: torch.Tensor, offset: float) -> torch.Tensor:
     return torch.sum(blocks + offset, dim=BLOCK_DIMS)  # (k,): sum(i + 5) of the per-block loop replaced
 
 
+def power_of_two_scale(blocks: torch.Tensor) -> torch.Tensor:
+    """(k,) the largest power of two <= max |B| per block (0.5 for an all-zero block).
+    Dividing by it is exact, so sums of B / s are sums of B scaled exactly, without
+    overflow (|B / s| < 2) and without the underflow of the smallest values."""
+    _, exponent = torch.frexp(blocks.detach().abs().amax(dim=BLOCK_DIMS))  # max = m * 2^e, m in [0.5, 1)
+    return torch.ldexp(torch.ones_like(exponent, dtype=blocks.dtype), exponent - 1)  # (k,), finite
+
+
+class ScaledMean(torch.autograd.Function):
+    """mean(B) per block as s * (sum(B / s) / count): the same number as sum(B) / count
+    wherever that sum is finite, and still right where it would overflow (all entries near
+    the dtype's maximum). The gradient is 1 / count, given directly."""
+
+    @staticmethod
+    def forward(ctx, blocks: torch.Tensor) -> torch.Tensor:
+        scale = power_of_two_scale(blocks)  # (k,)
+        ctx.shape, ctx.count = blocks.shape, blocks[0].numel()
+        return scale * (torch.sum(blocks / per_block(scale), dim=BLOCK_DIMS) / ctx.count)  # (k,)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
+        return per_block(grad_out / ctx.count).expand(ctx.shape)  # (k, h, w, 2D), a view of k numbers
+
+
+class ScaledSumOfSquares(torch.autograd.Function):
+    """sum(B * B) per block as s^2 * sum((B / s)^2): the same number as the plain sum where
+    no square under- or overflows, and right where the squares of small entries would
+    underflow (1e-23 in float32) although their sum does not. The gradient 2B, directly."""
+
+    @staticmethod
+    def forward(ctx, blocks: torch.Tensor) -> torch.Tensor:
+        scale = power_of_two_scale(blocks)  # (k,)
+        unit = blocks / per_block(scale)  # (k, h, w, 2D), exact
+        total = torch.sum(unit * unit, dim=BLOCK_DIMS)  # (k,), in [1, count] unless the block is 0
+        ctx.save_for_backward(blocks)
+        square = scale * scale  # (k,), exact where representable: then one rounding, as the plain sum
+        exact = torch.isfinite(square) & (square >= torch.finfo(blocks.dtype).tiny)
+        return torch.where(exact, total * square, (total * scale) * scale)  # (k,)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
+        (blocks,) = ctx.saved_tensors
+        return blocks * per_block(2 * grad_out)  # (k, h, w, 2D): 2B exactly, one pass
+
+
 def stacked_mean(blocks: torch.Tensor, offset: float) -> torch.Tensor:
-    return torch.sum(blocks, dim=BLOCK_DIMS) / blocks[0].numel()  # (k,), sum / count as mean is defined
+    return ScaledMean.apply(blocks)  # (k,)
 
 
 def stacked_sum_of_squares(blocks: torch.Tensor, offset: float) -> torch.Tensor:
-    return torch.sum(blocks * blocks, dim=BLOCK_DIMS)  # (k,)
+    return ScaledSumOfSquares.apply(blocks)  # (k,)
 
 
 def largest_magnitude(blocks: torch.Tensor) -> torch.Tensor:
