@@ -24,6 +24,10 @@ ROWS = [
     rows.serving_small_requests,  # issue 9: the worker model
     rows.model_scorer,  # issue 12: a model objective against a plain loop and the all-pairs floor
     client_rows.client_v1_read,  # issue 13: the client package
+    rows.default_factor_vs_16,  # issue 10: the factor users actually send
+    rows.default_factor_http_vs_floor,
+    rows.advice_leads_somewhere_fast,
+    rows.engine_vs_seed_default_factor,
 ]
 
 

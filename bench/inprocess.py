@@ -3,6 +3,8 @@
 Run with as many torch threads as one gunicorn worker gets, so that in-process
 and HTTP times compare like with like.
 """
+import os
+
 import numpy as np
 import orjson
 import torch
@@ -17,6 +19,8 @@ from app.http.streaming import to_numpy
 
 NUMPY = orjson.OPT_SERIALIZE_NUMPY
 NO_DEADLINE_S = 3600.0
+# The in-process engine rows run where BLOCKGRAD_DEVICE says (scripts/gpu_check.sh sets cuda).
+DEVICE = os.environ.get("BLOCKGRAD_DEVICE") or "cpu"
 
 
 def request(matrix: np.ndarray, factor: int, outputs=("blocks", "accumulated"),
@@ -34,10 +38,21 @@ def engine(req: GradientRequest) -> torch.Tensor:
     return result.accumulated
 
 
+def answer(req: GradientRequest) -> torch.Tensor:
+    """What a request costs the engine for the outputs it asks: pass one, and every block's
+    gradient only when blocks are asked. Returns accumulated (on the host)."""
+    result = run(req, Settings(device=DEVICE), Deadline(NO_DEADLINE_S))
+    if "blocks" in req.outputs:
+        for block in result.blocks():
+            block.gradient.contiguous()
+    return result.accumulated.cpu()
+
+
 def floor_body(req: GradientRequest) -> bytes:
     """The least work that yields the same answer: one pass over the blocks, every array
     kept, one orjson.dumps. Same keys in the same order as the service writes them."""
-    vectors = torch.as_tensor(req.vectors, dtype=torch.float32 if req.dtype == "float32" else torch.float64)  # (N, D)
+    vectors = torch.as_tensor(req.vectors, dtype=torch.float32 if req.dtype == "float32" else torch.float64,
+                              device=DEVICE)  # (N, D), on the device the service uses
     accumulated = torch.zeros_like(vectors)  # (N, D)
     kept = []
     for band in iter_bands(vectors, req.factor, OBJECTIVES[req.objective], req.offset):
@@ -48,7 +63,7 @@ def floor_body(req: GradientRequest) -> bytes:
                     for block in band_blocks(band))
     return orjson.dumps({
         "n": req.n, "dim": req.dim, "factor": req.factor, "bounds": block_bounds(req.n, req.factor),
-        "objective": req.objective, "dtype": req.dtype, "device": "cpu",
+        "objective": req.objective, "dtype": req.dtype, "device": str(vectors.device),
         "accumulated": to_numpy(accumulated), "blocks": kept,
     }, option=NUMPY)
 

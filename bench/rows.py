@@ -14,8 +14,12 @@ import requests
 import torch
 
 from blockgrad_client.infer import binary_infer_request, read_infer_response
-from tools.reference import reference_accumulated, reference_blocks
+from tools.reference import REFERENCE_OBJECTIVES, batch_matrix, concat_matrix, reference_accumulated, reference_blocks
 from tools.server import Server, gunicorn_server
+
+from app.core.request import default_factor
+from app.core.run import Deadline, run
+from app.core.settings import Settings
 
 from . import inprocess, workloads
 from .measure import Result, at_least, at_most, median_time, ms, paired, timed
@@ -364,3 +368,136 @@ def model_scorer(bench: Bench) -> list[Result]:
                f"{floor.ratio:.2f}x", at_most(floor.ratio, floor_target),
                f"engine {ms(floor.a_s)}, floor {ms(floor.b_s)}; {objective.bytes_per_pair} activation bytes/pair"),
     ]
+# Issue 10 -----------------------------------------------------------------------------------
+def post_json(session: requests.Session, url: str, body: bytes) -> requests.Response:
+    return session.post(url + "/v1/gradients", data=body, timeout=300, headers={"Content-Type": "application/json"})
+
+
+def default_factor_vs_16(bench: Bench) -> list[Result]:
+    """10a. The default factor ceil(N / 6) (29,241 blocks of ~6 rows) against factor 16 (256
+    blocks of 64 rows): the same numbers, so a batched engine costs about the same."""
+    n, dim, target, objective = 1024, 64, 1.5, "sum_of_squares"
+    outputs = ("accumulated", "losses")
+    matrix = workloads.vectors(n, dim)
+    default = inprocess.request(matrix, default_factor(n), outputs=outputs, objective=objective)
+    sixteen = inprocess.request(matrix, 16, outputs=outputs, objective=objective)
+    # sum_of_squares' total is the same sum over all pairs at any factor: so is its gradient on V.
+    torch.testing.assert_close(inprocess.answer(default), inprocess.answer(sixteen), rtol=2e-5, atol=2e-5)
+    times = paired(lambda: inprocess.answer(default), lambda: inprocess.answer(sixteen), repeats=7)
+    results = [Result(f"10a. default factor ({default.factor}) vs factor 16 in process, N={n} D={dim}, "
+                      f"accumulated + losses, {objective}", f"<= {target}x", f"{times.ratio:.2f}x",
+                      at_most(times.ratio, target), f"default {ms(times.a_s)}, factor 16 {ms(times.b_s)} "
+                      f"({inprocess.DEVICE})")]
+    server, session = bench.server(), requests.Session()
+    bodies = [workloads.body(matrix, factor=f, objective=objective, outputs=list(outputs))
+              for f in (default.factor, 16)]
+    for body in bodies:  # warm-up
+        if post_json(session, server.url, body).status_code != 200:
+            raise RuntimeError("10a: the service refused a request the limits allow")
+    http = paired(lambda: post_json(session, server.url, bodies[0]).content,
+                  lambda: post_json(session, server.url, bodies[1]).content, repeats=5)
+    results.append(Result("10a. the same over HTTP", "- (info)", f"{http.ratio:.2f}x", "-",
+                          f"default {ms(http.a_s)}, factor 16 {ms(http.b_s)}"))
+    return results
+
+
+def default_factor_http_vs_floor(bench: Bench) -> list[Result]:
+    """10b. Row 2 at the default factor: N=512 (86, 7,396 blocks), blocks and accumulated."""
+    n, dim, target = 512, 64, 1.3
+    factor = default_factor(n)
+    return [http_floor_row(bench, n, dim, factor, "sum", f"10b. HTTP vs in-process floor, N={n} D={dim} "
+                           f"default F={factor}, both outputs, sum", f"<= {target}x", target, repeats=5)]
+
+
+def http_floor_row(bench: Bench, n: int, dim: int, factor: int, objective: str, name: str, target_text: str,
+                   target: float | None, repeats: int) -> Result:
+    server = bench.server()
+    req = inprocess.request(workloads.vectors(n, dim), factor, objective=objective)
+    body = workloads.body(req.vectors, factor=factor, objective=objective)
+    floor = inprocess.floor_body(req)
+    if post_for_body(server.url, body) != floor:  # warm-up, and proof both are the same answer
+        raise RuntimeError(f"N={n} F={factor}, {objective}: the service's body differs from the in-process floor's")
+    session = requests.Session()
+    times = paired(lambda: post(session, server.url, body), lambda: inprocess.floor_body(req), repeats=repeats)
+    return Result(name, target_text, f"{times.ratio:.2f}x", at_most(times.ratio, target) if target else "-",
+                  f"HTTP {ms(times.a_s)}, floor {ms(times.b_s)}, {len(floor) / MB:.0f} MiB")
+
+
+def refused_then_suggested(session: requests.Session, url: str, matrix: np.ndarray, factor: int | None) -> int:
+    """POST with `factor` (None: left out), expect the block limit's 413, POST again with its
+    details.suggested_factor and read the 200. Returns the suggested factor."""
+    fields = {"outputs": ["accumulated"]} | ({} if factor is None else {"factor": factor})
+    refused = post_json(session, url, workloads.body(matrix, **fields))
+    if refused.status_code != 413:
+        raise RuntimeError(f"expected 413, got {refused.status_code}: {refused.content[:300]!r}")
+    suggested = refused.json()["error"]["details"]["suggested_factor"]
+    answer = post_json(session, url, workloads.body(matrix, **fields | {"factor": suggested}))
+    if answer.status_code != 200:
+        raise RuntimeError(f"factor {suggested}: HTTP {answer.status_code}: {answer.content[:300]!r}")
+    return suggested
+
+
+def advice_leads_somewhere_fast(bench: Bench) -> list[Result]:
+    """10c/10d. The 413's suggested factor, followed as a client would, from a refused factor
+    (N=1000, 334) and from the default factor (N=4096)."""
+    server, session, results = bench.server(), requests.Session(), []
+    n, dim, target = 1000, 64, 2.0
+    matrix = workloads.vectors(n, dim)
+    sixteen = workloads.body(matrix, factor=16, outputs=["accumulated"])
+    suggested = refused_then_suggested(session, server.url, matrix, 334)  # warm-up
+    post_json(session, server.url, sixteen)
+    times = paired(lambda: refused_then_suggested(session, server.url, matrix, 334),
+                   lambda: post_json(session, server.url, sixteen).content, repeats=5)
+    results.append(Result(f"10c. N={n} D={dim} factor 334 -> 413 -> suggested ({suggested}) -> 200, vs factor 16",
+                          f"<= {target:.0f}x", f"{times.ratio:.2f}x", at_most(times.ratio, target),
+                          f"413 + suggested {ms(times.a_s)}, factor 16 {ms(times.b_s)}, accumulated only"))
+    n, deadline_s = 4096, 60.0
+    matrix = workloads.vectors(n, dim)
+    elapsed, suggested = timed(lambda: refused_then_suggested(session, server.url, matrix, None))
+    results.append(Result(f"10d. N={n} D={dim} no factor ({default_factor(n)}) -> 413 -> suggested ({suggested}) "
+                          "-> 200", f"< {deadline_s:.0f} s (deadline)", f"{elapsed:.1f} s",
+                          at_most(elapsed, deadline_s), "both requests, accumulated only, one run"))
+    return results
+
+
+def engine_vs_seed_default_factor(bench: Bench) -> list[Result]:
+    """10e. Row 1 at the default factor (N=512: 86, 7,396 blocks). The seed's shared-graph
+    loop allocates the whole (N, N, 2D) gradient on every backward (~0.1 s a block here), so
+    it is timed over its first blocks (at most 30 s) and scaled to all of them; the seed's
+    detach-per-block loop and every block's gradient are compared in full."""
+    n, dim, target = 512, 64, 50.0
+    factor = default_factor(n)
+    matrix = workloads.vectors(n, dim)
+    req = inprocess.request(matrix, factor)
+    seed_vectors = torch.as_tensor(matrix, dtype=torch.float32)
+    blocks_s, expected = timed(lambda: reference_blocks(seed_vectors, factor, "sum"))
+    result = run_engine(req)
+    for block, (loss, grad) in zip(result.blocks(), expected, strict=True):
+        torch.testing.assert_close(block.gradient.cpu(), grad)
+        torch.testing.assert_close(block.loss.cpu(), loss)
+    done, shared_s = seed_shared_graph_prefix(seed_vectors, factor, budget_s=30.0)
+    seed_s = blocks_s + shared_s * factor * factor / done
+    engine_s = median_time(lambda: inprocess.engine(req), repeats=5)
+    ratio = seed_s / engine_s
+    return [Result(f"10e. engine vs literal seed loop, N={n} D={dim} default F={factor}", f">= {target:.0f}x",
+                   f"{ratio:.0f}x", at_least(ratio, target),
+                   f"seed {seed_s:.0f} s ({done} of {factor * factor} shared-graph backwards timed, scaled), "
+                   f"engine {ms(engine_s)} (both passes)")]
+
+
+def run_engine(req):
+    return run(req, Settings(device=inprocess.DEVICE), Deadline(inprocess.NO_DEADLINE_S))
+
+
+def seed_shared_graph_prefix(vectors: torch.Tensor, factor: int, budget_s: float) -> tuple[int, float]:
+    """tools/reference.py's reference_accumulated, the seed's loop, stopped after budget_s:
+    (blocks done, seconds)."""
+    start = time.perf_counter()
+    leaf = vectors.clone().requires_grad_(True)
+    done = 0
+    for block in batch_matrix(concat_matrix(leaf), factor=factor):
+        REFERENCE_OBJECTIVES["sum"](block, 5.0).backward(retain_graph=True)
+        done += 1
+        if time.perf_counter() - start > budget_s:
+            break
+    return done, time.perf_counter() - start

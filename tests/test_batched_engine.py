@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.core.engine import Chunk, block_bounds, iter_blocks, plan_bands, pair_blocks
+from app.core.engine import Chunk, block_bounds, elements_per_chunk, iter_blocks, pair_blocks, plan_bands
 from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest, default_factor
 from app.core.run import Deadline, load_vectors, summarize
@@ -144,3 +144,43 @@ def test_the_deadline_is_checked_between_chunks_of_pass_one():
     vectors = load_vectors(req, torch.device("cpu"))
     summarize(req, torch.device("cpu"), vectors, Counting(60), 0, chunk_elements=1)
     assert len(checks) == len(plan_bands(37, 3, 7, 1)) == 49  # one block a chunk: a check a block
+
+
+class ModelLike:
+    """An objective as a model-backed one would be: a scorer per pair, summed per block,
+    with `bytes_per_pair` of activations."""
+    name, description, bytes_per_pair = "model_like", "sum of a per-pair score", 3 * 8 * 16
+
+    def losses(self, blocks, offset):
+        k, h, w, pair = blocks.shape
+        scores = torch.tanh(blocks.reshape(k * h * w, pair)).sum(dim=1)  # (k*h*w,)
+        return scores.reshape(k, h * w).sum(dim=1)  # (k,)
+
+
+def test_chunks_shrink_for_an_objective_with_activation_memory():
+    dim, element = 8, 8  # float64 pairs: 128 bytes; activations 384 bytes: a quarter of the pairs
+    assert elements_per_chunk(4096, OBJECTIVES["sum"], dim, element) == 4096
+    assert elements_per_chunk(4096, ModelLike(), dim, element) == 1024
+    assert elements_per_chunk(1, ModelLike(), dim, element) == 1  # never below one number: a block still fits
+    vectors = torch.randn(37, dim, dtype=torch.float64)
+    blocks = list(iter_blocks(vectors, 7, ModelLike(), 0.0, elements_per_chunk(2000, ModelLike(), dim, element)))
+    for block in blocks:  # against the same score written per block
+        rows, cols = vectors[block.row_span[0]:block.row_span[1]], vectors[block.col_span[0]:block.col_span[1]]
+        leaf = torch.cat((rows[:, None].expand(-1, len(cols), -1), cols[None].expand(len(rows), -1, -1)),
+                         dim=-1).requires_grad_(True)
+        loss = torch.tanh(leaf).sum()
+        loss.backward()
+        torch.testing.assert_close(block.loss, loss.detach())
+        torch.testing.assert_close(block.gradient, leaf.grad)
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 200, 4 * 1024 * 1024])
+def test_the_first_non_finite_block_is_named_whatever_the_chunks(chunk_elements):
+    from app.core.errors import BlockgradError
+    vectors = np.zeros((37, 3))
+    vectors[22, 1] = 1e20  # squares overflow float32; row 22 is in block row 4 (base 5), so (0, 4) comes first
+    req = make_request(vectors, objective="sum_of_squares", dtype="float32")
+    with pytest.raises(BlockgradError) as refused:
+        summarize(req, torch.device("cpu"), load_vectors(req, torch.device("cpu")), Deadline(60), 0, chunk_elements)
+    assert refused.value.code == "non_finite_result"
+    assert refused.value.details == {"block": {"row": 0, "col": 4}}

@@ -1,35 +1,43 @@
 """The engine's cost model: predicted seconds of a request from its sizes alone.
 
 time = stages x (blocks x cost per block + numbers x cost per number)
-     + (answer with blocks) x (blocks x output per block + numbers x output per number)
+     + (answer with blocks) x (blocks x output per block + entries x output per number)
 
-with blocks = F x F and numbers = N x N x 2D (every block's entries). Pass one is one
-stage; asking for the blocks adds pass two when their gradients cannot be kept from
-pass one (dense gradients over the keep budget, app/core/run.py), and the output terms
-(taking each block apart and writing it as JSON, /v1's slower encoding).
+with blocks = F x F, entries = N x N x 2D (every block's entries) and numbers = entries +
+F x N x 2D: the engine also writes each block's row and column sums for the chain rule,
+(h + w) x D numbers a block, which is what makes many small blocks dearer than a few
+large ones; and the entries of blocks larger than a chunk (1M numbers) count twice, as
+they run out of cache (`engine_work`). Pass one is one stage; asking for the blocks adds pass two when their
+gradients cannot be kept from pass one (dense gradients over the keep budget,
+app/core/run.py), and the output terms (taking each block apart and writing it as JSON,
+/v1's slower encoding).
 
-The constants were measured with `python -m bench.costs` (least squares over requests
-that vary the block count and the number count; one torch thread, the 2-core machine of
-docs/benchmarks.md; noisy, within about 2x). BLOCKGRAD_COST_PER_BLOCK_S and
-BLOCKGRAD_COST_PER_NUMBER_S, when set, replace every constant (compute and output) so
+The constants were measured with `python -m bench.costs` (least squares on relative
+error over eight requests from 36 to 1M blocks, D from 2 to 64, 40 ms to 1 s; one torch
+thread, the 2-core machine of docs/benchmarks.md while other work ran on it): the model
+is off by 21% to 70% at worst over those requests, depending on the objective (the
+comments). They are
+this machine's CPU; a faster CPU (or a GPU) is overpredicted. BLOCKGRAD_COST_PER_BLOCK_S
+and BLOCKGRAD_COST_PER_NUMBER_S, when set, replace every constant (compute and output) so
 that a test's verdict never depends on the machine.
 
 Used for the 413's suggested factor (app/core/limits.py) and for compute admission.
 """
+from .engine import DEFAULT_CHUNK_ELEMENTS
 from .settings import Settings
 
 # (objective, dtype) -> (seconds per block, seconds per number) of pass one.
 COMPUTE_COSTS: dict[tuple[str, str], tuple[float, float]] = {
-    ("sum", "float32"): (3.56e-08, 2.34e-09),
-    ("sum", "float64"): (1.51e-07, 6.45e-09),
-    ("mean", "float32"): (8.90e-08, 2.35e-09),
-    ("mean", "float64"): (8.86e-08, 5.40e-09),
-    ("sum_of_squares", "float32"): (4.93e-08, 3.94e-09),
-    ("sum_of_squares", "float64"): (1.31e-08, 9.71e-09),
-    ("l2_norm", "float32"): (5.50e-08, 4.79e-09),
-    ("l2_norm", "float64"): (9.89e-08, 6.89e-09),
-    ("logsumexp", "float32"): (7.16e-08, 3.92e-09),
-    ("logsumexp", "float64"): (9.86e-08, 8.21e-09),
+    ("sum", "float32"): (5.74e-09, 8.46e-10),  # worst case off by 24%
+    ("sum", "float64"): (1.61e-09, 1.44e-09),  # worst case off by 21%
+    ("mean", "float32"): (2.42e-08, 1.14e-09),  # worst case off by 70%
+    ("mean", "float64"): (1.93e-08, 2.28e-09),  # worst case off by 66%
+    ("sum_of_squares", "float32"): (2.33e-08, 2.30e-09),  # worst case off by 50%
+    ("sum_of_squares", "float64"): (4.33e-09, 5.32e-09),  # worst case off by 44%
+    ("l2_norm", "float32"): (1.77e-08, 1.85e-09),  # worst case off by 63%
+    ("l2_norm", "float64"): (2.07e-09, 4.49e-09),  # worst case off by 48%
+    ("logsumexp", "float32"): (1.25e-08, 2.39e-09),  # worst case off by 63%
+    ("logsumexp", "float64"): (0.00e+00, 5.49e-09),  # worst case off by 55%
 }
 # An objective not in the table (a model-backed one) is charged as the dearest built-in.
 UNKNOWN_OBJECTIVE = (max(c[0] for c in COMPUTE_COSTS.values()), max(c[1] for c in COMPUTE_COSTS.values()))
@@ -56,15 +64,29 @@ def recomputes_blocks(n: int, dim: int, objective_name: str, settings: Settings)
     return objective_name not in SCALAR_GRADIENTS and n * n * 2 * dim > settings.max_block_elements
 
 
+def engine_work(n: int, dim: int, factor: int) -> tuple[int, int]:
+    """(blocks, numbers) of one engine pass: numbers are the blocks' entries plus their
+    row and column sums, plus once more the entries of blocks larger than a chunk (such a
+    block is a chunk alone and its tensors fall out of cache: about 2x per number here)."""
+    base = n // factor
+    last = n - (factor - 1) * base
+    pair = 2 * dim
+    oversized = sum(count_h * count_w * h * w * pair
+                    for h, count_h in ((base, factor - 1), (last, 1))
+                    for w, count_w in ((base, factor - 1), (last, 1))
+                    if h * w * pair > DEFAULT_CHUNK_ELEMENTS)
+    return factor * factor, n * n * pair + factor * n * pair + oversized
+
+
 def predict_seconds(n: int, dim: int, factor: int, objective_name: str, dtype: str,
                     outputs: tuple[str, ...], settings: Settings) -> float:
     """Predicted seconds of computing (and, for blocks, writing) the answer on this machine's CPU."""
-    blocks, numbers = factor * factor, n * n * 2 * dim
+    blocks, numbers = engine_work(n, dim, factor)
     per_block, per_number = compute_costs(objective_name, dtype, settings)
     stages = 1
     seconds = 0.0
     if "blocks" in outputs:
         stages += recomputes_blocks(n, dim, objective_name, settings)
         out_block, out_number = output_costs(dtype, settings)
-        seconds += blocks * out_block + numbers * out_number
+        seconds += blocks * out_block + n * n * 2 * dim * out_number
     return seconds + stages * (blocks * per_block + numbers * per_number)

@@ -7,8 +7,8 @@ shapes: base x base, base x last, last x base, last x last.
 
 Blocks of equal shape are computed together, a chunk at a time: a chunk is a
 stack (k, h, w, 2D) of whole blocks holding at most `max_elements` numbers
-(BLOCKGRAD_MAX_BLOCK_ELEMENTS, the memory of the largest block a request may
-have; always at least one block). The stack is detached as one autograd leaf,
+(1M, or BLOCKGRAD_MAX_BLOCK_ELEMENTS, the memory of the largest block a request
+may have, if that is less; always at least one block). The stack is detached as one autograd leaf,
 the objective gives one loss per block (k,), and the gradient of their sum is
 taken with respect to the leaf.
 
@@ -18,9 +18,12 @@ d(sum_j L_j)/d stack[i] = dL_i/d stack[i] + sum_{j != i} dL_j/d stack[i]
 = dL_i/d stack[i] + 0. The slice i of the leaf's gradient is therefore exactly
 the gradient a leaf holding block i alone would get, and no gradient reaches V
 or another block: no graph is shared with V, nothing is backwarded twice. On
-CPU the block gradients and losses are the same numbers, bit for bit, as one
-block at a time (tests/test_engine.py). Batching pays because the cost of a
-block was Python and autograd dispatch, not arithmetic: at the default factor
+CPU with one torch thread (a worker's) the block gradients and losses are the
+same bits as one block at a time, and for sum, mean and sum_of_squares the
+gradients are the literal seed loops' bits (tests/test_batched_engine.py; with
+several threads torch may split one large reduction, changing a loss's last bit).
+Batching pays because the cost of a block was Python and autograd dispatch, not
+arithmetic: at the default factor
 ceil(N / 6) one at a time spent ~0.2 ms per block on 6 x 6 blocks
 (docs/benchmarks.md, "Choosing a factor" in the README).
 
@@ -41,9 +44,12 @@ from dataclasses import dataclass
 import torch
 
 from .objectives import Objective
-from .settings import Settings
 
-DEFAULT_CHUNK_ELEMENTS = Settings.max_block_elements  # BLOCKGRAD_MAX_BLOCK_ELEMENTS's default
+# Numbers per chunk when blocks are smaller: 1M (4 MiB of float32) measured 1.3x to 2x
+# faster than 4M on this CPU (a chunk's tensors stay in cache), and no slower than 256K at
+# the default factor (docs/benchmarks.md, issue 10). A chunk always holds one whole block,
+# so blocks up to BLOCKGRAD_MAX_BLOCK_ELEMENTS still go one per chunk.
+DEFAULT_CHUNK_ELEMENTS = 1024 * 1024
 
 
 def block_bounds(n: int, factor: int) -> list[int]:
@@ -176,44 +182,36 @@ def iter_blocks(vectors: torch.Tensor, factor: int, objective: Objective, offset
         yield from band_blocks(band)
 
 
-def block_at(vectors: torch.Tensor, factor: int, r: int, c: int, objective: Objective, offset: float) -> Block:
-    """Block (r, c) alone: a chunk of one block."""
-    n = vectors.shape[0]
-    base, bounds = n // factor, block_bounds(n, factor)
-    chunk = Chunk(range(r, r + 1), range(c, c + 1), bounds[r + 1] - bounds[r], bounds[c + 1] - bounds[c], base)
-    return next(band_blocks([chunk_gradients(vectors, chunk, objective, offset)]))
-
-
 @dataclass(frozen=True)
 class ChunkSums:
-    """A chunk's share of dL/dV: entry (i, j) of a block holds V[i] in its first D and V[j] in its last D."""
-    row_sums: torch.Tensor  # (kr, kc, h, D): each block's sums onto its rows
-    col_sums: torch.Tensor  # (kr, kc, w, D): each block's sums onto its columns
+    """A chunk's share of dL/dV: entry (i, j) of a block holds V[i] in its first D and V[j]
+    in its last D, so its gradient goes back to row i and to row j of V."""
+    rows: torch.Tensor  # (kr * h, D): onto the chunk's rows of V, summed over its blocks' columns
+    cols: torch.Tensor  # (kc * w, D): onto its columns of V, summed over its blocks' rows
 
 
 def chain_rule_sums(result: ChunkResult) -> ChunkSums:
-    d = result.gradient.shape[-1] // 2
-    return ChunkSums(result.gradient[..., :d].sum(dim=3),  # (kr, kc, h, D)
-                     result.gradient[..., d:].sum(dim=2))  # (kr, kc, w, D)
+    kr, kc, h, w, pair = result.gradient.shape
+    d = pair // 2
+    return ChunkSums(result.gradient[..., :d].sum(dim=(1, 3)).reshape(kr * h, d),  # (kr * h, D)
+                     result.gradient[..., d:].sum(dim=(0, 2)).reshape(kc * w, d))  # (kc * w, D)
 
 
 def add_to_vectors(accumulated: torch.Tensor, result: ChunkResult) -> ChunkSums:
-    """Chain rule from a chunk's blocks back to the rows and columns they came from; returns
-    the per-block sums it added. Block rows (columns) of a chunk are consecutive in V."""
+    """Chain rule from a chunk's blocks back to the rows and columns they came from (block
+    rows and columns of a chunk are consecutive in V); returns the sums it added."""
     sums, chunk = chain_rule_sums(result), result.chunk
-    d = accumulated.shape[1]
     row_start, col_start = chunk.rows.start * chunk.base, chunk.cols.start * chunk.base
-    rows = len(chunk.rows) * chunk.height
-    cols = len(chunk.cols) * chunk.width
-    accumulated[row_start:row_start + rows] += sums.row_sums.sum(dim=1).reshape(rows, d)  # (kr * h, D)
-    accumulated[col_start:col_start + cols] += sums.col_sums.sum(dim=0).reshape(cols, d)  # (kc * w, D)
+    accumulated[row_start:row_start + sums.rows.shape[0]] += sums.rows  # (kr * h, D)
+    accumulated[col_start:col_start + sums.cols.shape[0]] += sums.cols  # (kc * w, D)
     return sums
 
 
 def elements_per_chunk(max_elements: int, objective: Objective, dim: int, element_size: int) -> int:
-    """Numbers per chunk: max_elements (the memory of the largest allowed block), less for an
-    objective that declares `bytes_per_pair` of activations, so that pairs plus activations
-    take about the memory of max_elements numbers. A chunk always holds one block."""
+    """Numbers per chunk: DEFAULT_CHUNK_ELEMENTS, at most max_elements (the memory of the
+    largest allowed block), less for an objective that declares `bytes_per_pair` of
+    activations, so that pairs plus activations take about that memory. A chunk always
+    holds one block, whatever this returns."""
     extra = getattr(objective, "bytes_per_pair", 0) or 0
     pair_bytes = 2 * dim * element_size
-    return max(1, max_elements * pair_bytes // (pair_bytes + extra))
+    return max(1, min(max_elements, DEFAULT_CHUNK_ELEMENTS) * pair_bytes // (pair_bytes + extra))

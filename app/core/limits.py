@@ -43,7 +43,7 @@ def advice(n: int, dim: int, outputs: tuple[str, ...], settings: Settings, objec
     if factor is not None:
         seconds = predict_seconds(n, dim, factor, objective, dtype, outputs, settings)
         return (f"factor {factor} fits every limit for these outputs and is predicted fastest "
-                f"(about {seconds:.2g} s on this server's CPU)"), {"suggested_factor": factor}
+                f"(about {seconds:.2g} s by the cost model)"), {"suggested_factor": factor}
     if block_elements(n, dim, n) > settings.max_block_elements:
         return "send shorter vectors: even one pair is too large", {}
     return ("no factor fits every limit with outputs " + ", ".join(outputs)
@@ -90,7 +90,6 @@ def admit(n: int, dim: int, factor: int, outputs: tuple[str, ...], settings: Set
         raise limit_exceeded(
             f"The answer would hold {total} numbers, over BLOCKGRAD_MAX_OUTPUT_ELEMENTS = {max_output}; {text}.",
             "BLOCKGRAD_MAX_OUTPUT_ELEMENTS", total, max_output, **extra)
-
 
 
 def activation_bytes(n: int, factor: int, bytes_per_pair: int) -> int:

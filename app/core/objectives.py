@@ -85,7 +85,7 @@ class ScaledSumOfSquares(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor) -> torch.Tensor:
         (blocks,) = ctx.saved_tensors
-        return 2 * blocks * per_block(grad_out)  # (k, h, w, 2D)
+        return blocks * per_block(2 * grad_out)  # (k, h, w, 2D): 2B exactly, one pass
 
 
 def stacked_mean(blocks: torch.Tensor, offset: float) -> torch.Tensor:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .device import release_device_memory, resolve_device
-from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, add_to_vectors, band_blocks, block_at, block_bounds,
-                     elements_per_chunk, iter_bands)
+from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, add_to_vectors, band_blocks, block_bounds, chunk_gradients,
+                     elements_per_chunk, iter_bands, plan_bands)
 from .errors import client_closed, deadline_exceeded, device_out_of_memory, non_finite_accumulated, non_finite_block
 from .limits import admit, admit_activations
 from .request import GradientRequest
@@ -125,28 +125,29 @@ def summarize(req: GradientRequest, device: torch.device, vectors: torch.Tensor,
     f = req.factor
     keep, kept, kept_bytes = "blocks" in req.outputs, [], 0
     losses = torch.empty((f, f), dtype=vectors.dtype, device=device)  # (F, F)
-    # True proves the block finite: a sum is finite only if all its terms are, and the row
-    # and column sums cover every gradient entry. This saves a pass over each gradient;
-    # False may also be an overflowing sum, so those blocks are rechecked exactly below.
+    # True proves every block of a chunk finite: a sum is finite only if all its terms are,
+    # and the chain-rule sums cover every gradient entry. One number per chunk, no pass over
+    # the gradients and no host synchronisation; False may also be an overflowing sum, so
+    # those chunks are rechecked block by block below.
     surely_finite = torch.empty((f, f), dtype=torch.bool, device=device)  # (F, F)
     accumulated = torch.zeros_like(vectors)  # (N, D)
     for band in iter_bands(vectors, f, req.objective_fn, req.offset, chunk_elements):
         for result in band:
-            sums = add_to_vectors(accumulated, result)  # (kr, kc, h, D), (kr, kc, w, D)
+            sums = add_to_vectors(accumulated, result)  # (kr * h, D), (kc * w, D)
             rows, cols = result.chunk.rows, result.chunk.cols
             losses[rows.start:rows.stop, cols.start:cols.stop] = result.losses  # (kr, kc)
-            surely_finite[rows.start:rows.stop, cols.start:cols.stop] = (
-                torch.isfinite(result.losses)
-                & torch.isfinite(sums.row_sums).flatten(2).all(dim=2)
-                & torch.isfinite(sums.col_sums).flatten(2).all(dim=2))  # (kr, kc)
+            surely_finite[rows.start:rows.stop, cols.start:cols.stop] = torch.isfinite(
+                result.losses.sum() + sums.rows.sum() + sums.cols.sum())  # (), over (kr, kc)
             if keep:
                 kept_bytes += result.gradient.untyped_storage().nbytes()
                 keep = kept_bytes <= keep_bytes  # over budget: let them go, blocks() recomputes
         if keep:
             kept.extend(band_blocks(band))
+        else:
+            kept.clear()  # let go of what was kept before the budget ran out
         deadline.check()
     if not bool(surely_finite.all()):
-        first = first_non_finite_block(vectors, req, surely_finite)
+        first = first_non_finite_block(vectors, req, surely_finite, chunk_elements)
         if first is not None:
             raise non_finite_block(*first, req.dtype)
     if not bool(torch.isfinite(accumulated).all()):
@@ -155,11 +156,20 @@ def summarize(req: GradientRequest, device: torch.device, vectors: torch.Tensor,
                   kept if keep else None, chunk_elements)
 
 
-def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest,
-                           surely_finite: torch.Tensor) -> tuple[int, int] | None:
-    """Row-block-major, the first block whose loss or gradient is not finite, checked entry by entry."""
-    for r, c in torch.nonzero(~surely_finite).tolist():  # row-major order
-        block = block_at(vectors, req.factor, r, c, req.objective_fn, req.offset)
-        if not (bool(torch.isfinite(block.loss)) and bool(torch.isfinite(block.gradient).all())):
-            return r, c
-    return None  # only sums overflowed: the accumulated check reports it
+def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest, surely_finite: torch.Tensor,
+                           chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> tuple[int, int] | None:
+    """Row-block-major, the first block whose loss or gradient is not finite, checked entry by
+    entry: the chunks holding a block not surely finite are computed again."""
+    objective = req.objective_fn
+    suspects = {tuple(rc) for rc in torch.nonzero(~surely_finite).tolist()}
+    found = []
+    for band in plan_bands(req.n, req.dim, req.factor, chunk_elements):
+        for chunk in band:
+            if not any((r, c) in suspects for r in chunk.rows for c in chunk.cols):
+                continue
+            result = chunk_gradients(vectors, chunk, objective, req.offset)
+            finite = torch.isfinite(result.losses) & torch.isfinite(result.gradient).flatten(2).all(dim=2)  # (kr, kc)
+            for i, j in torch.nonzero(~finite).tolist():
+                if (chunk.rows[i], chunk.cols[j]) in suspects:  # the others are proven finite
+                    found.append((chunk.rows[i], chunk.cols[j]))
+    return min(found, default=None)  # None: only sums overflowed, the accumulated check reports it

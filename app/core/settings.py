@@ -104,10 +104,6 @@ class Settings:
     log_level: str = "INFO"
     # Optional bearer token for every route but the probes (app/http/auth.py); None = open.
     api_token: str | None = None
-    # The cost model's constants (app/core/cost.py): when set, they replace its measured
-    # table for every objective and dtype (tests pin them so no verdict depends on the machine).
-    cost_per_block_s: float | None = None
-    cost_per_number_s: float | None = None
     # Directory of exported programs served as objectives (app/core/models.py); None = built-ins only.
     model_dir: str | None = None
     # A model objective's estimated peak activation memory for one block: pairs x bytes_per_pair
@@ -121,6 +117,10 @@ class Settings:
     queue_depth: int = field(default_factory=default_queue_depth)
     read_timeout_s: float = 30.0  # the whole body must arrive within it (408 read_timeout)
     send_timeout_s: float = 30.0  # a write making no progress this long ends the request
+    # The cost model's constants (app/core/cost.py): when set, they replace its measured
+    # table for every objective and dtype (tests pin them so no verdict depends on the machine).
+    cost_per_block_s: float | None = None
+    cost_per_number_s: float | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, Any] = os.environ) -> "Settings":
@@ -134,10 +134,10 @@ class Settings:
                 values[item.name] = parse_int(name, raw, default)
             elif item.type is float:
                 values[item.name] = parse_float(name, raw, default)
-            elif item.type == float | None:
-                values[item.name] = parse_float(name, raw, None)
             elif item.type is bool:
                 values[item.name] = parse_bool(name, raw, default)
+            elif item.type == float | None:
+                values[item.name] = parse_float(name, raw, None)
             elif raw:
                 values[item.name] = str(raw)
         return cls(**values)
