@@ -114,6 +114,17 @@ def child_exit(server, worker):
     multiprocess.mark_process_dead(worker.pid)  # drop its live gauges (in-flight requests, device)
 
 
+def worker_abort(worker):
+    """gunicorn killed this worker past `timeout` (SIGABRT, handled in the worker just before it
+    exits): log each request it still held as worker_timeout, not as the client_closed its
+    body's close would otherwise report."""
+    try:
+        from app.http import observe
+    except Exception:  # the app never loaded in this worker: nothing in flight to log
+        return
+    observe.abort_in_flight(observe.WORKER_TIMEOUT)
+
+
 def on_exit(server):
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if created_metrics_dir:

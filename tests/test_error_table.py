@@ -1,6 +1,7 @@
 """The one error table: every code's documented example is exactly what the service sends for it."""
 import pytest
 import torch
+from gunicorn.http.errors import InvalidChunkSize
 from werkzeug.exceptions import BadRequest, ClientDisconnected
 
 from app import create_app
@@ -62,7 +63,8 @@ class FiredAlarm:
 
 # code -> (settings, the request that triggers it, patches (target, value), error style)
 TRIGGERS = {
-    "bad_request": ({}, post_v1(), [("app.http.parsing.read_body", fail_with(BadRequest()))], None),
+    "bad_request": ({}, post_v1(), [("app.http.parsing.read_body",
+                                                         fail_with(InvalidChunkSize(b"zz")))], None),
     "bad_json": ({}, lambda c: c.post("/v1/gradients", data="x", content_type="application/json"), [], None),
     "unauthorized": ({"BLOCKGRAD_API_TOKEN": "s3cret"}, post_v1(), [], None),
     "not_found": ({}, lambda c: c.get("/v1/gradient"), [], None),

@@ -580,7 +580,8 @@ def test_output_limit_counts_only_asked_outputs():
 
 
 def test_deadline_is_503_with_retry_after():
-    client = create_app({"BLOCKGRAD_REQUEST_TIMEOUT_S": 1e-9}).test_client()
+    client = create_app({"BLOCKGRAD_REQUEST_TIMEOUT_S": 1e-9, "BLOCKGRAD_COST_PER_BLOCK_S": 1e-15,
+                         "BLOCKGRAD_COST_PER_NUMBER_S": 1e-15}).test_client()  # admitted, then past the deadline
     response = client.post(INFER, json=GOOD)
     assert_protocol_error(response, 503)
     assert int(response.headers["Retry-After"]) >= 1

@@ -4,8 +4,13 @@ change, and details. No HTTP here: app/http/errors.py maps each code to a status
 Each failure has one constructor below; the code that raises it and the
 documentation's example both call it, so the two cannot drift apart.
 """
+import heapq
 import math
 from typing import Any
+
+# A message lists at most this many field names, then "and <count> more": a body with
+# millions of unknown keys must not make an error as large as itself.
+LISTED_NAMES = 16
 
 
 class BlockgradError(Exception):
@@ -20,11 +25,32 @@ class BlockgradError(Exception):
         self.retry_after_s = retry_after_s  # set when retrying later may succeed as sent
 
 
+def short_name(name: str, limit: int = 64) -> str:
+    return name if len(name) <= limit else f"{name[:limit]}...({len(name)} characters)"
+
+
+def listed_names(names, count: int) -> str:
+    """The first LISTED_NAMES names in sorted order (in O(count)), each cut short, and how many more."""
+    shown = [short_name(name) for name in heapq.nsmallest(LISTED_NAMES, names)]
+    more = f" and {count - len(shown)} more" if count > len(shown) else ""
+    return ", ".join(shown) + more
+
+
 def validation_error(fields: dict[str, Any], message: str | None = None) -> BlockgradError:
     """`fields`: field name -> list of messages."""
-    names = ", ".join(sorted(fields))
+    names = listed_names(fields, len(fields))
     return BlockgradError("validation_error", message or f"The request is not valid; fix these fields: {names}.",
                           {"fields": fields})
+
+
+def unknown_fields(names: set[str], known) -> BlockgradError:
+    """Fields the schema does not have, refused before it looks at any of them (costs O(len(names)))."""
+    listed = heapq.nsmallest(LISTED_NAMES, names)
+    fields: dict[str, Any] = {short_name(name): ["Unknown field."] for name in listed}
+    return BlockgradError("validation_error",
+                          f"The request is not valid: unknown fields {listed_names(listed, len(names))}; "
+                          f"the fields are {', '.join(known)}.",
+                          {"fields": fields, "unknown_fields": len(names)})
 
 
 def field_error(field: str, message: str) -> BlockgradError:

@@ -97,6 +97,10 @@ class Settings:
     # Numbers in one block (rows x cols x 2D): 4M float64 is 32 MiB a tensor.
     max_block_elements: int = 4 * 1024 * 1024
     request_timeout_s: float = 60.0
+    # Bytes the requests one worker holds may add to it at their peak (app/core/memory.py
+    # predicts each): 2 workers x (233 MB idle + 1280 MiB) = 3.2 GB fit the 4 GiB pod with
+    # ~1 GB of room (master, page cache, prediction error).
+    worker_memory_bytes: int = 1280 * 1024 * 1024
     log_level: str = "INFO"
     # Optional bearer token for every route but the probes (app/http/auth.py); None = open.
     api_token: str | None = None

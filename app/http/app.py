@@ -12,6 +12,7 @@ from . import observe
 from .auth import install_auth
 from .docs import ErrorSchema, register_docs, spec_options
 from .errors import register_error_handlers
+from .memory import install_memory_ledger
 from .request_log import configure_logging
 from .settings import install_objectives, install_settings
 from .slot import install_gate
@@ -38,12 +39,16 @@ def build_app(overrides: Mapping[str, Any]) -> Flask:
     # a file that fails raises ModelError and the service does not start.
     objectives = build_registry(settings)
     app = Flask("app")
+    # werkzeug would answer `/v2//health/live` with a 308 to an absolute URL built from the
+    # Host header; without merging such paths are plain 404s.
+    app.url_map.merge_slashes = False
     app.config.update(FLASK_CONFIG)
     app.config.update({k: v for k, v in overrides.items() if not k.startswith("BLOCKGRAD_")})
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config.setdefault("API_SPEC_OPTIONS", spec_options(settings, objectives))
     install_settings(app, settings)
     install_gate(app, settings)  # one compute slot and its queue per worker
+    install_memory_ledger(app, settings)  # the bytes this worker's requests reserve (app/http/memory.py)
     install_objectives(app, objectives)
     configure_logging(settings.log_level)
     observe.init_app(app)  # first, so that its hooks see every request

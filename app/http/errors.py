@@ -10,6 +10,7 @@ carries its code in the X-Blockgrad-Error-Code header.
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import orjson
@@ -34,7 +35,26 @@ class HttpError(BlockgradError):
         self.headers = headers or {}
 
 
+try:  # what gunicorn raises while the app reads a body it cannot parse (e.g. a bad chunk size)
+    from gunicorn.http.errors import NoMoreData, ParseException
+
+    BODY_STREAM_ERRORS: tuple[type[BaseException], ...] = (ParseException, NoMoreData)
+except ImportError:  # another WSGI server: werkzeug's own body errors are HTTP 400s already
+    BODY_STREAM_ERRORS = ()
+
+
 # Constructors of the HTTP-level errors (the core's are in app/core/errors.py).
+def bad_request(message: str) -> HttpError:
+    return HttpError("bad_request", message)
+
+
+def body_unreadable(kind: str) -> HttpError:
+    """The body is not valid HTTP/1.1 framing; `kind` (the parser's exception name) says how,
+    the bytes are not echoed."""
+    return bad_request(f"The request body could not be read as HTTP/1.1 ({kind}); "
+                       "send a valid chunked body or a Content-Length.")
+
+
 def bad_json(reason: str) -> HttpError:
     return HttpError("bad_json", f"The body is not valid JSON: {reason}.")
 
@@ -107,8 +127,7 @@ class ErrorCode:
 RETRY_AFTER = ("Retry-After",)
 ERRORS: dict[str, ErrorCode] = {
     "bad_request": ErrorCode(400, "the request could not be read as HTTP (e.g. a malformed chunked body)",
-                             lambda: HttpError("bad_request", "The browser (or proxy) sent a request that this "
-                                                              "server could not understand.")),
+                             lambda: body_unreadable("InvalidChunkSize")),
     "bad_json": ErrorCode(400, "the body is not valid JSON (NaN and Infinity literals included)",
                           lambda: bad_json("unexpected character, expected a JSON value: line 1 column 1 (char 0)")),
     "unauthorized": ErrorCode(401, "BLOCKGRAD_API_TOKEN is set and the request lacks `Authorization: Bearer "
@@ -125,8 +144,9 @@ ERRORS: dict[str, ErrorCode] = {
                                     ("Allow",)),
     "too_large": ErrorCode(413, "the body is over BLOCKGRAD_MAX_BODY_BYTES; the message and `details.allowed` "
                                 "give the limit in bytes", lambda: too_large(33554432)),
-    "limit_exceeded": ErrorCode(413, "N, D, the largest block, a model's activations or the whole answer is "
-                                     "over its limit; "
+    "limit_exceeded": ErrorCode(413, "N, D, the largest block, a model's activations, the whole answer or the "
+                                     "request's predicted peak memory (BLOCKGRAD_WORKER_MEMORY_BYTES) or time "
+                                     "(BLOCKGRAD_REQUEST_TIMEOUT_S) is over its limit; "
                                      "`details.limit` names it, the message says what to change",
                                 lambda: core.limit_exceeded(
                                     "8193 vectors is over BLOCKGRAD_MAX_N = 8192; send at most 8192.",
@@ -151,7 +171,9 @@ ERRORS: dict[str, ErrorCode] = {
     "read_timeout": ErrorCode(408, "the whole body did not arrive within BLOCKGRAD_READ_TIMEOUT_S; the connection "
                                    "is closed after the answer", lambda: read_timeout(30.0)),
     "overloaded": ErrorCode(503, "the worker's compute slot is taken and BLOCKGRAD_QUEUE_DEPTH requests already "
-                                 "wait for it: refused at once, retry after Retry-After (any replica)",
+                                 "wait for it, or the memory its requests hold plus this one's predicted peak "
+                                 "is over BLOCKGRAD_WORKER_MEMORY_BYTES (`details.limit` then names it): "
+                                 "refused at once, retry after Retry-After (any replica)",
                             lambda: core.overloaded(4), RETRY_AFTER),
     "client_closed": ErrorCode(499, "never sent: the client closed the connection before the answer was complete "
                                     "(the computation stopped; logged and counted under this code)",
@@ -159,6 +181,8 @@ ERRORS: dict[str, ErrorCode] = {
 }
 # Codes only the log and metrics carry (the answer was cut short, no error answer is sent).
 LOG_ONLY_CODES = {"send_timeout": "a write made no progress for BLOCKGRAD_SEND_TIMEOUT_S; the answer was cut",
+                  "worker_timeout": "gunicorn killed the worker past its timeout while it held the request "
+                                    "(logged by gunicorn.conf.py's worker_abort hook)",
                   "client_closed": ERRORS["client_closed"].when}
 
 
@@ -205,18 +229,71 @@ def status_of(error: BlockgradError) -> int:
     return entry.status if entry else getattr(error, "status", 500)
 
 
+# Every error body fits in MAX_ERROR_BODY_BYTES whatever the request: messages, detail
+# strings, maps and lists are cut (with a count of what was left out) before rendering,
+# in time proportional to what is kept, not to what the request sent.
+MAX_ERROR_BODY_BYTES = 16 * 1024
+MAX_MESSAGE_CHARS = 2048
+MAX_DETAIL_CHARS = 512
+MAX_DETAIL_ITEMS = 16
+MAX_DETAIL_DEPTH = 4
+TRUNCATED_KEY = "_truncated"  # in a cut map: how many entries were left out
+
+
+def cut_text(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def bounded(value: Any, depth: int = 0) -> Any:
+    """`value` with every string, map and list cut to the limits above."""
+    if isinstance(value, str):
+        return cut_text(value, MAX_DETAIL_CHARS)
+    if isinstance(value, dict):
+        if depth >= MAX_DETAIL_DEPTH:
+            return {TRUNCATED_KEY: len(value)} if value else {}
+        kept = {cut_text(key, 64) if isinstance(key, str) else key: bounded(item, depth + 1)
+                for key, item in islice(value.items(), MAX_DETAIL_ITEMS)}
+        if len(value) > MAX_DETAIL_ITEMS:
+            kept[TRUNCATED_KEY] = len(value) - MAX_DETAIL_ITEMS
+        return kept
+    if isinstance(value, (list, tuple)):
+        if depth >= MAX_DETAIL_DEPTH:
+            return [f"... {len(value)} items"] if value else []
+        kept = [bounded(item, depth + 1) for item in value[:MAX_DETAIL_ITEMS]]
+        if len(value) > MAX_DETAIL_ITEMS:
+            kept.append(f"... {len(value) - MAX_DETAIL_ITEMS} more")
+        return kept
+    return value
+
+
+def bounded_error(error: BlockgradError) -> BlockgradError:
+    """A copy of `error` (same code, status, headers) whose message and details fit the limits."""
+    short = type(error).__new__(type(error))  # copy.copy would call __init__ with the wrong arguments
+    short.__dict__.update(error.__dict__)
+    short.message = cut_text(error.message, MAX_MESSAGE_CHARS)
+    short.details = bounded(error.details)
+    return short
+
+
+def render_error_body(style: "ErrorStyle", error: BlockgradError) -> bytes:
+    try:
+        payload = orjson.dumps(style.body(bounded_error(error)), option=orjson.OPT_NON_STR_KEYS)
+    except TypeError:  # orjson.JSONEncodeError too: a message or detail JSON cannot carry
+        log.exception("error body for %s could not be serialised; answering a generic one", error.code)
+        generic = BlockgradError(error.code, f"The request failed ({error.code}); the details could not be "
+                                             "written as JSON.")
+        return orjson.dumps(style.body(generic))
+    if len(payload) > MAX_ERROR_BODY_BYTES:  # many long entries: the message alone, shorter
+        payload = orjson.dumps(style.body(BlockgradError(error.code, cut_text(error.message, 1024))))
+    return payload
+
+
 def error_response(error: BlockgradError) -> Response:
     style = style_of_request()
     status = style.status(status_of(error))
     if has_request_context():
         g.error_code = error.code  # for the errors metric and the log line (app/http/observe.py)
-    try:
-        payload = orjson.dumps(style.body(error), option=orjson.OPT_NON_STR_KEYS)
-    except TypeError:  # orjson.JSONEncodeError too: a message or detail JSON cannot carry
-        log.exception("error body for %s could not be serialised; answering a generic one", error.code)
-        generic = BlockgradError(error.code, f"The request failed ({error.code}); the details could not be "
-                                             "written as JSON.")
-        payload = orjson.dumps(style.body(generic))
+    payload = render_error_body(style, error)
     response = Response(payload, status=status, mimetype="application/json")
     response.headers.update(error_headers(error))
     return response
@@ -245,7 +322,7 @@ def from_http_exception(exc: HTTPException) -> BlockgradError:
     if status == 500:  # e.g. an error handler that failed: werkzeug's text says nothing more
         return internal_error()
     if status == 400:
-        return HttpError("bad_request", exc.description or exc.name)
+        return bad_request(exc.description or exc.name)
     error = HttpError((exc.name or "error").lower().replace(" ", "_"), exc.description or exc.name)
     error.status = status  # a status outside the table
     return error
@@ -262,5 +339,7 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(Exception)
     def handle_unexpected(exc: Exception):
+        if isinstance(exc, BODY_STREAM_ERRORS):  # a body read outside read_body
+            return error_response(body_unreadable(type(exc).__name__))
         log.exception("unhandled error")  # internals go to the log, never the body
         return error_response(internal_error())

@@ -6,6 +6,11 @@ one metrics update (metrics.py) and one JSON log line (request_log.py).
 stream; for any other answer it is right after the view. Views describe their
 work by setting `g.work` (a `Work`) and `g.device`; the error handler sets
 `g.error_code` (errors.py).
+
+Codes that only the log line and the errors metric carry (never an answer's body):
+`client_closed` (the server closed a streamed body early because the client went away)
+and `worker_timeout` (gunicorn killed the worker past its timeout: gunicorn.conf.py's
+worker_abort hook logs every request still in flight with it, before the worker exits).
 """
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -61,12 +66,26 @@ class Work:
             yield item
 
 
+WORKER_TIMEOUT = "worker_timeout"
+# Logged for a request whose worker was killed before the app answered: gunicorn then
+# writes its own 500 page (or closes the connection).
+NO_ANSWER_STATUS = 500
+# Requests of this worker not yet logged: key -> finish(code). gunicorn's worker_abort hook
+# (another frame of the same process) logs them all as worker_timeout before the worker exits.
+UNFINISHED: dict[int, Callable[[str | None], None]] = {}
+
+
 def before_request() -> None:
     g.started = time.perf_counter()
     g.arrived = time.monotonic()  # the request's deadline counts from here (slot.request_deadline)
     g.request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
     metrics.IN_FLIGHT.inc()
     g.in_flight = True
+    state, key = g._get_current_object(), id(g._get_current_object())
+    route, method = route_of_request(), request.method
+    g.unfinished_key = key
+    # Until the view answers: what the request knows when (and if) its worker is killed.
+    UNFINISHED[key] = lambda code: finisher(NO_ANSWER_STATUS, state, route, method, answered=False)(code)
 
 
 def after_request(response: Response) -> Response:
@@ -75,9 +94,11 @@ def after_request(response: Response) -> Response:
     response.headers[REQUEST_ID_HEADER] = g.request_id
     send_timeout_s = current_settings().send_timeout_s
     set_send_timeout(request.environ, send_timeout_s)  # from here on the socket only writes
-    finish = finisher(response.status_code)
+    finish = finisher(response.status_code, g._get_current_object(), route_of_request(), request.method)
     large = response.content_length is not None and response.content_length > PIECE_BYTES
     if (response.is_streamed or large) and not response.direct_passthrough:
+        if "unfinished_key" in g:
+            UNFINISHED[g.unfinished_key] = finish  # a kill while streaming: logged with the status sent
         # Finished when the body ends or the server closes it: after its last byte, when a
         # write fails, or without a byte at all (HEAD): PEP 3333 servers always call close().
         response.response = ObservedBody(response.response, finish, send_timeout_s)
@@ -88,22 +109,44 @@ def after_request(response: Response) -> Response:
     return response
 
 
-def finisher(status: int) -> Callable[[str | None], None]:
-    """Capture what the request knows now; the stream may end after its context is gone."""
-    started = g.get("started", time.perf_counter())
-    in_flight = g.pop("in_flight", False)
-    route = request.url_rule.rule if request.url_rule else "unmatched"
-    method, request_id = request.method, g.request_id
-    work: Work | None = g.get("work")
-    device: str | None = g.get("device")
-    error_code: str | None = g.get("error_code")
-    done = []
+def teardown_request(exc: BaseException | None) -> None:
+    """A request whose after_request never ran (its hooks failed) is no longer in flight here."""
+    if not g.get("finisher_made", False) and "unfinished_key" in g:
+        UNFINISHED.pop(g.unfinished_key, None)
+
+
+def abort_in_flight(code: str = WORKER_TIMEOUT) -> None:
+    """Log (and count) every request of this worker that has not finished, with `code`."""
+    for finish in list(UNFINISHED.values()):
+        finish(code)
+
+
+def route_of_request() -> str:
+    return request.url_rule.rule if request.url_rule else "unmatched"
+
+
+def finisher(status: int, state, route: str, method: str, answered: bool = True) -> Callable[[str | None], None]:
+    """Capture what the request knows now (from `state`, its `g`); the stream may end after its
+    context is gone. The returned finish logs once: a later call (a worker killed while streaming,
+    then its body closed) does nothing."""
+    state.finisher_made = answered
+    started = getattr(state, "started", time.perf_counter())
+    in_flight = getattr(state, "in_flight", False)
+    request_id = getattr(state, "request_id", None) or request_id_from(None)
+    work: Work | None = getattr(state, "work", None)
+    device: str | None = getattr(state, "device", None)
+    error_code: str | None = getattr(state, "error_code", None)
+    key = getattr(state, "unfinished_key", None)
 
     def finish(stream_error: str | None) -> None:
-        """`stream_error`: the code of what cut a streamed body short, if anything did. Once only."""
-        if done:
+        """`stream_error`: the code of what cut a streamed body short, if anything did."""
+        if getattr(state, "logged", False):
             return
-        done.append(True)
+        state.logged = True
+        UNFINISHED.pop(key, None)
+        reservation = getattr(state, "memory_reservation", None)  # app/http/memory.py
+        if reservation is not None:
+            reservation.release()
         duration_s = time.perf_counter() - started
         code = stream_error or error_code
         metrics.observe_request(route, method, status, duration_s)
@@ -123,7 +166,7 @@ def finisher(status: int) -> Callable[[str | None], None]:
                           compute_ms=round(work.compute_s * 1000, 3))
         if code:
             fields["error"] = code
-        if stream_error is not None:
+        if stream_error is not None and answered:
             fields["stream_aborted"] = True
         log_request(fields)
 
@@ -191,3 +234,4 @@ class ObservedBody:
 def init_app(app: Flask) -> None:
     app.before_request(before_request)
     app.after_request(after_request)
+    app.teardown_request(teardown_request)

@@ -8,14 +8,16 @@ import json
 from typing import Any
 
 import orjson
-from flask import Request
+from flask import Request, g
 from flask_smorest import Blueprint
 from webargs.flaskparser import FlaskParser
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from ..core.errors import validation_error
+from ..core.memory import body_parse_bytes
 from .connection import ReadAlarm
-from .errors import bad_json, compressed_body, read_timeout, wrong_content_type
+from .errors import BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, read_timeout, wrong_content_type
+from .memory import reserve_for_request
 from .settings import current_settings
 from .slices import loads_sliced
 
@@ -36,6 +38,11 @@ def read_body(request: Request) -> bytes:
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise compressed_body(encoding)
+    declared = request.content_length if request.content_length is not None else request.max_content_length
+    if declared:  # reserved before reading: what the body may take until its sizes are known
+        limit = request.max_content_length
+        reserve_for_request(body_parse_bytes(min(declared, limit) if limit else declared,
+                                             binary=request.mimetype == "application/octet-stream"))
     seconds = current_settings().read_timeout_s
     with ReadAlarm(request.environ, seconds) as alarm:
         try:
@@ -43,14 +50,17 @@ def read_body(request: Request) -> bytes:
             limit = request.max_content_length
             more = (limit is not None and len(data) >= limit and request.content_length is None
                     and request.environ.get("wsgi.input_terminated") and request.environ["wsgi.input"].read(1))
-        except Exception:
+        except Exception as exc:
             if alarm.fired:  # the read side was shut at the deadline: whatever broke, that is why
                 raise read_timeout(seconds) from None
+            if isinstance(exc, BODY_STREAM_ERRORS):  # gunicorn parses a chunked body as it is read
+                raise body_unreadable(type(exc).__name__) from None
             raise
         if alarm.fired and (request.content_length or 0) > len(data):
             raise read_timeout(seconds)
     if more:
         raise RequestEntityTooLarge()
+    g.body_bytes = len(data)  # for the memory prediction (app/core/memory.py)
     return data
 
 
@@ -70,6 +80,8 @@ def decode_json(body: bytes):
         document = json.loads(body, parse_constant=reject_constant)
     except ValueError as exc:
         raise bad_json(str(exc)) from None
+    except RecursionError:  # the stdlib recurses per level; orjson stops at 1024 itself
+        raise bad_json("nested too deeply") from None
     # The stdlib accepts lone surrogates (\ud800), which orjson refuses and which no
     # answer could echo back as UTF-8. Only an escape can make one: look only then.
     if b"\\u" in body and holds_lone_surrogate(document):

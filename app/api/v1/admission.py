@@ -10,9 +10,13 @@ from typing import Any
 from flask import g
 
 from ...core.limits import admit, admit_shape
-from ...core.request import DEFAULT_OUTPUTS, OUTPUTS, default_factor, ordered_outputs
+from ...core.memory import predict_peak_bytes
+from ...core.compute_budget import admit_compute
+from ...core.objectives import DEFAULT_OBJECTIVE
+from ...core.request import DEFAULT_DTYPE, DEFAULT_OUTPUTS, DTYPES, OUTPUTS, default_factor, ordered_outputs
+from ...http.memory import reserve_for_request
 from ...http.observe import Work
-from ...http.settings import current_settings
+from ...http.settings import current_objectives, current_settings
 
 
 def admit_document(document: Any) -> None:
@@ -28,4 +32,14 @@ def admit_document(document: Any) -> None:
         return
     outputs = ordered_outputs(outputs)
     g.work = Work.of(n, dim, factor, outputs)  # for the log line, even when refused
-    admit(n, dim, factor, outputs, current_settings())
+    settings = current_settings()
+    # An objective or dtype the schema will refuse: predicted as the default (the refusal is near).
+    dtype = document.get("dtype", DEFAULT_DTYPE)
+    dtype = dtype if isinstance(dtype, str) and dtype in DTYPES else DEFAULT_DTYPE
+    objective = document.get("objective", DEFAULT_OBJECTIVE)
+    objective = objective if isinstance(objective, str) and objective in current_objectives() else DEFAULT_OBJECTIVE
+    admit(n, dim, factor, outputs, settings, objective, dtype)
+    admit_compute(n, dim, factor, objective, dtype, outputs, settings)
+    reserve_for_request(predict_peak_bytes(n, dim, factor, objective, dtype, outputs, encoding="v1_json",
+                                           body_bytes=g.get("body_bytes", 0), json_outputs=outputs,
+                                           settings=settings))

@@ -36,7 +36,10 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     text = header_length.strip()
     if not (text.isascii() and text.isdigit()):  # str.isdigit alone takes '²', which int() refuses
         raise CodecError(f"{HEADER_LENGTH} must be a whole number of bytes, got {header_length!r}.")
-    length = int(text)
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(len(body))):  # longer than any length this body has; int() may refuse it
+        raise CodecError(f"{HEADER_LENGTH} is {len(digits)} digits long but the body has only {len(body)} bytes.")
+    length = int(digits)
     if length == 0:
         raise CodecError(f"{HEADER_LENGTH}: 0 (a raw binary request, with no JSON header) is not supported: "
                          "the input's two variable dimensions cannot be deduced from its size; send the header.")
@@ -93,22 +96,24 @@ def has_binary(tensors: list[OutputTensor]) -> bool:
     return any(tensor.binary for tensor in tensors)
 
 
-def encode_response(head: dict, tensors: list[OutputTensor]) -> tuple[bytes, list[np.ndarray]]:
-    """For a response with binary outputs: the whole JSON header (its length goes in a
-    header before the body, so it is built in memory, JSON data of other outputs included),
-    and the arrays whose bytes follow it, in order, little-endian."""
-    header = b"".join(iter_json(head, tensors))
+def encode_response(head: dict, tensors: list[OutputTensor]) -> tuple[int, list[np.ndarray]]:
+    """For a response with binary outputs: the JSON header's length (sent in a header before
+    the body, so counted first: the header is serialised twice, a piece at a time, never
+    held whole, whatever JSON data other outputs put in it) and the arrays whose bytes
+    follow it, in order, little-endian."""
+    header_length = sum(len(piece) for piece in iter_json(head, tensors))
     payload = [np.ascontiguousarray(tensor.array, dtype=tensor.array.dtype.newbyteorder("<"))
                for tensor in tensors if tensor.binary]
-    return header, payload
+    return header_length, payload
 
 
-def body_length(header: bytes, payload: list[np.ndarray]) -> int:
-    return len(header) + sum(array.nbytes for array in payload)
+def body_length(header_length: int, payload: list[np.ndarray]) -> int:
+    return header_length + sum(array.nbytes for array in payload)
 
 
-def iter_body(header: bytes, payload: list[np.ndarray], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    yield header
+def iter_body(header: Iterator[bytes], payload: list[np.ndarray], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """The JSON header's pieces (`header`, e.g. iter_json gathered), then each array's bytes."""
+    yield from header
     for array in payload:
         view = memoryview(array).cast("B")  # the array's own bytes, no copy
         for start in range(0, view.nbytes, chunk_bytes):

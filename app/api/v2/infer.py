@@ -10,7 +10,8 @@ import numpy as np
 import torch
 from marshmallow import ValidationError
 
-from ...core.errors import BlockgradError
+from ...core.errors import LISTED_NAMES, BlockgradError, listed_names
+from ...core.engine import block_bounds
 from ...core.limits import admit_shape
 from ...core.request import GradientRequest, build_request, ordered_outputs
 from ...core.run import Result
@@ -21,7 +22,7 @@ from ...http.settings import current_objectives
 from ...http.streaming import to_numpy
 from .codec import CodecError, OutputTensor, decode_tensor, split_body
 from .model import DATATYPE_OF_DTYPE, FLOAT_DATATYPES, GRADIENT_PARAMETERS, INPUT_NAME, MODEL_NAME, MODEL_VERSION, OUTPUTS
-from .schemas import InferRequestSchema, ParametersSchema
+from .schemas import InferRequestSchema, ParametersSchema, RequestInputSchema, RequestOutputSchema
 
 
 def invalid(message: str) -> BlockgradError:
@@ -50,6 +51,7 @@ def parse_infer_request(body: bytes, header_length: str | None, settings: Settin
     except CodecError as exc:
         raise invalid(str(exc)) from None
     document = decode_json(header)  # 400 bad_json, as /v1
+    check_envelope_sizes(document)
     try:
         envelope = InferRequestSchema().load(document)
     except ValidationError as exc:
@@ -75,6 +77,34 @@ def parse_infer_request(body: bytes, header_length: str | None, settings: Settin
             raise
         raise invalid(field_messages(exc.details["fields"])) from None
     return InferRequest(gradient, outputs, envelope.get("id"))
+
+
+def refuse_many_unknown(mapping: object, known, where: str) -> None:
+    """More unknown keys than a message lists: refused in O(keys), before the schema
+    would spend seconds on each of millions of them."""
+    if isinstance(mapping, dict) and len(mapping) > len(known):
+        unknown = mapping.keys() - set(known)
+        if len(unknown) > LISTED_NAMES:
+            raise invalid(f"Unknown {where}: {listed_names(unknown, len(unknown))}; known: {', '.join(known)}.")
+
+
+def check_envelope_sizes(document: object) -> None:
+    """The protocol's maps and lists here are short: refuse long ones before the schema walks them."""
+    if not isinstance(document, dict):
+        return  # the schema's to refuse
+    refuse_many_unknown(document, tuple(InferRequestSchema().fields), "fields")
+    refuse_many_unknown(document.get("parameters"), (*GRADIENT_PARAMETERS, "binary_data_output"), "parameters")
+    inputs, outputs = (value if isinstance(value, list) else [] for value in (document.get("inputs"),
+                                                                               document.get("outputs")))
+    if len(inputs) > 1:
+        raise invalid(f"The model takes exactly one input, '{INPUT_NAME}'; got {len(inputs)} inputs.")
+    if len(outputs) > len(OUTPUTS):
+        raise invalid(f"The model has {len(OUTPUTS)} outputs {list(OUTPUTS)}; {len(outputs)} were asked for.")
+    for entry, schema, known in [*((tensor, RequestInputSchema, ("binary_data_size",)) for tensor in inputs),
+                                 *((tensor, RequestOutputSchema, ("binary_data",)) for tensor in outputs)]:
+        if isinstance(entry, dict):
+            refuse_many_unknown(entry, tuple(schema().fields), "fields of a tensor")
+            refuse_many_unknown(entry.get("parameters"), known, "parameters of a tensor")
 
 
 def field_messages(fields: dict) -> str:
@@ -166,8 +196,9 @@ def requested_outputs(outputs: list[dict] | None, binary_default: bool) -> tuple
     return tuple(chosen)
 
 
-def output_tensors(request: InferRequest, result: Result) -> tuple[dict, list[OutputTensor]]:
-    """The response head and its output tensors, from the core's result."""
+def output_tensors(request: InferRequest, result: Result | None, device=None) -> tuple[dict, list[OutputTensor]]:
+    """The response head and its output tensors, from the core's result (None when only
+    `bounds` was asked for: nothing was computed; `device` is then the one named)."""
     req = request.gradient
     datatype = DATATYPE_OF_DTYPE[req.dtype]
 
@@ -175,7 +206,7 @@ def output_tensors(request: InferRequest, result: Result) -> tuple[dict, list[Ou
         if name == "block_gradients":
             return gradient_grid(result).numpy()  # (N, N, 2D), shares the tensor's memory
         if name == "bounds":
-            return np.array(result.bounds, dtype=np.int64)
+            return np.array(block_bounds(req.n, req.factor), dtype=np.int64)
         return to_numpy(result.accumulated if name == "accumulated" else result.losses)
 
     tensors = [OutputTensor(output.name, "INT64" if output.name == "bounds" else datatype,
@@ -184,7 +215,7 @@ def output_tensors(request: InferRequest, result: Result) -> tuple[dict, list[Ou
     if request.id is not None:
         head["id"] = request.id
     head["parameters"] = {"factor": req.factor, "objective": req.objective, "offset": req.offset,
-                          "device": str(result.device)}
+                          "device": str(result.device if result is not None else device)}
     return head, tensors
 
 

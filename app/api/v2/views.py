@@ -7,11 +7,14 @@ import logging
 
 from flask import Response, current_app, g, request
 
-from ...core.device import ready_device
+from ...core.device import ready_device, resolve_device
 from ...core.errors import BlockgradError
 from ...core.run import run
 from ...http.docs import OPEN_ROUTE, documents_errors
 from ...http.errors import ErrorStyle, model_not_found, unsupported_media_type
+from ...core.compute_budget import admit_compute
+from ...core.memory import predict_peak_bytes
+from ...http.memory import reserve_for_request
 from ...http.observe import Work
 from ...http.parsing import ApiBlueprint, is_json_mimetype, read_body
 from ...http.settings import current_settings
@@ -139,28 +142,47 @@ def infer(model: str, version: str | None = None):
     if mimetype and not is_json_mimetype(mimetype) and mimetype != BINARY_CONTENT_TYPE:
         raise unsupported_media_type(
             f"Send the body as application/json or {BINARY_CONTENT_TYPE} (got {mimetype!r}).")
-    parsed = parse_infer_request(read_body(request), request.headers.get(HEADER_LENGTH), current_settings())
+    settings = current_settings()
+    body = read_body(request)
+    parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), settings)
     req = parsed.gradient
     g.work = work = Work.of(req.n, req.dim, req.factor, tuple(output.name for output in parsed.outputs),
                             req.outputs)  # for the log line and metrics
+    # Admitted before the slot: a queued request holds its memory reservation while it waits.
+    admit_compute(req.n, req.dim, req.factor, req.objective, req.dtype, req.outputs, settings)
+    reserve_for_request(predict_peak_bytes(
+        req.n, req.dim, req.factor, req.objective, req.dtype, tuple(output.name for output in parsed.outputs),
+        encoding="v2_binary" if request.headers.get(HEADER_LENGTH) is not None else "v2_json",
+        body_bytes=len(body), json_outputs=tuple(output.name for output in parsed.outputs if not output.binary),
+        settings=settings))
+    if not req.outputs:  # only what the outputs need: `bounds` alone computes no block, takes no slot
+        device = resolve_device(settings.device)
+        head, tensors = output_tensors(parsed, None, device)
+        g.device = str(device)
+        return infer_response(head, tensors)
     deadline = request_deadline()
     ticket = compute_slot(req, deadline)  # one computation at a time; every output is computed before writing
     try:
         with work.computing():
-            result = run(req, current_settings(), deadline)
+            result = run(req, settings, deadline)
             head, tensors = output_tensors(parsed, result)
         g.device = str(result.device)
-        if not has_binary(tensors):
-            # Streamed: the worker holds the output arrays and about one chunk of text, not the document.
-            return Response(held_until_written(gather(iter_json(head, tensors), CHUNK_BYTES), ticket,
-                                               computes=False), mimetype="application/json")
-        # Binary data follows a JSON header whose length is sent first: that header is built whole.
-        header, payload = encode_response(head, tensors)
+        response = infer_response(head, tensors)  # a binary answer's JSON header is counted here
     except BaseException:
         ticket.release()
         raise
-    response = Response(held_until_written(iter_body(header, payload), ticket, computes=False),
+    response.response = held_until_written(response.response, ticket, computes=False)
+    return response
+
+
+def infer_response(head: dict, tensors: list) -> Response:
+    """JSON only: streamed (the worker holds the output arrays and about one chunk of text).
+    With binary outputs, the JSON header's length is sent first: counted, then streamed."""
+    if not has_binary(tensors):
+        return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")
+    header_length, payload = encode_response(head, tensors)
+    response = Response(iter_body(gather(iter_json(head, tensors), CHUNK_BYTES), payload),
                         content_type=BINARY_CONTENT_TYPE)
-    response.headers[HEADER_LENGTH] = str(len(header))
-    response.content_length = body_length(header, payload)
+    response.headers[HEADER_LENGTH] = str(header_length)
+    response.content_length = body_length(header_length, payload)
     return response

@@ -1,0 +1,170 @@
+"""Memory admission: a request's predicted peak, and the worker's budget for it.
+
+`predict_peak_bytes` adds up what a request holds at its peak, from its sizes alone:
+its body and the parsed input, the engine's working set (a chunk of at most
+BLOCKGRAD_MAX_BLOCK_ELEMENTS numbers and what the objective derives from it, blocks
+kept between the passes), and the answer as it is written (whole arrays, text a block
+or a slice at a time). The coefficients are measured, not guessed: `python -m
+bench.memory` runs each case on a fresh gunicorn worker and prints the measured peak
+beside this prediction (docs/benchmarks.md, "Peak worker memory per case"); each
+coefficient is the largest measured per-unit cost, rounded up.
+
+`MemoryLedger` is the worker's account: the bytes reserved by the requests it holds
+(computing, queued, bodies being parsed). A request is admitted when its prediction
+plus what is reserved fits BLOCKGRAD_WORKER_MEMORY_BYTES; a prediction over the budget
+alone is `limit_exceeded` (413), one that only the current load keeps out is
+`memory_busy` (503, Retry-After). Standard library only.
+"""
+import threading
+from dataclasses import dataclass
+
+from .errors import BlockgradError, limit_exceeded
+from .settings import Settings
+
+ITEM_BYTES = {"float32": 4, "float64": 8}
+# Parsed JSON input per number: a Python float (24 B), its list slot (8 B), the float64
+# matrix it becomes (8 B), and the rows' lists.
+JSON_INPUT_BYTES_PER_NUMBER = 56
+# JSON text of one output number, the longest float64 (-1.2345678901234567e-308,) or float32.
+TEXT_BYTES_PER_NUMBER = {"float32": 16, "float64": 25}
+# The engine's working set, in chunks of its numbers: the pair stack, its gradient, the
+# objective's intermediates, the chain-rule sums; a band holds at most two chunks' results.
+CHUNKS_IN_FLIGHT = {"sum": 3, "mean": 3, "sum_of_squares": 4, "l2_norm": 5, "logsumexp": 6}
+DEFAULT_CHUNKS_IN_FLIGHT = 6
+V2_JSON_SLICE_BYTES = 2 * 1024 * 1024  # a 1 MiB slice of text and orjson's buffer for it
+FIXED_BYTES = 24 * 1024 * 1024  # allocator and interpreter overhead of any computing request
+MARGIN = 1.5  # run-to-run noise (the same case measured 285 and 503 MB) and cases between the measured ones
+
+
+def chunk_numbers(n: int, dim: int, factor: int, settings: Settings) -> int:
+    """Numbers in the engine's largest chunk: at most max_block_elements, at least one block,
+    never more than the whole pair matrix."""
+    base = n // factor
+    side = max(base, n - (factor - 1) * base)
+    return max(side * side * 2 * dim, min(settings.max_block_elements, n * n * 2 * dim))
+
+
+def predict_peak_bytes(n: int, dim: int, factor: int, objective: str, dtype: str, outputs: tuple[str, ...], *,
+                       encoding: str, body_bytes: int, json_outputs: tuple[str, ...] = (),
+                       settings: Settings) -> int:
+    """Bytes a request adds to its worker at its peak.
+
+    outputs: the /v1 names (blocks, accumulated, losses) or the /v2 names (block_gradients,
+    accumulated, bounds, losses); json_outputs: those written as JSON text (all of /v1's).
+    encoding: v1_json, v2_json or v2_binary (the request body's)."""
+    item = ITEM_BYTES.get(dtype, 8)
+    numbers = n * dim
+    text = TEXT_BYTES_PER_NUMBER.get(dtype, 25)
+    total = FIXED_BYTES + 2 * body_bytes  # the body, and werkzeug's copy while reading it
+    if encoding == "v2_binary":
+        total += 2 * numbers * 8  # decoded and checked copies
+    else:
+        total += JSON_INPUT_BYTES_PER_NUMBER * numbers
+    total += 3 * numbers * item  # vectors, accumulated, the chain-rule sums onto them
+    computes_blocks = any(name in outputs for name in ("blocks", "block_gradients", "accumulated", "losses"))
+    if computes_blocks:
+        chunk_bytes = chunk_numbers(n, dim, factor, settings) * item
+        total += CHUNKS_IN_FLIGHT.get(objective, DEFAULT_CHUNKS_IN_FLIGHT) * chunk_bytes
+        total += min(settings.max_block_elements, n * n * 2 * dim) * item  # blocks kept between the passes
+    if "blocks" in outputs:  # /v1: one block's text at a time, after the head
+        side = max(n // factor, n - (factor - 1) * (n // factor))
+        total += 2 * text * side * side * 2 * dim
+    if "block_gradients" in outputs:  # /v2: the whole (N, N, 2D) grid
+        total += n * n * 2 * dim * item
+    head_numbers = (numbers if "accumulated" in outputs else 0) + (factor * factor if "losses" in outputs else 0)
+    if encoding == "v1_json":
+        total += 2 * text * head_numbers  # the head (accumulated, losses) as one document
+    elif json_outputs:
+        total += V2_JSON_SLICE_BYTES + 2 * head_numbers * item  # streamed a slice at a time
+    return int(total * MARGIN)
+
+
+def body_parse_bytes(body_bytes: int, binary: bool) -> int:
+    """Bytes a body of `body_bytes` may take while it is read and parsed, before its sizes are
+    known. Already the worst case, so no margin: a JSON body of 32 MiB parses to at most
+    ~0.95 GiB of Python objects (measured: 11.2M empty lists or 8.4M one-number rows ~930 MiB,
+    README "Configuration"), about JSON_INPUT_BYTES_PER_NUMBER per two body bytes."""
+    parsed = 4 * body_bytes if binary else JSON_INPUT_BYTES_PER_NUMBER * (body_bytes // 2)
+    return FIXED_BYTES + 2 * body_bytes + parsed
+
+
+def memory_limit_exceeded(predicted: int, budget: int) -> BlockgradError:
+    return limit_exceeded(
+        f"This request would take about {predicted // 2 ** 20} MiB at its peak, over "
+        f"BLOCKGRAD_WORKER_MEMORY_BYTES = {budget // 2 ** 20} MiB per worker; send a larger factor, "
+        "fewer outputs (binary /v2 outputs are the smallest), float32 or fewer vectors.",
+        "BLOCKGRAD_WORKER_MEMORY_BYTES", predicted, budget)
+
+
+MEMORY_BUSY_RETRY_AFTER_S = 2
+
+
+def memory_busy(predicted: int, reserved: int, budget: int) -> BlockgradError:
+    return BlockgradError(
+        "overloaded",
+        f"This worker's memory is taken by the requests it holds ({reserved // 2 ** 20} MiB of "
+        f"{budget // 2 ** 20} MiB); this one needs about {predicted // 2 ** 20} MiB: retry after the "
+        "Retry-After seconds, on any replica.",
+        {"limit": "BLOCKGRAD_WORKER_MEMORY_BYTES", "value": predicted, "reserved": reserved, "allowed": budget},
+        retry_after_s=MEMORY_BUSY_RETRY_AFTER_S)
+
+
+def admit_memory(predicted: int, settings: Settings) -> None:
+    """limit_exceeded if the prediction alone is over the worker's budget."""
+    if predicted > settings.worker_memory_bytes:
+        raise memory_limit_exceeded(predicted, settings.worker_memory_bytes)
+
+
+@dataclass
+class Reservation:
+    ledger: "MemoryLedger"
+    nbytes: int
+    released: bool = False
+
+    def release(self) -> None:
+        """Idempotent: a stream's end and its close may both call it."""
+        self.ledger._release(self)
+
+    def resize(self, nbytes: int) -> None:
+        """Hold `nbytes` instead (e.g. the prediction once the sizes are known); raises as reserve."""
+        self.ledger._resize(self, nbytes)
+
+
+class MemoryLedger:
+    """One worker's reserved bytes, shared by its threads (gthread) or held by one request (sync)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.reserved = 0
+        self._lock = threading.Lock()
+
+    def fits(self, nbytes: int) -> bool:
+        return self.reserved + nbytes <= self.budget
+
+    def reserve(self, nbytes: int) -> Reservation:
+        """`nbytes` reserved until released; limit_exceeded (over the budget alone) or
+        memory_busy (only the current load is in the way)."""
+        if nbytes > self.budget:
+            raise memory_limit_exceeded(nbytes, self.budget)
+        with self._lock:
+            if self.reserved + nbytes > self.budget:
+                raise memory_busy(nbytes, self.reserved, self.budget)
+            self.reserved += nbytes
+        return Reservation(self, nbytes)
+
+    def _resize(self, reservation: Reservation, nbytes: int) -> None:
+        if nbytes > self.budget:
+            raise memory_limit_exceeded(nbytes, self.budget)
+        with self._lock:
+            if reservation.released:
+                return
+            others = self.reserved - reservation.nbytes
+            if others + nbytes > self.budget:
+                raise memory_busy(nbytes, others, self.budget)
+            self.reserved, reservation.nbytes = others + nbytes, nbytes
+
+    def _release(self, reservation: Reservation) -> None:
+        with self._lock:
+            if not reservation.released:
+                reservation.released = True
+                self.reserved -= reservation.nbytes

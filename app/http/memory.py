@@ -1,0 +1,33 @@
+"""The worker's memory ledger as the front ends use it: one reservation per request, taken
+for its body before it is read, resized to the request's predicted peak once its sizes are
+known, and released when its answer has been written (observe.py's finish).
+
+Under gthread the ledger is what lets a worker hold several requests (computing, queued,
+bodies being parsed) without their sum passing BLOCKGRAD_WORKER_MEMORY_BYTES; the compute
+gate (one slot, a queue) may also consult `current_ledger().fits(...)` before it lets a
+queued request in.
+"""
+from flask import Flask, current_app, g
+
+from ..core.memory import MemoryLedger
+from ..core.settings import Settings
+
+EXTENSION = "blockgrad_memory"
+
+
+def install_memory_ledger(app: Flask, settings: Settings) -> None:
+    app.extensions[EXTENSION] = MemoryLedger(settings.worker_memory_bytes)
+
+
+def current_ledger() -> MemoryLedger:
+    return current_app.extensions[EXTENSION]
+
+
+def reserve_for_request(nbytes: int) -> None:
+    """Hold `nbytes` for this request (replacing what it held): limit_exceeded (413) over the
+    budget alone, overloaded (503, Retry-After) when only the other requests are in the way."""
+    held = g.get("memory_reservation")
+    if held is None:
+        g.memory_reservation = current_ledger().reserve(nbytes)
+    else:
+        held.resize(nbytes)
