@@ -7,6 +7,7 @@ free of CUDA state; on CPU only, on_starting imports the app (and torch) before 
 import ctypes
 import fcntl
 import glob
+import logging
 import math
 import os
 import shutil
@@ -33,6 +34,12 @@ threads = COMPUTE_SLOTS + settings.queue_depth + SPARE_THREADS
 # Idle connections kept past a balancer's usual 60 s idle timeout: the balancer closes them.
 keepalive = math.ceil(settings.keepalive_s)
 worker_connections = 1000  # open connections per worker, idle keep-alive ones included
+# A kept-alive connection stays with the worker that accepted it. When a worker recycles, its
+# clients reconnect to the siblings, so one worker can end up with every busy connection while
+# its fresh replacement idles. Closing each connection after this many requests (as nginx's
+# keepalive_requests and Envoy's max_requests_per_connection do) lets the accept race, which
+# the least busy worker wins, spread them again; 0 turns it off.
+KEEPALIVE_REQUESTS = 100
 
 # gthread's timeout watches only the worker's main loop (its heartbeat), never a request
 # thread: the request deadline, the read and the send timeouts end stuck requests instead.
@@ -171,9 +178,29 @@ def limit_malloc_arenas() -> None:
 
 
 def post_worker_init(worker):
+    """Loaded: warm the engine up before accepting (still holding the loading lock, so that
+    no sibling starts draining meanwhile), then let siblings recycle."""
+    from app.core.run import warm_up
+
+    failed = warm_up(settings)
+    if failed is not None:
+        worker.log.warning("warm-up computation failed (the worker starts; /readyz reports the device): %s", failed)
     if getattr(worker, "loading_lock", False):
         fcntl.flock(worker.recycle_lock, fcntl.LOCK_UN)
         worker.loading_lock = False
+
+
+def worker_exit(server, worker):
+    """A recycled worker has served its last request: leave at once. The interpreter's own
+    shutdown with torch loaded takes about 400 ms, all of it before the master can fork the
+    replacement (and while this worker holds the recycle lock). Nothing needs it: the request
+    log is flushed here, metric values live in shared mmap files, no request is in flight."""
+    if not getattr(worker, "draining", False):
+        return  # any other exit (SIGTERM, a failure) takes the ordinary path
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def try_lock(lock_file) -> bool:
@@ -187,9 +214,12 @@ def try_lock(lock_file) -> bool:
 
 
 def pre_request(worker, req):
-    """Before gunicorn counts this request: if it is the worker's last, recycle only when no
+    """Before gunicorn counts this request: close its connection after the answer if it is
+    the connection's KEEPALIVE_REQUESTS-th; if it is the worker's last, recycle only when no
     sibling is draining or loading (this worker then holds the lock until it exits);
     otherwise serve a few more first."""
+    if KEEPALIVE_REQUESTS and getattr(req, "req_number", 0) >= KEEPALIVE_REQUESTS:
+        req.must_close = True  # gunicorn then answers "Connection: close"
     if worker.draining or worker.nr + 1 < worker.max_requests:
         return
     if try_lock(getattr(worker, "recycle_lock", None)):

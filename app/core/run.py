@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .device import release_device_memory, resolve_device
@@ -173,3 +174,19 @@ def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest, surely_f
                 if (chunk.rows[i], chunk.cols[j]) in suspects:  # the others are proven finite
                     found.append((chunk.rows[i], chunk.cols[j]))
     return min(found, default=None)  # None: only sums overflowed, the accumulated check reports it
+
+
+def warm_up(settings: Settings) -> Exception | None:
+    """Run one small request (both passes) so that the worker's first real one does not pay
+    torch's lazy start-up (~10 ms on CPU, the CUDA context on a GPU). Called once per worker,
+    before it accepts connections; returns what failed instead of raising: a worker whose
+    device fails still starts, and /readyz says why."""
+    req = GradientRequest(vectors=np.arange(8.0).reshape(4, 2), factor=2, objective="sum", offset=0.0,
+                          outputs=("blocks", "accumulated", "losses"), dtype="float32")
+    try:
+        result = run(req, settings)
+        for _ in result.blocks():
+            pass
+    except Exception as exc:  # noqa: BLE001 - reported, never fatal
+        return exc
+    return None

@@ -81,7 +81,8 @@ class Watchdog:
                 self._pid, self._heap = os.getpid(), []
                 threading.Thread(target=self._run, name="blockgrad-watchdog", daemon=True).start()
             heapq.heappush(self._heap, (alarm.due, next(self._order), alarm))
-            self._cond.notify()
+            if self._heap[0][2] is alarm:  # due before the one the thread sleeps for: wake it
+                self._cond.notify()
         return alarm
 
     def cancel(self, alarm: Alarm) -> None:
