@@ -90,6 +90,14 @@ def test_keep_alive_reuses_one_connection(server):
     assert opened == 1
 
 
+def test_a_connection_closes_after_its_hundredth_request(server):
+    """So that kept-alive connections spread over the workers again after a recycle."""
+    with requests.Session() as session:
+        closes = [session.get(server.url + "/healthz", timeout=30).headers.get("Connection", "").lower() == "close"
+                  for _ in range(120)]
+    assert [k for k, closed in enumerate(closes, start=1) if closed] == [100]  # then a new connection
+
+
 def test_full_load_sheds_at_once_and_probes_answer(server):
     """One computing, QUEUE_DEPTH waiting: the next is 503 overloaded; probes, /metrics and the
     docs still answer; closing the clients stops their computations (client_closed)."""
@@ -251,6 +259,8 @@ def test_recycling_under_a_small_max_requests_never_drops_a_request():
         assert statuses == [200] * 360
         assert wait_until(lambda: len(srv.worker_pids()) == 2, WAIT_S)
         log = srv.log()
+        # A recycled worker leaves with os._exit: its request log is flushed first, every line is there.
+        assert sum(1 for line in log_lines(srv) if line["route"] == "/v1/gradients") == 360
         assert "max_requests 20 raised to 100" in log and "max_requests_jitter 0 raised to 10" in log
         assert re.search(r"recycles after 1\d\d requests", log)
         assert set(srv.worker_pids()) != first
