@@ -5,6 +5,7 @@ and HTTP times compare like with like.
 """
 import os
 
+import flask
 import numpy as np
 import orjson
 import torch
@@ -68,6 +69,23 @@ def floor_body(req: GradientRequest) -> bytes:
     }, option=NUMPY)
 
 
+SCHEMA = GradientRequestSchema()  # one instance, as the view holds
+_app = None
+
+
 def parse_and_validate(body: bytes) -> GradientRequest:
-    """What the view gets: orjson.loads, then the marshmallow schema (vectors field included)."""
-    return GradientRequestSchema().load(orjson.loads(body))
+    """What the view gets: orjson.loads, then the marshmallow schema (vectors field and the
+    admission it runs included, which needs a request context: its memory reservation is
+    released after)."""
+    global _app
+    if _app is None:
+        from app import create_app
+
+        _app = create_app()
+    with _app.test_request_context():
+        try:
+            return SCHEMA.load(orjson.loads(body))
+        finally:
+            held = flask.g.get("memory_reservation")
+            if held is not None:
+                held.release()
