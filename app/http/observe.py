@@ -26,6 +26,7 @@ from . import metrics
 from .connection import set_send_timeout
 from .request_log import REQUEST_ID_HEADER, log_request, request_id_from
 from .settings import current_settings
+from .streaming import close_body
 
 
 @dataclass
@@ -220,9 +221,7 @@ class ObservedBody:
 
     def close(self) -> None:
         try:
-            close = getattr(self.body, "close", None)
-            if close is not None:
-                close()
+            close_body(self.body)
         finally:
             error = self.error
             if error is None and self.started and not self.complete:  # the server stopped writing

@@ -16,6 +16,7 @@ from ..core.settings import Settings
 from . import metrics
 from .connection import cancel_probe
 from .settings import current_settings
+from .streaming import close_body
 
 EXTENSION = "blockgrad_gate"
 
@@ -67,9 +68,7 @@ class HeldBody:
 
     def close(self) -> None:
         try:
-            close = getattr(self.body, "close", None)
-            if close is not None:
-                close()
+            close_body(self.body)
         finally:
             self.ticket.release()
 

@@ -1,4 +1,5 @@
-"""Shared pieces of streamed answers: tensors to arrays, and small pieces gathered into chunks."""
+"""Shared pieces of streamed answers: tensors to arrays, small pieces gathered into chunks,
+closing a wrapped body."""
 from collections.abc import Iterator
 
 import numpy as np
@@ -11,6 +12,13 @@ NUMPY = orjson.OPT_SERIALIZE_NUMPY
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     # orjson needs C-contiguous arrays; autograd may hand back expanded views.
     return tensor.detach().cpu().contiguous().numpy()
+
+
+def close_body(body: object) -> None:
+    """PEP 3333: whoever wraps a body passes the server's close() on to it, when it has one."""
+    close = getattr(body, "close", None)
+    if close is not None:
+        close()
 
 
 def gather(pieces: Iterator[bytes], chunk_bytes: int) -> Iterator[bytes]:
