@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from .errors import BlockgradError, limit_exceeded
+from .heap import TRIM_SLACK_BYTES
 from .settings import Settings
 
 ITEM_BYTES = {"float32": 4, "float64": 8}
@@ -61,11 +62,17 @@ def predict_peak_bytes(n: int, dim: int, factor: int, objective: str, dtype: str
     else:
         total += JSON_INPUT_BYTES_PER_NUMBER * numbers
     total += 3 * numbers * item  # vectors, accumulated, the chain-rule sums onto them
+    heap_slack = 0
     computes_blocks = any(name in outputs for name in ("blocks", "block_gradients", "accumulated", "losses"))
     if computes_blocks:
         chunk_bytes = chunk_numbers(n, dim, factor, settings) * item
         total += CHUNKS_IN_FLIGHT.get(objective, DEFAULT_CHUNKS_IN_FLIGHT) * chunk_bytes
         total += min(settings.max_block_elements, n * n * 2 * dim) * item  # blocks kept between the passes
+        if "blocks" in outputs or "block_gradients" in outputs:
+            # Keeping blocks fragments the heap by up to a chunk's temporaries per chunk, until
+            # app/core/heap.py trims it at TRIM_SLACK_BYTES of growth.
+            chunks = -(-n * n * 2 * dim // max(1, chunk_numbers(n, dim, factor, settings)))
+            heap_slack = min(TRIM_SLACK_BYTES, 2 * chunks * chunk_bytes)  # a bound: no margin on it
     if "blocks" in outputs:  # /v1: one block's text at a time, after the head
         side = max(n // factor, n - (factor - 1) * (n // factor))
         total += 2 * text * side * side * 2 * dim
@@ -76,7 +83,7 @@ def predict_peak_bytes(n: int, dim: int, factor: int, objective: str, dtype: str
         total += 2 * text * head_numbers  # the head (accumulated, losses) as one document
     elif json_outputs:
         total += V2_JSON_SLICE_BYTES + 2 * head_numbers * item  # streamed a slice at a time
-    return int(total * MARGIN)
+    return int(total * MARGIN) + heap_slack
 
 
 def body_parse_bytes(body_bytes: int, binary: bool) -> int:
