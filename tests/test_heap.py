@@ -48,3 +48,9 @@ def test_the_watch_trims_only_past_its_slack():
     watch.mark -= 1  # resident memory "grew" by a byte
     watch.check()
     assert watch.trims == 1
+
+
+@pytest.mark.skipif(heap.MALLOC_TRIM is None, reason="glibc's malloc_trim and /proc/self/statm")
+def test_small_passes_are_not_watched():
+    assert heap.watch_for(heap.TRIM_SLACK_BYTES // 2) is None  # cannot grow past the slack
+    assert isinstance(heap.watch_for(heap.TRIM_SLACK_BYTES), heap.HeapWatch)

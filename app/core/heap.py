@@ -50,3 +50,11 @@ class HeapWatch:
             MALLOC_TRIM(0)
             self.trims += 1
             self.mark = resident_bytes()  # what is still resident is live: grow from there
+
+
+def watch_for(pair_bytes: int) -> HeapWatch | None:
+    """A watch for a pass over `pair_bytes` of block entries, or None when the heap cannot grow
+    past the slack (it grows by at most about twice those bytes): small requests read nothing."""
+    if MALLOC_TRIM is None or 2 * pair_bytes <= TRIM_SLACK_BYTES:
+        return None
+    return HeapWatch()

@@ -21,7 +21,7 @@ from .device import release_device_memory, resolve_device
 from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, add_to_vectors, band_blocks, block_bounds, chunk_gradients,
                      elements_per_chunk, iter_bands, plan_bands)
 from .errors import client_closed, deadline_exceeded, device_out_of_memory, non_finite_accumulated, non_finite_block
-from .heap import HeapWatch
+from .heap import watch_for
 from .limits import admit, admit_activations
 from .request import GradientRequest
 from .settings import Settings
@@ -133,7 +133,7 @@ def summarize(req: GradientRequest, device: torch.device, vectors: torch.Tensor,
     # those chunks are rechecked block by block below.
     surely_finite = torch.empty((f, f), dtype=torch.bool, device=device)  # (F, F)
     accumulated = torch.zeros_like(vectors)  # (N, D)
-    heap = HeapWatch()  # app/core/heap.py: kept blocks fragment glibc's heap
+    heap = watch_for(req.n * req.n * 2 * req.dim * vectors.element_size())  # kept blocks fragment glibc's heap
     for band in iter_bands(vectors, f, req.objective_fn, req.offset, chunk_elements):
         for result in band:
             sums = add_to_vectors(accumulated, result)  # (kr * h, D), (kc * w, D)
@@ -148,7 +148,8 @@ def summarize(req: GradientRequest, device: torch.device, vectors: torch.Tensor,
             kept.extend(band_blocks(band))
         else:
             kept.clear()  # let go of what was kept before the budget ran out
-        heap.check()
+        if heap is not None:
+            heap.check()
         deadline.check()
     if not bool(surely_finite.all()):
         first = first_non_finite_block(vectors, req, surely_finite, chunk_elements)
