@@ -4,6 +4,7 @@ Targets are the issue's (issue 5); a row never loosens one. In-process work
 runs with one gunicorn worker's torch threads (see Bench.__init__).
 """
 import contextlib
+import dataclasses
 import statistics
 import threading
 import time
@@ -98,22 +99,16 @@ def http_vs_floor(bench: Bench) -> list[Result]:
     """The issue's two requests use the default objective (sum), whose block gradients are
     views of one number, so the service keeps them from pass one; the third request has
     dense gradients (sum_of_squares) and shows the cost of pass two recomputing them."""
-    server, target, results = bench.server(), 1.3, []
+    target, results = 1.3, []
     for n, dim, factor, objective in ((128, 64, 4, "sum"), (512, 64, 16, "sum"), (512, 64, 16, "sum_of_squares")):
-        req = inprocess.request(workloads.vectors(n, dim), factor, objective=objective)
-        body = workloads.body(req.vectors, factor=factor, objective=objective)
-        floor = inprocess.floor_body(req)
-        if post_for_body(server.url, body) != floor:  # warm-up, and proof both are the same answer
-            raise RuntimeError(f"N={n}, {objective}: the service's body differs from the in-process floor's")
-        session = requests.Session()
-        times = paired(lambda: post(session, server.url, body), lambda: inprocess.floor_body(req),
-                       repeats=9 if n < 512 else 5)
         issue_row = objective == "sum"  # the issue's rows; the dense one is for information
-        results.append(Result(f"2. HTTP vs in-process floor, N={n} D={dim} F={factor}, both outputs, {objective}",
-                              f"<= {target}x" if issue_row else "- (info)", f"{times.ratio:.2f}x",
-                              at_most(times.ratio, target) if issue_row else "-",
-                              f"HTTP {ms(times.a_s)}, floor {ms(times.b_s)}, {len(floor) / MB:.0f} MiB"
-                              + ("" if issue_row else "; dense gradients: pass two recomputes them")))
+        row = http_floor_row(bench, n, dim, factor, objective,
+                             f"2. HTTP vs in-process floor, N={n} D={dim} F={factor}, both outputs, {objective}",
+                             f"<= {target}x" if issue_row else "- (info)", target if issue_row else None,
+                             repeats=9 if n < 512 else 5)
+        if not issue_row:
+            row = dataclasses.replace(row, detail=row.detail + "; dense gradients: pass two recomputes them")
+        results.append(row)
     return results
 
 
