@@ -14,7 +14,7 @@ import shutil
 import sys
 import tempfile
 
-from app.core.settings import Settings, available_cores, env_int  # standard library only: no torch here
+from app.core.settings import COMPUTE_SLOTS, Settings, available_cores, env_int  # standard library only: no torch here
 
 cores = available_cores()
 settings = Settings.from_env()  # raises at start-up, with the variable's name, on a bad value
@@ -26,7 +26,6 @@ torch_threads = max(1, cores // workers)  # each worker computes on the cores it
 # Worker model (README, "Worker model"): threads take connections, probes and slow clients;
 # one computation at a time per worker (app/core/gate.py) with BLOCKGRAD_QUEUE_DEPTH waiting.
 worker_class = "gthread"
-COMPUTE_SLOTS = 1
 # Threads that are neither computing nor queued: 16 slow uploads (each freed after at most
 # BLOCKGRAD_READ_TIMEOUT_S), slow readers (BLOCKGRAD_SEND_TIMEOUT_S), probes, /metrics, docs.
 SPARE_THREADS = 24

@@ -1,7 +1,6 @@
 """The client package's row: /v1 read block by block (blockgrad_client) against the whole
 body read and parsed at once (requests + json), both ending in numpy arrays."""
 import gc
-import json
 import tracemalloc
 
 import numpy as np
@@ -10,8 +9,6 @@ from blockgrad_client import Client
 
 from . import workloads
 from .measure import Result, ms, paired
-
-MB = 1024 * 1024
 
 
 def whole_body(session: requests.Session, url: str, vectors: np.ndarray, fields: dict) -> list:

@@ -16,6 +16,7 @@ from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest
 from app.core.run import Deadline, run
 from app.core.settings import Settings
+from app.http.memory import release_held
 from app.http.streaming import to_numpy
 
 NUMPY = orjson.OPT_SERIALIZE_NUMPY
@@ -86,6 +87,4 @@ def parse_and_validate(body: bytes) -> GradientRequest:
         try:
             return SCHEMA.load(orjson.loads(body))
         finally:
-            held = flask.g.get("memory_reservation")
-            if held is not None:
-                held.release()
+            release_held(flask.g)

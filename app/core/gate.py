@@ -18,9 +18,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .errors import client_closed, deadline_exceeded, overloaded
-from .run import Deadline
+from .settings import COMPUTE_SLOTS
+
+if TYPE_CHECKING:  # a type only: importing run would load torch
+    from .run import Deadline
 
 WAIT_POLL_S = 0.1  # how often a waiting request looks at its deadline and its client
 
@@ -64,7 +68,7 @@ class Ticket:
 
 
 class Gate:
-    def __init__(self, queue_depth: int, slots: int = 1, listener: GateListener | None = None):
+    def __init__(self, queue_depth: int, slots: int = COMPUTE_SLOTS, listener: GateListener | None = None):
         self.queue_depth = queue_depth
         self.slots = slots
         self.listener = listener or GateListener()
@@ -80,7 +84,7 @@ class Gate:
     def busy(self) -> int:
         return self._busy
 
-    def acquire(self, cost: Cost, deadline: Deadline) -> Ticket:
+    def acquire(self, cost: Cost, deadline: "Deadline") -> Ticket:
         """The slot for `cost`, waiting in line up to the deadline; overloaded if the line is full."""
         start = time.monotonic()
         with self._lock:

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from .errors import BlockgradError, limit_exceeded
-from .heap import TRIM_SLACK_BYTES
+from .heap import TRIM_SLACK_BYTES, untrimmed_growth
 from .settings import Settings
 
 ITEM_BYTES = {"float32": 4, "float64": 8}
@@ -37,11 +37,16 @@ FIXED_BYTES = 24 * 1024 * 1024  # allocator and interpreter overhead of any comp
 MARGIN = 1.5  # run-to-run noise (the same case measured 285 and 503 MB) and cases between the measured ones
 
 
-def chunk_numbers(n: int, dim: int, factor: int, settings: Settings) -> int:
-    """Numbers in the engine's largest chunk: at most max_block_elements, at least one block,
-    never more than the whole pair matrix."""
+def block_side(n: int, factor: int) -> int:
+    """engine.largest_block_side, restated here so that this module needs no torch."""
     base = n // factor
-    side = max(base, n - (factor - 1) * base)
+    return max(base, n - (factor - 1) * base)
+
+
+def chunk_numbers(n: int, dim: int, factor: int, settings: Settings) -> int:
+    """Numbers in a chunk as predicted: at most max_block_elements, at least one block,
+    never more than the whole pair matrix."""
+    side = block_side(n, factor)
     return max(side * side * 2 * dim, min(settings.max_block_elements, n * n * 2 * dim))
 
 
@@ -65,16 +70,17 @@ def predict_peak_bytes(n: int, dim: int, factor: int, objective: str, dtype: str
     heap_slack = 0
     computes_blocks = any(name in outputs for name in ("blocks", "block_gradients", "accumulated", "losses"))
     if computes_blocks:
-        chunk_bytes = chunk_numbers(n, dim, factor, settings) * item
+        chunk = chunk_numbers(n, dim, factor, settings)
+        chunk_bytes = chunk * item
         total += CHUNKS_IN_FLIGHT.get(objective, DEFAULT_CHUNKS_IN_FLIGHT) * chunk_bytes
         total += min(settings.max_block_elements, n * n * 2 * dim) * item  # blocks kept between the passes
         if "blocks" in outputs or "block_gradients" in outputs:
             # Keeping blocks fragments the heap by up to a chunk's temporaries per chunk, until
             # app/core/heap.py trims it at TRIM_SLACK_BYTES of growth.
-            chunks = -(-n * n * 2 * dim // max(1, chunk_numbers(n, dim, factor, settings)))
-            heap_slack = min(TRIM_SLACK_BYTES, 2 * chunks * chunk_bytes)  # a bound: no margin on it
+            chunks = -(-n * n * 2 * dim // max(1, chunk))
+            heap_slack = min(TRIM_SLACK_BYTES, untrimmed_growth(chunks * chunk_bytes))  # a bound: no margin
     if "blocks" in outputs:  # /v1: one block's text at a time, after the head
-        side = max(n // factor, n - (factor - 1) * (n // factor))
+        side = block_side(n, factor)
         total += 2 * text * side * side * 2 * dim
     if "block_gradients" in outputs:  # /v2: the whole (N, N, 2D) grid
         total += n * n * 2 * dim * item
@@ -116,12 +122,6 @@ def memory_busy(predicted: int, reserved: int, budget: int) -> BlockgradError:
         retry_after_s=MEMORY_BUSY_RETRY_AFTER_S)
 
 
-def admit_memory(predicted: int, settings: Settings) -> None:
-    """limit_exceeded if the prediction alone is over the worker's budget."""
-    if predicted > settings.worker_memory_bytes:
-        raise memory_limit_exceeded(predicted, settings.worker_memory_bytes)
-
-
 @dataclass
 class Reservation:
     ledger: "MemoryLedger"
@@ -144,9 +144,6 @@ class MemoryLedger:
         self.budget = budget
         self.reserved = 0
         self._lock = threading.Lock()
-
-    def fits(self, nbytes: int) -> bool:
-        return self.reserved + nbytes <= self.budget
 
     def reserve(self, nbytes: int) -> Reservation:
         """`nbytes` reserved until released; limit_exceeded (over the budget alone) or

@@ -47,7 +47,6 @@ class ModelObjective:
     dtype: str  # the one dtype it was exported with
     bytes_per_pair: int  # estimated peak activation bytes per pair (measure_bytes_per_pair)
     module: torch.nn.Module = field(repr=False)
-    kind: str = "model"
     _on_device: dict = field(default_factory=dict, repr=False)
 
     @property

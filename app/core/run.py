@@ -133,7 +133,8 @@ def summarize(req: GradientRequest, device: torch.device, vectors: torch.Tensor,
     # those chunks are rechecked block by block below.
     surely_finite = torch.empty((f, f), dtype=torch.bool, device=device)  # (F, F)
     accumulated = torch.zeros_like(vectors)  # (N, D)
-    heap = watch_for(req.n * req.n * 2 * req.dim * vectors.element_size())  # kept blocks fragment glibc's heap
+    # Kept blocks fragment glibc's heap (app/core/heap.py); a pass that keeps none does not grow it.
+    heap = watch_for(req.n * req.n * 2 * req.dim * vectors.element_size()) if keep else None
     for band in iter_bands(vectors, f, req.objective_fn, req.offset, chunk_elements):
         for result in band:
             sums = add_to_vectors(accumulated, result)  # (kr * h, D), (kc * w, D)

@@ -37,6 +37,10 @@ def parse_float(name: str, raw: Any, default: float) -> float:
     return value
 
 
+# Computations at once per worker (app/core/gate.py): torch's threads already use the worker's cores.
+COMPUTE_SLOTS = 1
+
+
 def available_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     """Cores this process may use: the cgroup CPU quota in a container (rounded down), else
     the affinity mask. os.cpu_count() alone would see the whole node from inside a pod."""

@@ -3,9 +3,7 @@ for its body before it is read, resized to the request's predicted peak once its
 known, and released when its answer has been written (observe.py's finish).
 
 Under gthread the ledger is what lets a worker hold several requests (computing, queued,
-bodies being parsed) without their sum passing BLOCKGRAD_WORKER_MEMORY_BYTES; the compute
-gate (one slot, a queue) may also consult `current_ledger().fits(...)` before it lets a
-queued request in.
+bodies being parsed) without their sum passing BLOCKGRAD_WORKER_MEMORY_BYTES.
 """
 from flask import Flask, current_app, g
 
@@ -31,3 +29,11 @@ def reserve_for_request(nbytes: int) -> None:
         g.memory_reservation = current_ledger().reserve(nbytes)
     else:
         held.resize(nbytes)
+
+
+def release_held(state) -> None:
+    """Give back what the request whose `g` is `state` reserved, if anything (idempotent);
+    `state` may outlive the request context (a stream's end)."""
+    held = getattr(state, "memory_reservation", None)
+    if held is not None:
+        held.release()

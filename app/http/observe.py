@@ -24,6 +24,7 @@ from ..core.errors import BlockgradError
 from ..core.limits import output_elements
 from . import metrics
 from .connection import set_send_timeout
+from .memory import release_held
 from .request_log import REQUEST_ID_HEADER, log_request, request_id_from
 from .settings import current_settings
 from .streaming import close_body
@@ -145,9 +146,7 @@ def finisher(status: int, state, route: str, method: str, answered: bool = True)
             return
         state.logged = True
         UNFINISHED.pop(key, None)
-        reservation = getattr(state, "memory_reservation", None)  # app/http/memory.py
-        if reservation is not None:
-            reservation.release()
+        release_held(state)
         duration_s = time.perf_counter() - started
         code = stream_error or error_code
         metrics.observe_request(route, method, status, duration_s)

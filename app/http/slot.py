@@ -12,7 +12,7 @@ from flask import Flask, current_app, g, request
 from ..core.gate import Cost, Gate, GateListener, Ticket
 from ..core.request import GradientRequest
 from ..core import run as core_run  # core_run.Deadline looked up per request (tests replace it)
-from ..core.settings import Settings
+from ..core.settings import COMPUTE_SLOTS, Settings
 from . import metrics
 from .connection import cancel_probe
 from .settings import current_settings
@@ -33,7 +33,7 @@ class MetricsListener(GateListener):
 
 
 def install_gate(app: Flask, settings: Settings) -> None:
-    app.extensions[EXTENSION] = Gate(settings.queue_depth, slots=1, listener=MetricsListener())
+    app.extensions[EXTENSION] = Gate(settings.queue_depth, slots=COMPUTE_SLOTS, listener=MetricsListener())
 
 
 def current_gate() -> Gate:
