@@ -179,11 +179,6 @@ ERRORS: dict[str, ErrorCode] = {
                                     "(the computation stopped; logged and counted under this code)",
                                core.client_closed),
 }
-# Codes only the log and metrics carry (the answer was cut short, no error answer is sent).
-LOG_ONLY_CODES = {"send_timeout": "a write made no progress for BLOCKGRAD_SEND_TIMEOUT_S; the answer was cut",
-                  "worker_timeout": "gunicorn killed the worker past its timeout while it held the request "
-                                    "(logged by gunicorn.conf.py's worker_abort hook)",
-                  "client_closed": ERRORS["client_closed"].when}
 
 
 def error_body(error: BlockgradError) -> dict[str, Any]:

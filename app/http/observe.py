@@ -113,8 +113,9 @@ def after_request(response: Response) -> Response:
 
 def teardown_request(exc: BaseException | None) -> None:
     """A request whose after_request never ran (its hooks failed) is no longer in flight here."""
-    if not g.get("finisher_made", False) and "unfinished_key" in g:
-        UNFINISHED.pop(g.unfinished_key, None)
+    if not g.get("finisher_made", False):
+        UNFINISHED.pop(g.get("unfinished_key"), None)
+        release_held(g)  # its memory reservation, which finish would have given back
 
 
 def abort_in_flight(code: str = WORKER_TIMEOUT) -> None:

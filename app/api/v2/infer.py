@@ -24,6 +24,11 @@ from .codec import CodecError, OutputTensor, decode_tensor, split_body
 from .model import DATATYPE_OF_DTYPE, FLOAT_DATATYPES, GRADIENT_PARAMETERS, INPUT_NAME, MODEL_NAME, MODEL_VERSION, OUTPUTS
 from .schemas import InferRequestSchema, ParametersSchema, RequestInputSchema, RequestOutputSchema
 
+# One instance each, as /v1's view holds (marshmallow deep-copies the fields per instance).
+INFER_REQUEST_SCHEMA, PARAMETERS_SCHEMA = InferRequestSchema(), ParametersSchema()
+ENVELOPE_FIELDS = tuple(INFER_REQUEST_SCHEMA.fields)
+INPUT_FIELDS, OUTPUT_FIELDS = tuple(RequestInputSchema().fields), tuple(RequestOutputSchema().fields)
+
 
 def invalid(message: str) -> BlockgradError:
     """The protocol answers a bad request with 400 and {"error": message}."""
@@ -53,7 +58,7 @@ def parse_infer_request(body: bytes, header_length: str | None, settings: Settin
     document = decode_json(header)  # 400 bad_json, as /v1
     check_envelope_sizes(document)
     try:
-        envelope = InferRequestSchema().load(document)
+        envelope = INFER_REQUEST_SCHEMA.load(document)
     except ValidationError as exc:
         raise invalid(f"The inference request is not valid: {flatten(exc.messages)}") from None
     matrix, datatype = input_matrix(envelope["inputs"], binary, settings)
@@ -67,7 +72,7 @@ def parse_infer_request(body: bytes, header_length: str | None, settings: Settin
                       "and binary_data_output.")
     outputs = requested_outputs(envelope.get("outputs"), binary_output)
     try:
-        typed = ParametersSchema().load(parameters)  # JSON types, as /v1 checks its fields
+        typed = PARAMETERS_SCHEMA.load(parameters)  # JSON types, as /v1 checks its fields
         gradient = build_request(matrix, objectives=current_objectives(), dtype=FLOAT_DATATYPES[datatype][1], **typed,
                                  outputs=ordered_outputs({OUTPUTS[output.name] for output in outputs}))
     except ValidationError as exc:
@@ -92,7 +97,7 @@ def check_envelope_sizes(document: object) -> None:
     """The protocol's maps and lists here are short: refuse long ones before the schema walks them."""
     if not isinstance(document, dict):
         return  # the schema's to refuse
-    refuse_many_unknown(document, tuple(InferRequestSchema().fields), "fields")
+    refuse_many_unknown(document, ENVELOPE_FIELDS, "fields")
     refuse_many_unknown(document.get("parameters"), (*GRADIENT_PARAMETERS, "binary_data_output"), "parameters")
     inputs, outputs = (value if isinstance(value, list) else [] for value in (document.get("inputs"),
                                                                                document.get("outputs")))
@@ -100,10 +105,10 @@ def check_envelope_sizes(document: object) -> None:
         raise invalid(f"The model takes exactly one input, '{INPUT_NAME}'; got {len(inputs)} inputs.")
     if len(outputs) > len(OUTPUTS):
         raise invalid(f"The model has {len(OUTPUTS)} outputs {list(OUTPUTS)}; {len(outputs)} were asked for.")
-    for entry, schema, known in [*((tensor, RequestInputSchema, ("binary_data_size",)) for tensor in inputs),
-                                 *((tensor, RequestOutputSchema, ("binary_data",)) for tensor in outputs)]:
+    for entry, fields, known in [*((tensor, INPUT_FIELDS, ("binary_data_size",)) for tensor in inputs),
+                                 *((tensor, OUTPUT_FIELDS, ("binary_data",)) for tensor in outputs)]:
         if isinstance(entry, dict):
-            refuse_many_unknown(entry, tuple(schema().fields), "fields of a tensor")
+            refuse_many_unknown(entry, fields, "fields of a tensor")
             refuse_many_unknown(entry.get("parameters"), known, "parameters of a tensor")
 
 

@@ -5,7 +5,7 @@ the model's parameters' JSON types; the core's `build_request` then applies the
 rules that need the numbers. The response schemas document the routes.
 """
 from marshmallow import Schema, fields
-from marshmallow.validate import Length, OneOf, Range
+from marshmallow.validate import Length, Range
 
 from ...http.fields import JsonNumber, ObjectiveName
 

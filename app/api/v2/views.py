@@ -18,7 +18,7 @@ from ...http.memory import reserve_for_request
 from ...http.observe import Work
 from ...http.parsing import ApiBlueprint, is_json_mimetype, read_body
 from ...http.settings import current_settings
-from ...http.slot import compute_slot, held_until_written, request_deadline
+from ...http.slot import compute_slot, request_deadline
 from ...http.streaming import gather
 from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, body_length, encode_response, has_binary,
                     iter_body, iter_json)
@@ -144,15 +144,16 @@ def infer(model: str, version: str | None = None):
             f"Send the body as application/json or {BINARY_CONTENT_TYPE} (got {mimetype!r}).")
     settings = current_settings()
     body = read_body(request)
-    parsed = parse_infer_request(body, request.headers.get(HEADER_LENGTH), settings)
+    header_length = request.headers.get(HEADER_LENGTH)
+    parsed = parse_infer_request(body, header_length, settings)
     req = parsed.gradient
-    g.work = work = Work.of(req.n, req.dim, req.factor, tuple(output.name for output in parsed.outputs),
-                            req.outputs)  # for the log line and metrics
+    output_names = tuple(output.name for output in parsed.outputs)
+    g.work = work = Work.of(req.n, req.dim, req.factor, output_names, req.outputs)  # for the log line and metrics
     # Admitted before the slot: a queued request holds its memory reservation while it waits.
     admit_compute(req.n, req.dim, req.factor, req.objective, req.dtype, req.outputs, settings)
     reserve_for_request(predict_peak_bytes(
-        req.n, req.dim, req.factor, req.objective, req.dtype, tuple(output.name for output in parsed.outputs),
-        encoding="v2_binary" if request.headers.get(HEADER_LENGTH) is not None else "v2_json",
+        req.n, req.dim, req.factor, req.objective, req.dtype, output_names,
+        encoding="v2_binary" if header_length is not None else "v2_json",
         body_bytes=len(body), json_outputs=tuple(output.name for output in parsed.outputs if not output.binary),
         settings=settings))
     if not req.outputs:  # only what the outputs need: `bounds` alone computes no block, takes no slot
@@ -161,18 +162,13 @@ def infer(model: str, version: str | None = None):
         g.device = str(device)
         return infer_response(head, tensors)
     deadline = request_deadline()
-    ticket = compute_slot(req, deadline)  # one computation at a time; every output is computed before writing
-    try:
-        with work.computing():
-            result = run(req, settings, deadline)
-            head, tensors = output_tensors(parsed, result)
-        g.device = str(result.device)
-        response = infer_response(head, tensors)  # a binary answer's JSON header is counted here
-    except BaseException:
-        ticket.release()
-        raise
-    response.response = held_until_written(response.response, ticket, computes=False)
-    return response
+    # One computation at a time; every output is computed before writing, so the slot is
+    # released before the body is sent.
+    with compute_slot(req, deadline), work.computing():
+        result = run(req, settings, deadline)
+        head, tensors = output_tensors(parsed, result)
+    g.device = str(result.device)
+    return infer_response(head, tensors)  # a binary answer's JSON header is counted here
 
 
 def infer_response(head: dict, tensors: list) -> Response:
