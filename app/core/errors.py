@@ -43,6 +43,15 @@ def validation_error(fields: dict[str, Any], message: str | None = None) -> Bloc
                           {"fields": fields})
 
 
+def many_unknown(mapping: object, known) -> set | None:
+    """The keys of `mapping` (a dict) not in `known`, when they are more than a message lists;
+    else None. O(keys): refused before a schema would spend seconds on millions of them."""
+    if not isinstance(mapping, dict) or len(mapping) <= len(known):
+        return None
+    unknown = mapping.keys() - set(known)
+    return unknown if len(unknown) > LISTED_NAMES else None
+
+
 def unknown_fields(names: set[str], known) -> BlockgradError:
     """Fields the schema does not have, refused before it looks at any of them (costs O(len(names)))."""
     listed = heapq.nsmallest(LISTED_NAMES, names)

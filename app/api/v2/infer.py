@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from marshmallow import ValidationError
 
-from ...core.errors import LISTED_NAMES, BlockgradError, listed_names
+from ...core.errors import BlockgradError, listed_names, many_unknown
 from ...core.engine import block_bounds
 from ...core.limits import admit_shape
 from ...core.request import GradientRequest, build_request, ordered_outputs
@@ -85,12 +85,10 @@ def parse_infer_request(body: bytes, header_length: str | None, settings: Settin
 
 
 def refuse_many_unknown(mapping: object, known, where: str) -> None:
-    """More unknown keys than a message lists: refused in O(keys), before the schema
-    would spend seconds on each of millions of them."""
-    if isinstance(mapping, dict) and len(mapping) > len(known):
-        unknown = mapping.keys() - set(known)
-        if len(unknown) > LISTED_NAMES:
-            raise invalid(f"Unknown {where}: {listed_names(unknown, len(unknown))}; known: {', '.join(known)}.")
+    """More unknown keys than a message lists: refused in O(keys) (core.errors.many_unknown)."""
+    unknown = many_unknown(mapping, known)
+    if unknown:
+        raise invalid(f"Unknown {where}: {listed_names(unknown, len(unknown))}; known: {', '.join(known)}.")
 
 
 def check_envelope_sizes(document: object) -> None:
