@@ -288,9 +288,16 @@ def load(server: Server, path: str, body: bytes, probe: bool = False, clients: i
     return len(latencies) / wall, latencies, probes
 
 
-def logged_durations_ms(server: Server, route: str) -> list[float]:
-    return [line["duration_ms"] for line in map(orjson.loads, (
+def logged_requests(server: Server, route: str) -> list[dict]:
+    """The request log's lines for `route`, oldest first."""
+    return [line for line in map(orjson.loads, (
         raw for raw in server.log().splitlines() if raw.startswith('{"ts"'))) if line.get("route") == route]
+
+
+def medians_ms(lines: list[dict]) -> tuple[float, float]:
+    """Median duration_ms and median cpu_ms (the serving thread's CPU time) of log lines."""
+    return (statistics.median(line["duration_ms"] for line in lines),
+            statistics.median(line["cpu_ms"] for line in lines))
 
 
 RECYCLE_ARGS = "--max-requests 100 --max-requests-jitter 10"  # the floor gunicorn.conf.py allows
@@ -304,20 +311,23 @@ def serving_small_requests(bench: Bench) -> list[Result]:
     body = workloads.body(workloads.SEED_EXAMPLE)
     with gunicorn_server(workers=None, device=None, ready_path="/readyz") as server:
         rate, latencies, probes = load(server, "/v1/gradients", body, probe=True)
-        loaded = logged_durations_ms(server, "/v1/gradients")
+        loaded = logged_requests(server, "/v1/gradients")
         load(server, "/v1/gradients", body, clients=1, seconds=SERVING_SECONDS / 2)
-        alone = logged_durations_ms(server, "/v1/gradients")[len(loaded):]
+        alone = logged_requests(server, "/v1/gradients")[len(loaded):]
     sync_env = {"GUNICORN_CMD_ARGS": "--worker-class sync --threads 1 --keep-alive 2"}
     with gunicorn_server(workers=None, device=None, ready_path="/readyz", env=sync_env) as server:
         sync_rate, _, _ = load(server, "/v1/gradients", body)
     with gunicorn_server(workers=None, device=None, ready_path="/", app="bench.noop:app") as server:
         noop_rate, _, _ = load(server, "/", body)
+    # What the worker class alone can give: the no-op app under sync (bounds the first row's ratio).
+    with gunicorn_server(workers=None, device=None, ready_path="/", app="bench.noop:app", env=sync_env) as server:
+        noop_sync_rate, _, _ = load(server, "/", body)
     with gunicorn_server(workers=None, device=None, ready_path="/readyz",
                          env={"GUNICORN_CMD_ARGS": RECYCLE_ARGS}) as server:
         recycled_rate, recycled, _ = load(server, "/v1/gradients", body)
         restarts = server.log().count("recycles after")
     p99 = float(np.percentile(probes, 99)) if probes else float("nan")
-    loaded_ms, alone_ms = statistics.median(loaded), statistics.median(alone)
+    (loaded_ms, loaded_cpu_ms), (alone_ms, alone_cpu_ms) = medians_ms(loaded), medians_ms(alone)
     return [
         Result("7. seed 10x5, 4 clients: gthread vs sync worker", ">= 2x", f"{rate / sync_rate:.2f}x",
                at_least(rate / sync_rate, 2.0), f"{rate:.0f} vs {sync_rate:.0f} req/s"),
@@ -326,9 +336,14 @@ def serving_small_requests(bench: Bench) -> list[Result]:
                                                f"{ms(statistics.median(latencies))}"),
         Result("7. seed 10x5, 4 clients: server-side median per request (request log)", "<= 1 ms",
                f"{loaded_ms:.2f} ms", at_most(loaded_ms, 1.0),
-               f"{len(loaded)} requests; 2 connections per worker, so it includes the wait for the other's computation"),
+               f"{len(loaded)} requests; median CPU time of the serving thread {loaded_cpu_ms:.2f} ms (cpu_ms); "
+               f"2 connections per worker, so it includes the wait for the other's computation"),
         Result("7. seed 10x5, 1 client: server-side median per request (request log)", "<= 1 ms",
-               f"{alone_ms:.2f} ms", at_most(alone_ms, 1.0), f"{len(alone)} requests"),
+               f"{alone_ms:.2f} ms", at_most(alone_ms, 1.0),
+               f"{len(alone)} requests; median cpu_ms {alone_cpu_ms:.2f} ms"),
+        Result("7. no-op WSGI app, 4 clients: gthread vs sync worker (the most row 7's first ratio can be)",
+               "- (info)", f"{noop_rate / noop_sync_rate:.2f}x", "-",
+               f"{noop_rate:.0f} vs {noop_sync_rate:.0f} req/s"),
         Result("7. /readyz p99 under that load", "<= 100 ms", ms(p99), at_most(p99, 0.1),
                f"{len(probes)} probes every {PROBE_EVERY_S * 1e3:.0f} ms"),
         Result(f"7. longest request, 4 clients, workers recycling ({RECYCLE_ARGS})", "<= 1 s",

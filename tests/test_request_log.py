@@ -34,8 +34,36 @@ def test_one_line_per_request_with_its_sizes_and_the_callers_id(client, caplog):
     assert line["output_numbers"] == 3 * 3 + 2 * 2
     assert isinstance(line["duration_ms"], float) and line["duration_ms"] >= 0
     assert isinstance(line["compute_ms"], float) and line["compute_ms"] >= 0
+    assert isinstance(line["cpu_ms"], float) and line["cpu_ms"] >= 0
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", line["ts"])
     assert "error" not in line
+
+
+def test_cpu_ms_is_the_serving_threads_cpu_time_not_its_wall_time(client, caplog, monkeypatch):
+    """A request that waits 0.3 s logs a duration of at least that and little CPU; one that
+    burns 0.2 s of its thread's CPU logs at least that, however slow the machine."""
+    import time
+
+    from app.core import run as core_run
+
+    def waits(*args, **kwargs):
+        time.sleep(0.3)
+        return core_run.run(*args, **kwargs)
+
+    def burns(*args, **kwargs):
+        until = time.thread_time() + 0.2
+        for _ in range(10**9):
+            if time.thread_time() >= until:
+                break
+        return core_run.run(*args, **kwargs)
+
+    caplog.set_level(logging.INFO, logger="blockgrad")
+    for fake in (waits, burns):
+        monkeypatch.setattr("app.api.v1.views.run", fake)
+        assert client.post("/v1/gradients", json=PAYLOAD).status_code == 200
+    waited, burned = request_lines(caplog)
+    assert waited["duration_ms"] >= 300 and waited["cpu_ms"] < waited["duration_ms"] - 250
+    assert burned["cpu_ms"] >= 200
 
 
 def test_payload_is_never_logged(client, caplog):

@@ -12,6 +12,7 @@ Codes that only the log line and the errors metric carry (never an answer's body
 and `worker_timeout` (gunicorn killed the worker past its timeout: gunicorn.conf.py's
 worker_abort hook logs every request still in flight with it, before the worker exits).
 """
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -79,6 +80,7 @@ UNFINISHED: dict[int, Callable[[str | None], None]] = {}
 
 def before_request() -> None:
     g.started = time.perf_counter()
+    g.cpu_started = (threading.get_ident(), time.thread_time())  # cpu_ms: this thread's CPU time
     g.arrived = time.monotonic()  # the request's deadline counts from here (slot.request_deadline)
     g.request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
     metrics.IN_FLIGHT.inc()
@@ -134,6 +136,7 @@ def finisher(status: int, state, route: str, method: str, answered: bool = True)
     then its body closed) does nothing."""
     state.finisher_made = answered
     started = getattr(state, "started", time.perf_counter())
+    cpu_started = getattr(state, "cpu_started", None)
     in_flight = getattr(state, "in_flight", False)
     request_id = getattr(state, "request_id", None) or request_id_from(None)
     work: Work | None = getattr(state, "work", None)
@@ -149,6 +152,8 @@ def finisher(status: int, state, route: str, method: str, answered: bool = True)
         UNFINISHED.pop(key, None)
         release_held(state)
         duration_s = time.perf_counter() - started
+        same_thread = cpu_started is not None and cpu_started[0] == threading.get_ident()  # not worker_abort's
+        cpu_s = time.thread_time() - cpu_started[1] if same_thread else None
         code = stream_error or error_code
         metrics.observe_request(route, method, status, duration_s)
         if in_flight:
@@ -159,6 +164,8 @@ def finisher(status: int, state, route: str, method: str, answered: bool = True)
             metrics.observe_device(device)
         fields: dict[str, Any] = {"request_id": request_id, "method": method, "route": route,
                                   "status": status, "duration_ms": round(duration_s * 1000, 3)}
+        if cpu_s is not None:
+            fields["cpu_ms"] = round(cpu_s * 1000, 3)
         if work is not None:
             complete = status == 200 and stream_error is None
             metrics.observe_work(work.output_numbers if complete else 0, work.compute_s)
