@@ -239,7 +239,11 @@ def test_unknown_objective_is_refused_listing_the_available_ones(served):
     assert response.status_code == 400 and "bilinear" in response.get_json()["error"]
 
 
-def test_a_block_whose_activations_are_over_the_budget_is_refused(tmp_path, library):
+def test_a_block_whose_activations_are_over_the_budget_is_refused(tmp_path, library, monkeypatch):
+    """At once: the refusal never queues for the compute slot."""
+    def must_not_queue(*args, **kwargs):
+        raise AssertionError("a request over a limit queued for the compute slot")
+    monkeypatch.setattr("app.api.v1.views.compute_slot", must_not_queue)
     directory = model_dir(tmp_path, library, "pairmlp")
     app = create_app({"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(directory), "BLOCKGRAD_MAX_ACTIVATION_BYTES": "1"})
     response = app.test_client().post("/v1/gradients", json={"vectors": [[1.0, 2.0, 3.0]] * 4, "objective": "pairmlp",

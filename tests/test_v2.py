@@ -633,3 +633,22 @@ def test_v2_refuses_chunked_bodies_over_the_limit_and_compressed_bodies():
     compressed = client.post("/v2/models/blockgrad/infer", data=gzip.compress(document),
                              headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
     assert compressed.status_code == 415 and "uncompressed" in strict_json(compressed.get_data())["error"]
+
+
+@pytest.mark.parametrize("config,document,limit", [
+    ({"BLOCKGRAD_MAX_BLOCK_ELEMENTS": 10}, with_parameters(factor=1), "BLOCKGRAD_MAX_BLOCK_ELEMENTS"),
+    ({"BLOCKGRAD_MAX_OUTPUT_ELEMENTS": 20}, GOOD, "BLOCKGRAD_MAX_OUTPUT_ELEMENTS"),
+])
+def test_limits_are_refused_before_queueing_for_the_slot(monkeypatch, config, document, limit):
+    """A request over a limit is 413 at once, never after waiting behind another computation."""
+    def must_not_queue(*args, **kwargs):
+        raise AssertionError("a request over a limit queued for the compute slot")
+    monkeypatch.setattr("app.api.v2.views.compute_slot", must_not_queue)
+    client = create_app(config).test_client()
+    assert limit in assert_protocol_error(client.post(INFER, json=document), 413)
+
+
+def test_bounds_alone_is_not_held_to_the_block_limit():
+    client = create_app({"BLOCKGRAD_MAX_BLOCK_ELEMENTS": 10}).test_client()
+    response = client.post(INFER, json=dict(with_parameters(factor=1), outputs=[{"name": "bounds"}]))
+    assert response.status_code == 200

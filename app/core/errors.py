@@ -25,13 +25,14 @@ class BlockgradError(Exception):
         self.retry_after_s = retry_after_s  # set when retrying later may succeed as sent
 
 
-def short_name(name: str, limit: int = 64) -> str:
-    return name if len(name) <= limit else f"{name[:limit]}...({len(name)} characters)"
+def cut_text(text: str, limit: int = 64) -> str:
+    """`text` cut to `limit` characters, saying how many were left out (names, messages, details)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
 
 
 def listed_names(names, count: int) -> str:
     """The first LISTED_NAMES names in sorted order (in O(count)), each cut short, and how many more."""
-    shown = [short_name(name) for name in heapq.nsmallest(LISTED_NAMES, names)]
+    shown = [cut_text(name) for name in heapq.nsmallest(LISTED_NAMES, names)]
     more = f" and {count - len(shown)} more" if count > len(shown) else ""
     return ", ".join(shown) + more
 
@@ -55,7 +56,7 @@ def many_unknown(mapping: object, known) -> set | None:
 def unknown_fields(names: set[str], known) -> BlockgradError:
     """Fields the schema does not have, refused before it looks at any of them (costs O(len(names)))."""
     listed = heapq.nsmallest(LISTED_NAMES, names)
-    fields: dict[str, Any] = {short_name(name): ["Unknown field."] for name in listed}
+    fields: dict[str, Any] = {cut_text(name): ["Unknown field."] for name in listed}
     return BlockgradError("validation_error",
                           f"The request is not valid: unknown fields {listed_names(listed, len(names))}; "
                           f"the fields are {', '.join(known)}.",

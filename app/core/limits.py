@@ -6,7 +6,7 @@ from .cost import predict_seconds
 from .engine import largest_block_side
 from .errors import limit_exceeded
 from .objectives import DEFAULT_OBJECTIVE
-from .request import DEFAULT_DTYPE
+from .request import DEFAULT_DTYPE, GradientRequest
 from .settings import Settings
 
 
@@ -115,3 +115,10 @@ def admit_activations(n: int, factor: int, objective, settings: Settings) -> Non
         f"With factor {factor} the model's activations for the largest block take about {needed} bytes "
         f"({per_pair} bytes per pair), over BLOCKGRAD_MAX_ACTIVATION_BYTES = {limit}; {advice}.",
         "BLOCKGRAD_MAX_ACTIVATION_BYTES", needed, limit)
+
+
+def admit_request(req: GradientRequest, settings: Settings) -> None:
+    """Every size limit a built request must fit: the front ends call it before the request
+    queues for the compute slot (a refusal never waits), and `run` again."""
+    admit(req.n, req.dim, req.factor, req.outputs, settings, req.objective, req.dtype)
+    admit_activations(req.n, req.factor, req.objective_fn, settings)

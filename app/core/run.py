@@ -22,7 +22,7 @@ from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, add_to_vectors, band_blocks,
                      elements_per_chunk, iter_bands, plan_bands)
 from .errors import client_closed, deadline_exceeded, device_out_of_memory, non_finite_accumulated, non_finite_block
 from .heap import watch_for
-from .limits import admit, admit_activations
+from .limits import admit_request
 from .request import GradientRequest
 from .settings import Settings
 
@@ -104,8 +104,7 @@ class Result:
 
 def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = None) -> Result:
     """Admit (limit_exceeded before any tensor), then compute on this worker's device."""
-    admit(req.n, req.dim, req.factor, req.outputs, settings, req.objective, req.dtype)
-    admit_activations(req.n, req.factor, req.objective_fn, settings)
+    admit_request(req, settings)
     device = resolve_device(settings.device)
     deadline = deadline or Deadline(settings.request_timeout_s)
     with device_memory_guard():

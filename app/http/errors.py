@@ -18,7 +18,7 @@ from flask import Flask, Response, current_app, g, has_request_context, request
 from werkzeug.exceptions import HTTPException
 
 from ..core import errors as core
-from ..core.errors import BlockgradError
+from ..core.errors import BlockgradError, cut_text
 
 log = logging.getLogger("blockgrad")
 
@@ -235,10 +235,6 @@ MAX_DETAIL_DEPTH = 4
 TRUNCATED_KEY = "_truncated"  # in a cut map: how many entries were left out
 
 
-def cut_text(text: str, limit: int) -> str:
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
-
-
 def bounded(value: Any, depth: int = 0) -> Any:
     """`value` with every string, map and list cut to the limits above."""
     if isinstance(value, str):
@@ -246,7 +242,7 @@ def bounded(value: Any, depth: int = 0) -> Any:
     if isinstance(value, dict):
         if depth >= MAX_DETAIL_DEPTH:
             return {TRUNCATED_KEY: len(value)} if value else {}
-        kept = {cut_text(key, 64) if isinstance(key, str) else key: bounded(item, depth + 1)
+        kept = {cut_text(key) if isinstance(key, str) else key: bounded(item, depth + 1)
                 for key, item in islice(value.items(), MAX_DETAIL_ITEMS)}
         if len(value) > MAX_DETAIL_ITEMS:
             kept[TRUNCATED_KEY] = len(value) - MAX_DETAIL_ITEMS

@@ -1,6 +1,7 @@
 """POST /v1/gradients: the schema builds the core's request, the core runs it, render.py writes it."""
 from flask import Response, g
 
+from ...core.limits import admit_request
 from ...core.run import run
 from ...http.docs import documents_errors
 from ...http.observe import Work
@@ -25,6 +26,7 @@ blp = ApiBlueprint("gradients", __name__, url_prefix="/v1",
 def post_gradients(req: GradientRequest):
     """Gradients of every block, each detached as its own leaf, and their sum on the vectors."""
     g.work = work = Work.of(req.n, req.dim, req.factor, req.outputs)  # for the log line and metrics
+    admit_request(req, current_settings())  # the schema admitted the sizes; this adds a model's activations
     deadline = request_deadline()
     ticket = compute_slot(req, deadline)  # one computation at a time; held while blocks stream
     try:

@@ -13,6 +13,7 @@ from ...core.run import run
 from ...http.docs import OPEN_ROUTE, documents_errors
 from ...http.errors import ErrorStyle, model_not_found, unsupported_media_type
 from ...core.compute_budget import admit_compute
+from ...core.limits import admit_request
 from ...core.memory import predict_peak_bytes
 from ...http.memory import reserve_for_request
 from ...http.observe import Work
@@ -149,7 +150,10 @@ def infer(model: str, version: str | None = None):
     req = parsed.gradient
     output_names = tuple(output.name for output in parsed.outputs)
     g.work = work = Work.of(req.n, req.dim, req.factor, output_names, req.outputs)  # for the log line and metrics
-    # Admitted before the slot: a queued request holds its memory reservation while it waits.
+    # Admitted before the slot: a refusal never waits, and a queued request holds its memory
+    # reservation while it waits. `bounds` alone computes no block: no block limit applies.
+    if req.outputs:
+        admit_request(req, settings)
     admit_compute(req.n, req.dim, req.factor, req.objective, req.dtype, req.outputs, settings)
     reserve_for_request(predict_peak_bytes(
         req.n, req.dim, req.factor, req.objective, req.dtype, output_names,
