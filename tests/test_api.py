@@ -270,3 +270,22 @@ def test_health_and_ready(client):
 def test_not_ready_with_unusable_device():
     client = create_app({"BLOCKGRAD_DEVICE": "tpu"}).test_client()
     assert_error(client.get("/readyz"), 503, "not_ready")
+
+
+def test_a_small_answer_goes_out_whole_and_the_same_as_streamed(client, monkeypatch):
+    """Blocks kept from pass one and about one chunk of JSON: one body with a Content-Length
+    (one write); the same bytes the streamed form sends, which larger answers still use."""
+    vectors = np.arange(30, dtype=np.float64).reshape(10, 3).tolist()
+    whole = client.post("/v1/gradients", json={"vectors": vectors, "outputs": ["blocks", "accumulated", "losses"]},
+                        buffered=False)
+    assert whole.status_code == 200
+    assert int(whole.headers["Content-Length"]) == len(whole.get_data())
+    monkeypatch.setattr("app.api.v1.render.WHOLE_ANSWER_NUMBERS", 0)
+    streamed = client.post("/v1/gradients", json={"vectors": vectors, "outputs": ["blocks", "accumulated", "losses"]},
+                           buffered=False)
+    assert "Content-Length" not in streamed.headers
+    assert whole.get_data() == streamed.get_data()
+    monkeypatch.undo()
+    large = client.post("/v1/gradients", json={"vectors": np.ones((64, 3)).tolist(), "factor": 2}, buffered=False)
+    assert "Content-Length" not in large.headers  # 64 * 64 * 6 block numbers: over WHOLE_ANSWER_NUMBERS
+    assert len(strict_json(large.get_data())["blocks"]) == 4

@@ -66,12 +66,12 @@ class ExpiresAfter(Deadline):
 
 
 def test_deadline_mid_stream_cuts_the_body(monkeypatch, tensor_refs):
-    factor = 4
+    n, factor = 64, 4  # 16384 block numbers: over WHOLE_ANSWER_NUMBERS, so the answer streams
     # All of pass one (one check per band of chunks), then two blocks of pass two.
-    ExpiresAfter.checks_allowed = len(plan_bands(8, 2, factor, DEFAULT_CHUNK_ELEMENTS)) + 2
+    ExpiresAfter.checks_allowed = len(plan_bands(n, 2, factor, DEFAULT_CHUNK_ELEMENTS)) + 2
     monkeypatch.setattr(compute, "Deadline", ExpiresAfter)
     client = create_app({"TESTING": True}).test_client()
-    response = client.post("/v1/gradients", json={"vectors": np.ones((8, 2)).tolist(), "factor": factor,
+    response = client.post("/v1/gradients", json={"vectors": np.ones((n, 2)).tolist(), "factor": factor,
                                                   "outputs": ["blocks"]})
     assert response.status_code == 200  # the head had gone out; the status cannot change now
     chunks = []
@@ -80,7 +80,7 @@ def test_deadline_mid_stream_cuts_the_body(monkeypatch, tensor_refs):
             chunks.append(chunk)
     response.close()
     body = b"".join(chunks)
-    assert body.startswith(b'{"n":8,')
+    assert body.startswith(b'{"n":64,')
     with pytest.raises(ValueError):
         strict_json(body)  # incomplete, never a complete-looking wrong answer
     assert_freed(tensor_refs)

@@ -116,7 +116,8 @@ def test_only_the_current_load_in_the_way_is_503_overloaded_then_served():
 def test_a_streamed_answer_holds_its_reservation_until_written():
     app = create_app({"TESTING": True})
     ledger = app.extensions[EXTENSION]
-    response = app.test_client().post("/v1/gradients", json=GOOD, buffered=False)
+    streamed = dict(GOOD, vectors=np.ones((64, 2)).tolist())  # over WHOLE_ANSWER_NUMBERS: blocks stream
+    response = app.test_client().post("/v1/gradients", json=streamed, buffered=False)
     assert response.status_code == 200 and response.is_streamed
     assert ledger.reserved > 0
     b"".join(response.response)

@@ -9,6 +9,9 @@ from prometheus_client.parser import text_string_to_metric_families
 GOOD = {"vectors": [[0.5, 1.0, 1.5], [2.0, 2.5, 3.0], [3.5, 4.0, 4.5], [5.0, 5.5, 6.0]], "factor": 2,
         "outputs": ["blocks", "accumulated", "losses"]}
 GOOD_NUMBERS = 4 * 4 * 2 * 3 + 4 * 3 + 2 * 2  # blocks N*N*2D + accumulated N*D + losses F*F = 112
+# An answer over WHOLE_ANSWER_NUMBERS (8192): its blocks stream.
+STREAMED = dict(GOOD, vectors=[[0.5 * i, 1.0, 1.5] for i in range(64)])
+STREAMED_NUMBERS = 64 * 64 * 2 * 3 + 64 * 3 + 2 * 2  # 24772
 
 
 def scrape(client) -> dict[tuple[str, frozenset], float]:
@@ -90,7 +93,7 @@ def test_streamed_answer_is_counted_when_its_body_ends(client):
     """While the blocks stream, the request is in flight and its outputs are not counted yet."""
     before = scrape(client)
     assert value(before, "blockgrad_requests_in_flight") >= 1.0  # the scrape itself
-    response = client.post("/v1/gradients", json=GOOD, buffered=False)
+    response = client.post("/v1/gradients", json=STREAMED, buffered=False)
     assert response.status_code == 200 and response.is_streamed
     during = scrape(client)
     assert value(during, "blockgrad_requests_in_flight") == value(before, "blockgrad_requests_in_flight") + 1
@@ -100,13 +103,13 @@ def test_streamed_answer_is_counted_when_its_body_ends(client):
     assert len(body["blocks"]) == 4
     after = scrape(client)
     assert value(after, "blockgrad_requests_in_flight") == value(before, "blockgrad_requests_in_flight")
-    assert value(after, "blockgrad_output_numbers_total") == value(before, "blockgrad_output_numbers_total") + GOOD_NUMBERS
+    assert value(after, "blockgrad_output_numbers_total") == value(before, "blockgrad_output_numbers_total") + STREAMED_NUMBERS
     assert requests_count(after, "/v1/gradients", "POST", 200) == requests_count(before, "/v1/gradients", "POST", 200) + 1
 
 
 def test_stream_closed_early_counts_no_outputs_and_a_client_closed_error(client):
     before = scrape(client)
-    response = client.post("/v1/gradients", json=GOOD, buffered=False)
+    response = client.post("/v1/gradients", json=STREAMED, buffered=False)
     response.close()  # as a server does when the client goes away mid-body
     after = scrape(client)
     assert value(after, "blockgrad_requests_in_flight") == value(before, "blockgrad_requests_in_flight")

@@ -3,6 +3,7 @@
 The head (sizes, bounds, accumulated, losses) goes out first; then each block
 is serialised as it is taken from the result and flushed in chunks of about
 CHUNK_BYTES, so a worker holds roughly one block of output at a time whatever N is.
+A small answer (WHOLE_ANSWER_NUMBERS) whose blocks are all computed is sent whole instead.
 """
 from collections.abc import Iterator
 
@@ -14,6 +15,11 @@ from ...http.observe import Work
 from ...http.streaming import NUMPY, gather, to_numpy
 
 CHUNK_BYTES = 256 * 1024
+# An answer of at most this many numbers whose blocks were kept from pass one (computed and
+# proven finite) goes out whole, with a Content-Length, in one write instead of a chunk per
+# piece (issue 9's small requests: ~0.1 ms less per request). Under 1 MiB of JSON even for
+# 1 x 1 blocks (~75 bytes per number with the keys), inside the memory prediction's FIXED_BYTES.
+WHOLE_ANSWER_NUMBERS = 8192
 
 
 def block_json(block: Block) -> bytes:
@@ -30,7 +36,8 @@ def head_json(head: dict) -> bytes:
 
 
 def render_result(result: Result, work: Work) -> bytes | Iterator[bytes]:
-    """The whole document; streamed (an iterator) when it holds blocks."""
+    """The whole document; streamed (an iterator) when it holds blocks, unless it is small
+    and they are all computed."""
     req = result.request
     head = {"n": req.n, "dim": req.dim, "factor": req.factor, "bounds": result.bounds,
             "objective": req.objective, "dtype": req.dtype, "device": str(result.device)}
@@ -40,7 +47,10 @@ def render_result(result: Result, work: Work) -> bytes | Iterator[bytes]:
         head["losses"] = to_numpy(result.losses)
     if "blocks" not in req.outputs:
         return head_json(head)
-    return stream_with_blocks(head, work.timed(result.blocks()))
+    body = stream_with_blocks(head, work.timed(result.blocks()))
+    if result.kept is not None and work.output_numbers <= WHOLE_ANSWER_NUMBERS:
+        return b"".join(body)
+    return body
 
 
 def stream_with_blocks(head: dict, blocks: Iterator[Block]) -> Iterator[bytes]:
