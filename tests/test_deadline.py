@@ -88,6 +88,21 @@ def test_deadline_mid_stream_cuts_the_body(monkeypatch, tensor_refs):
     assert_still_serving(client)
 
 
+def test_deadline_while_a_small_answer_is_rendered_is_a_clean_503(monkeypatch, tensor_refs):
+    """A small answer is rendered whole before its status goes out, so a deadline that passes
+    while its blocks are taken is still a 503 with the error body, not a cut 200."""
+    factor = 4
+    ExpiresAfter.checks_allowed = len(plan_bands(8, 2, factor, DEFAULT_CHUNK_ELEMENTS)) + 2
+    monkeypatch.setattr(compute, "Deadline", ExpiresAfter)
+    client = create_app({"TESTING": True}).test_client()
+    response = client.post("/v1/gradients", json={"vectors": np.ones((8, 2)).tolist(), "factor": factor,
+                                                  "outputs": ["blocks"]})
+    assert_error(response, 503, "deadline_exceeded")
+    assert_freed(tensor_refs)
+    monkeypatch.undo()
+    assert_still_serving(client)
+
+
 # Against a real gunicorn: one worker, a 2 s deadline and an API token (also proving
 # the token never reaches the server's log).
 TOKEN = "t0ken-that-must-not-be-logged"
