@@ -58,9 +58,14 @@ def test_prediction_grows_with_what_the_request_holds():
                              **{**base, "dtype": "float64"})
     assert accumulated < blocks and accumulated < f64
     grid = dict(settings=settings, objective="sum", dtype="float64", body_bytes=0, encoding="v2_binary")
-    with_grid = predict_peak_bytes(1024, 32, 8, outputs=("block_gradients",), json_outputs=(), **grid)
-    bounds_only = predict_peak_bytes(1024, 32, 8, outputs=("bounds",), json_outputs=(), **grid)
-    assert with_grid - bounds_only >= 1024 * 1024 * 64 * 8  # the (N, N, 2D) grid is held whole
+    binary = predict_peak_bytes(1024, 32, 8, outputs=("block_gradients", "bounds"), json_outputs=(), **grid)
+    all_json = predict_peak_bytes(1024, 32, 8, outputs=("block_gradients", "bounds"),
+                                  json_outputs=("block_gradients", "bounds"), **grid)
+    mixed = predict_peak_bytes(1024, 32, 8, outputs=("block_gradients", "bounds"),
+                               json_outputs=("block_gradients",), **grid)
+    whole_grid = 1024 * 1024 * 64 * 8
+    # Made a block row (128 of 1024 rows) at a time, except as JSON beside binary outputs: held whole.
+    assert mixed - binary >= whole_grid and mixed - all_json >= whole_grid - 4 * 1024 * 1024
 
 
 # --- admission

@@ -652,3 +652,50 @@ def test_bounds_alone_is_not_held_to_the_block_limit():
     client = create_app({"BLOCKGRAD_MAX_BLOCK_ELEMENTS": 10}).test_client()
     response = client.post(INFER, json=dict(with_parameters(factor=1), outputs=[{"name": "bounds"}]))
     assert response.status_code == 200
+
+
+# --- block_gradients is made a block row at a time as it is written
+
+
+def reference_grid(vectors: torch.Tensor, factor: int, objective: str) -> np.ndarray:
+    """(N, N, 2D) from the literal per-block loop, each block's gradient put at its rows and columns."""
+    n, base = len(vectors), len(vectors) // factor
+    starts = [k * base for k in range(factor)] + [n]
+    grid = np.zeros((n, n, 2 * vectors.shape[1]))
+    blocks = iter(reference_blocks(vectors, factor, objective))
+    for r in range(factor):
+        for c in range(factor):
+            grid[starts[r]:starts[r + 1], starts[c]:starts[c + 1]] = next(blocks)[1].numpy()
+    return grid
+
+
+def test_gradient_rows_are_the_grid_one_block_row_at_a_time():
+    from app.api.v2.infer import gradient_rows
+    from app.core.request import GradientRequest
+    from app.core.run import run
+    from app.core.settings import Settings
+
+    vectors = torch.randn(10, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    req = GradientRequest(vectors=vectors.numpy(), factor=3, objective="sum_of_squares", offset=5.0,
+                          outputs=("blocks",), dtype="float64")
+    slabs = list(gradient_rows(run(req, Settings())))
+    assert [slab.shape for slab in slabs] == [(3, 10, 6), (3, 10, 6), (4, 10, 6)]  # the last takes the rest
+    np.testing.assert_array_equal(np.concatenate(slabs), reference_grid(vectors, 3, "sum_of_squares"))
+
+
+@pytest.mark.parametrize("objective,recomputed", [("sum_of_squares", True), ("sum", False)])
+def test_a_grid_holds_the_slot_while_written_only_when_its_blocks_are_recomputed(objective, recomputed):
+    """Dense gradients over one block's memory are recomputed as written, so the computation
+    (and its slot) lasts until the body ends; kept blocks are only copied: the slot is free."""
+    app = create_app({"TESTING": True, "BLOCKGRAD_MAX_BLOCK_ELEMENTS": 1000})  # keeps <= 1000 numbers of gradients
+    gate = app.extensions["blockgrad_gate"]
+    vectors = torch.randn(40, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    body, headers = binary_request(vectors.numpy(), "FP64", {"factor": 4, "objective": objective},
+                                   [{"name": "block_gradients"}])
+    response = app.test_client().post(INFER, data=body, headers=headers, buffered=False)
+    assert response.status_code == 200
+    assert gate.busy == (1 if recomputed else 0)
+    _, tensors = read_response(response)
+    assert gate.busy == 0
+    expected = reference_grid(vectors, 4, objective)
+    np.testing.assert_allclose(tensors["block_gradients"], expected, rtol=1e-12, atol=0)

@@ -82,8 +82,10 @@ def predict_peak_bytes(n: int, dim: int, factor: int, objective: str, dtype: str
     if "blocks" in outputs:  # /v1: one block's text at a time, after the head
         side = block_side(n, factor)
         total += 2 * text * side * side * 2 * dim
-    if "block_gradients" in outputs:  # /v2: the whole (N, N, 2D) grid
-        total += n * n * 2 * dim * item
+    if "block_gradients" in outputs:  # /v2: the (N, N, 2D) grid, made a block row at a time as written
+        total += block_side(n, factor) * n * 2 * dim * item
+        if "block_gradients" in json_outputs and len(json_outputs) < len(outputs):
+            total += n * n * 2 * dim * item  # as JSON beside binary outputs it is held whole (counted first)
     head_numbers = (numbers if "accumulated" in outputs else 0) + (factor * factor if "losses" in outputs else 0)
     if encoding == "v1_json":
         total += 2 * text * head_numbers  # the head (accumulated, losses) as one document

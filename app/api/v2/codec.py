@@ -6,12 +6,12 @@ by the Inference-Header-Content-Length HTTP header. Bytes become arrays with
 np.frombuffer, and arrays become bytes straight from their own memory, a chunk at
 a time: never a Python object per number. The JSON side is written a slice of
 numbers at a time too, so an all-JSON answer is streamed: the worker holds the
-output arrays and about one chunk of text, never the whole document. Pure module:
-no Flask.
+output arrays (block_gradients a slab of rows at a time, `RowSlabs`) and about one
+chunk of text, never the whole document. Pure module: no Flask.
 """
 from dataclasses import dataclass
 from math import prod
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import orjson
@@ -63,10 +63,35 @@ def decode_tensor(buffer: memoryview, dtype: np.dtype, shape: list[int]) -> np.n
 
 
 @dataclass(frozen=True)
+class RowSlabs:
+    """A row-major tensor made as it is written, in slabs of whole leading rows, top to bottom
+    (the block gradients, a block row at a time), so it is never held whole."""
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    make: Callable[[], Iterator[np.ndarray]]  # each slab C-contiguous, shape (rows, *shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        return prod(self.shape) * self.dtype.itemsize
+
+    def whole(self) -> np.ndarray:
+        """Every slab made now, in one array (the tensor and one slab in memory at a time)."""
+        array, top = np.empty(self.shape, self.dtype), 0
+        for slab in self.make():
+            array[top:top + len(slab)] = slab
+            top += len(slab)
+        return array
+
+
+def slabs(array: "np.ndarray | RowSlabs") -> Iterator[np.ndarray]:
+    return array.make() if isinstance(array, RowSlabs) else iter((array,))
+
+
+@dataclass(frozen=True)
 class OutputTensor:
     name: str
     datatype: str  # the protocol's name, e.g. FP32
-    array: np.ndarray
+    array: np.ndarray | RowSlabs
     binary: bool  # bytes after the header, or numbers in its JSON
 
 
@@ -83,11 +108,12 @@ def iter_json(head: dict, tensors: list[OutputTensor]) -> Iterator[bytes]:
             yield orjson.dumps({**entry, "parameters": {"binary_data_size": tensor.array.nbytes}})
             continue
         yield orjson.dumps({**entry, "data": []})[:-len(b"]}")]
-        flat = np.ascontiguousarray(tensor.array).reshape(-1)
-        for start in range(0, flat.size, JSON_SLICE_NUMBERS):
-            if start:
-                yield b","
-            yield orjson.dumps(flat[start:start + JSON_SLICE_NUMBERS], option=NUMPY)[1:-1]  # no brackets
+        separator = b""
+        for slab in slabs(tensor.array):
+            flat = np.ascontiguousarray(slab).reshape(-1)
+            for start in range(0, flat.size, JSON_SLICE_NUMBERS):
+                yield separator + orjson.dumps(flat[start:start + JSON_SLICE_NUMBERS], option=NUMPY)[1:-1]
+                separator = b","  # between slices; orjson's brackets cut off above
         yield b"]}"
     yield b"]}"
 
@@ -96,25 +122,27 @@ def has_binary(tensors: list[OutputTensor]) -> bool:
     return any(tensor.binary for tensor in tensors)
 
 
-def encode_response(head: dict, tensors: list[OutputTensor]) -> tuple[int, list[np.ndarray]]:
+def encode_response(head: dict, tensors: list[OutputTensor]) -> tuple[int, list[np.ndarray | RowSlabs]]:
     """For a response with binary outputs: the JSON header's length (sent in a header before
     the body, so counted first: the header is serialised twice, a piece at a time, never
-    held whole, whatever JSON data other outputs put in it) and the arrays whose bytes
-    follow it, in order, little-endian."""
+    held whole, whatever JSON data other outputs put in it; slabs in it are made twice) and
+    the tensors whose bytes follow it, in order."""
     header_length = sum(len(piece) for piece in iter_json(head, tensors))
-    payload = [np.ascontiguousarray(tensor.array, dtype=tensor.array.dtype.newbyteorder("<"))
-               for tensor in tensors if tensor.binary]
-    return header_length, payload
+    return header_length, [tensor.array for tensor in tensors if tensor.binary]
 
 
-def body_length(header_length: int, payload: list[np.ndarray]) -> int:
+def body_length(header_length: int, payload: list[np.ndarray | RowSlabs]) -> int:
     return header_length + sum(array.nbytes for array in payload)
 
 
-def iter_body(header: Iterator[bytes], payload: list[np.ndarray], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """The JSON header's pieces (`header`, e.g. iter_json gathered), then each array's bytes."""
+def iter_body(header: Iterator[bytes], payload: list[np.ndarray | RowSlabs],
+              chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
+    """The JSON header's pieces (`header`, e.g. iter_json gathered), then each tensor's bytes,
+    little-endian, a slab at a time."""
     yield from header
     for array in payload:
-        view = memoryview(array).cast("B")  # the array's own bytes, no copy
-        for start in range(0, view.nbytes, chunk_bytes):
-            yield view[start:start + chunk_bytes].tobytes()
+        for slab in slabs(array):
+            little = np.ascontiguousarray(slab, dtype=slab.dtype.newbyteorder("<"))  # no copy on little-endian hosts
+            view = memoryview(little).cast("B")  # the slab's own bytes, no copy
+            for start in range(0, view.nbytes, chunk_bytes):
+                yield view[start:start + chunk_bytes].tobytes()

@@ -4,6 +4,7 @@ The envelope (inputs, outputs, parameters) is the protocol's; the vectors and th
 model's parameters become the core's request through `build_request`, so the
 rules, defaults and limits are the core's, as for /v1.
 """
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +21,7 @@ from ...core.vectors import MatrixError, check_matrix, parse_matrix
 from ...http.parsing import decode_json
 from ...http.settings import current_objectives
 from ...http.streaming import to_numpy
-from .codec import CodecError, OutputTensor, decode_tensor, split_body
+from .codec import CodecError, OutputTensor, RowSlabs, decode_tensor, split_body
 from .model import DATATYPE_OF_DTYPE, FLOAT_DATATYPES, GRADIENT_PARAMETERS, INPUT_NAME, MODEL_NAME, MODEL_VERSION, OUTPUTS
 from .schemas import InferRequestSchema, ParametersSchema, RequestInputSchema, RequestOutputSchema
 
@@ -199,21 +200,29 @@ def requested_outputs(outputs: list[dict] | None, binary_default: bool) -> tuple
     return tuple(chosen)
 
 
-def output_tensors(request: InferRequest, result: Result | None, device=None) -> tuple[dict, list[OutputTensor]]:
+def output_tensors(request: InferRequest, result: Result | None, device=None,
+                   timed: Callable[[Iterator], Iterator] = iter) -> tuple[dict, list[OutputTensor]]:
     """The response head and its output tensors, from the core's result (None when only
-    `bounds` was asked for: nothing was computed; `device` is then the one named)."""
+    `bounds` was asked for: nothing was computed; `device` is then the one named).
+
+    block_gradients is made as it is written, a block row at a time (`timed` wraps the blocks,
+    e.g. to count compute time), except as JSON beside binary outputs: that header is
+    serialised twice (its length goes first), so the grid is made once and held."""
     req = request.gradient
     datatype = DATATYPE_OF_DTYPE[req.dtype]
+    any_binary = any(output.binary for output in request.outputs)
 
-    def output_array(name: str) -> np.ndarray:
-        if name == "block_gradients":
-            return gradient_grid(result).numpy()  # (N, N, 2D), shares the tensor's memory
-        if name == "bounds":
+    def output_array(output: RequestedOutput) -> np.ndarray | RowSlabs:
+        if output.name == "block_gradients":
+            grid = RowSlabs((req.n, req.n, 2 * req.dim), np.dtype(req.dtype),
+                            lambda: gradient_rows(result, timed))  # (N, N, 2D)
+            return grid if output.binary or not any_binary else grid.whole()
+        if output.name == "bounds":
             return np.array(block_bounds(req.n, req.factor), dtype=np.int64)
-        return to_numpy(result.accumulated if name == "accumulated" else result.losses)
+        return to_numpy(result.accumulated if output.name == "accumulated" else result.losses)
 
     tensors = [OutputTensor(output.name, "INT64" if output.name == "bounds" else datatype,
-                            output_array(output.name), output.binary) for output in request.outputs]
+                            output_array(output), output.binary) for output in request.outputs]
     head = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION}
     if request.id is not None:
         head["id"] = request.id
@@ -222,14 +231,20 @@ def output_tensors(request: InferRequest, result: Result | None, device=None) ->
     return head, tensors
 
 
-def gradient_grid(result: Result) -> torch.Tensor:
-    """(N, N, 2D): the full pair-matrix gradient, each block written in place (ragged last
-    blocks need no padding)."""
+def gradient_rows(result: Result, timed: Callable[[Iterator], Iterator] = iter) -> Iterator[np.ndarray]:
+    """The (N, N, 2D) pair-matrix gradient as (rows, N, 2D) slabs, one block row each, top
+    to bottom, every block copied into place (ragged last blocks need no padding)."""
     n, dim = result.request.n, result.request.dim
-    grid = torch.empty((n, n, 2 * dim), dtype=result.accumulated.dtype)
-    for block in result.blocks():
-        grid[block.row_span[0]:block.row_span[1], block.col_span[0]:block.col_span[1]].copy_(block.gradient)
-    return grid
+    slab, top = None, -1
+    for block in timed(result.blocks()):  # row-block-major: a block row's blocks come together
+        if block.row_span[0] != top:
+            if slab is not None:
+                yield slab.numpy()
+            top = block.row_span[0]
+            slab = torch.empty((block.row_span[1] - top, n, 2 * dim), dtype=result.accumulated.dtype)  # on the host
+        slab[:, block.col_span[0]:block.col_span[1]].copy_(block.gradient)
+    if slab is not None:
+        yield slab.numpy()
 
 
 def field_label(name: str) -> str:

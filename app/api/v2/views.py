@@ -4,6 +4,7 @@ Health answers are a status with an empty body (200 true, 400 false); failures
 are the protocol's {"error": "<message>"} (ERROR_STYLE, registered for /v2).
 """
 import logging
+from collections.abc import Callable, Iterable
 
 from flask import Response, current_app, g, request
 
@@ -19,10 +20,10 @@ from ...http.memory import reserve_for_request
 from ...http.observe import Work
 from ...http.parsing import ApiBlueprint, is_json_mimetype, read_body
 from ...http.settings import current_settings
-from ...http.slot import compute_slot, request_deadline
+from ...http.slot import compute_slot, held_until_written, request_deadline
 from ...http.streaming import gather
-from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, body_length, encode_response, has_binary,
-                    iter_body, iter_json)
+from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, RowSlabs, body_length, encode_response,
+                    has_binary, iter_body, iter_json)
 from .infer import output_tensors, parse_infer_request
 from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, model_metadata
 from .schemas import InferRequestSchema, InferResponseSchema, ModelMetadataSchema, ProtocolErrorSchema, ServerMetadataSchema
@@ -166,22 +167,29 @@ def infer(model: str, version: str | None = None):
         g.device = str(device)
         return infer_response(head, tensors)
     deadline = request_deadline()
-    # One computation at a time; every output is computed before writing, so the slot is
-    # released before the body is sent.
-    with compute_slot(req, deadline), work.computing():
-        result = run(req, settings, deadline)
-        head, tensors = output_tensors(parsed, result)
-    g.device = str(result.device)
-    return infer_response(head, tensors)  # a binary answer's JSON header is counted here
+    ticket = compute_slot(req, deadline)  # one computation at a time
+    try:
+        with work.computing():
+            result = run(req, settings, deadline)
+        head, tensors = output_tensors(parsed, result, timed=work.timed)
+        g.device = str(result.device)
+        # block_gradients is made as it is written: blocks recomputed then keep the slot until
+        # the body ends; kept blocks are only copied, and the slot goes to the next request now.
+        recomputes = result.kept is None and any(isinstance(tensor.array, RowSlabs) for tensor in tensors)
+        return infer_response(head, tensors, lambda body: held_until_written(body, ticket, computes=recomputes))
+    except BaseException:
+        ticket.release()
+        raise
 
 
-def infer_response(head: dict, tensors: list) -> Response:
-    """JSON only: streamed (the worker holds the output arrays and about one chunk of text).
-    With binary outputs, the JSON header's length is sent first: counted, then streamed."""
+def infer_response(head: dict, tensors: list, hold: Callable[[Iterable[bytes]], Iterable[bytes]] = iter) -> Response:
+    """JSON only: streamed (the worker holds the output arrays, a block row of block_gradients
+    and about one chunk of text). With binary outputs, the JSON header's length is sent first:
+    counted, then streamed. `hold`: wraps the body (the compute slot held while it is written)."""
     if not has_binary(tensors):
-        return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")
+        return Response(hold(gather(iter_json(head, tensors), CHUNK_BYTES)), mimetype="application/json")
     header_length, payload = encode_response(head, tensors)
-    response = Response(iter_body(gather(iter_json(head, tensors), CHUNK_BYTES), payload),
+    response = Response(hold(iter_body(gather(iter_json(head, tensors), CHUNK_BYTES), payload)),
                         content_type=BINARY_CONTENT_TYPE)
     response.headers[HEADER_LENGTH] = str(header_length)
     response.content_length = body_length(header_length, payload)
