@@ -88,6 +88,29 @@ def test_deadline_mid_stream_cuts_the_body(monkeypatch, tensor_refs):
     assert_still_serving(client)
 
 
+def test_deadline_while_a_v2_grid_is_written_cuts_the_binary_body(monkeypatch, tensor_refs):
+    """block_gradients is made as it is written: a deadline then ends the body short of its
+    Content-Length (the client can tell), and the request's tensors are freed."""
+    from blockgrad_client.infer import binary_infer_request
+
+    n, factor = 64, 4
+    ExpiresAfter.checks_allowed = len(plan_bands(n, 2, factor, DEFAULT_CHUNK_ELEMENTS)) + 2
+    monkeypatch.setattr(compute, "Deadline", ExpiresAfter)
+    client = create_app({"TESTING": True}).test_client()
+    body, headers = binary_infer_request(np.ones((n, 2)), {"factor": factor}, ["block_gradients"])
+    response = client.post("/v2/models/blockgrad/infer", data=body, headers=headers)
+    assert response.status_code == 200
+    chunks = []
+    with pytest.raises(BlockgradError, match="did not finish"):
+        for chunk in response.response:
+            chunks.append(chunk)
+    response.close()
+    assert 0 < len(b"".join(chunks)) < int(response.headers["Content-Length"])
+    assert_freed(tensor_refs)
+    monkeypatch.undo()
+    assert_still_serving(client)
+
+
 def test_deadline_while_a_small_answer_is_rendered_is_a_clean_503(monkeypatch, tensor_refs):
     """A small answer is rendered whole before its status goes out, so a deadline that passes
     while its blocks are taken is still a 503 with the error body, not a cut 200."""
