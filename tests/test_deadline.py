@@ -65,21 +65,34 @@ class ExpiresAfter(Deadline):
             raise deadline_exceeded(self.timeout_s)
 
 
-def test_deadline_mid_stream_cuts_the_body(monkeypatch, tensor_refs):
-    n, factor = 64, 4  # 16384 block numbers: over WHOLE_ANSWER_NUMBERS, so the answer streams
-    # All of pass one (one check per band of chunks), then two blocks of pass two.
-    ExpiresAfter.checks_allowed = len(plan_bands(n, 2, factor, DEFAULT_CHUNK_ELEMENTS)) + 2
+# Dense gradients (sum_of_squares) over a keep budget of 2048 numbers: recomputed as written,
+# so the computation, and its deadline, lasts until the last block. 16384 block numbers: over
+# WHOLE_ANSWER_NUMBERS, so a /v1 answer streams.
+N, FACTOR, RECOMPUTED = 64, 4, {"TESTING": True, "BLOCKGRAD_MAX_BLOCK_ELEMENTS": 2048}
+
+
+def expire_after_pass_one_and_two_blocks(monkeypatch) -> None:
+    """All of pass one (one check per band of chunks), then two blocks of pass two."""
+    ExpiresAfter.checks_allowed = len(plan_bands(N, 2, FACTOR, 2048)) + 2
     monkeypatch.setattr(compute, "Deadline", ExpiresAfter)
-    client = create_app({"TESTING": True}).test_client()
-    response = client.post("/v1/gradients", json={"vectors": np.ones((n, 2)).tolist(), "factor": factor,
-                                                  "outputs": ["blocks"]})
-    assert response.status_code == 200  # the head had gone out; the status cannot change now
+
+
+def read_until_cut(response) -> bytes:
     chunks = []
     with pytest.raises(BlockgradError, match="did not finish"):
         for chunk in response.response:
             chunks.append(chunk)
     response.close()
-    body = b"".join(chunks)
+    return b"".join(chunks)
+
+
+def test_deadline_mid_stream_cuts_the_body(monkeypatch, tensor_refs):
+    expire_after_pass_one_and_two_blocks(monkeypatch)
+    client = create_app(RECOMPUTED).test_client()
+    response = client.post("/v1/gradients", json={"vectors": np.ones((N, 2)).tolist(), "factor": FACTOR,
+                                                  "objective": "sum_of_squares", "outputs": ["blocks"]})
+    assert response.status_code == 200  # the head had gone out; the status cannot change now
+    body = read_until_cut(response)
     assert body.startswith(b'{"n":64,')
     with pytest.raises(ValueError):
         strict_json(body)  # incomplete, never a complete-looking wrong answer
@@ -88,42 +101,35 @@ def test_deadline_mid_stream_cuts_the_body(monkeypatch, tensor_refs):
     assert_still_serving(client)
 
 
-def test_deadline_while_a_v2_grid_is_written_cuts_the_binary_body(monkeypatch, tensor_refs):
+def test_deadline_while_a_v2_grid_is_recomputed_cuts_the_binary_body(monkeypatch, tensor_refs):
     """block_gradients is made as it is written: a deadline then ends the body short of its
     Content-Length (the client can tell), and the request's tensors are freed."""
     from blockgrad_client.infer import binary_infer_request
 
-    n, factor = 64, 4
-    ExpiresAfter.checks_allowed = len(plan_bands(n, 2, factor, DEFAULT_CHUNK_ELEMENTS)) + 2
-    monkeypatch.setattr(compute, "Deadline", ExpiresAfter)
-    client = create_app({"TESTING": True}).test_client()
-    body, headers = binary_infer_request(np.ones((n, 2)), {"factor": factor}, ["block_gradients"])
+    expire_after_pass_one_and_two_blocks(monkeypatch)
+    client = create_app(RECOMPUTED).test_client()
+    body, headers = binary_infer_request(np.ones((N, 2)), {"factor": FACTOR, "objective": "sum_of_squares"},
+                                         ["block_gradients"])
     response = client.post("/v2/models/blockgrad/infer", data=body, headers=headers)
     assert response.status_code == 200
-    chunks = []
-    with pytest.raises(BlockgradError, match="did not finish"):
-        for chunk in response.response:
-            chunks.append(chunk)
-    response.close()
-    assert 0 < len(b"".join(chunks)) < int(response.headers["Content-Length"])
+    assert 0 < len(read_until_cut(response)) < int(response.headers["Content-Length"])
     assert_freed(tensor_refs)
     monkeypatch.undo()
     assert_still_serving(client)
 
 
-def test_deadline_while_a_small_answer_is_rendered_is_a_clean_503(monkeypatch, tensor_refs):
-    """A small answer is rendered whole before its status goes out, so a deadline that passes
-    while its blocks are taken is still a 503 with the error body, not a cut 200."""
-    factor = 4
-    ExpiresAfter.checks_allowed = len(plan_bands(8, 2, factor, DEFAULT_CHUNK_ELEMENTS)) + 2
-    monkeypatch.setattr(compute, "Deadline", ExpiresAfter)
+@pytest.mark.parametrize("n", [8, 64])  # a small answer sent whole, a larger one streamed
+def test_kept_blocks_are_written_whole_whatever_the_deadline(monkeypatch, n):
+    """Blocks kept from pass one are only written: the deadline is for computing, not for the
+    client's download, so one that passes after pass one does not cut them."""
+    vectors = np.arange(n * 2, dtype=np.float64).reshape(n, 2).tolist()
+    document = {"vectors": vectors, "factor": 4, "outputs": ["blocks", "accumulated"]}
     client = create_app({"TESTING": True}).test_client()
-    response = client.post("/v1/gradients", json={"vectors": np.ones((8, 2)).tolist(), "factor": factor,
-                                                  "outputs": ["blocks"]})
-    assert_error(response, 503, "deadline_exceeded")
-    assert_freed(tensor_refs)
-    monkeypatch.undo()
-    assert_still_serving(client)
+    expected = client.post("/v1/gradients", json=document).get_data()
+    ExpiresAfter.checks_allowed = len(plan_bands(n, 2, 4, DEFAULT_CHUNK_ELEMENTS))  # nothing after pass one
+    monkeypatch.setattr(compute, "Deadline", ExpiresAfter)
+    response = client.post("/v1/gradients", json=document)
+    assert response.status_code == 200 and response.get_data() == expected
 
 
 # Against a real gunicorn: one worker, a 2 s deadline and an API token (also proving
@@ -157,7 +163,9 @@ def test_gunicorn_answers_503_before_streaming(short_deadline_server):
 def test_gunicorn_cuts_a_stream_that_passes_the_deadline(short_deadline_server):
     """A slow reader: the worker blocks on a full socket, the deadline passes, the
     stream is cut without its final chunk and the client's parser fails."""
-    body = json.dumps({"vectors": np.ones((512, 16)).tolist(), "factor": 16, "outputs": ["blocks"]})
+    # Dense gradients over the keep budget: recomputed as they are written, so still computing.
+    body = json.dumps({"vectors": np.ones((512, 16)).tolist(), "factor": 16, "objective": "sum_of_squares",
+                       "outputs": ["blocks"]})
     conn = http.client.HTTPConnection("127.0.0.1", short_deadline_server.port, timeout=30)
     try:
         conn.connect()

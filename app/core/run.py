@@ -88,16 +88,16 @@ class Result:
 
     def blocks(self) -> Iterator[Block]:
         """Every block, row-block-major: kept, or recomputed a band of chunks at a time as
-        consumed; the deadline is checked between blocks."""
+        consumed, the deadline then checked between blocks. Kept blocks are not checked: the
+        deadline is for computing, not for a client's download (a stalled one meets the send
+        timeout)."""
         req = self.request
         with device_memory_guard():
             if self.kept is not None:
-                source = iter(self.kept)
-            else:
-                bands = iter_bands(self.vectors, req.factor, req.objective_fn, req.offset,
-                                   self.chunk_elements)
-                source = (block for band in bands for block in band_blocks(band))
-            for block in source:
+                yield from self.kept
+                return
+            bands = iter_bands(self.vectors, req.factor, req.objective_fn, req.offset, self.chunk_elements)
+            for block in (block for band in bands for block in band_blocks(band)):
                 yield block
                 self.deadline.check()
 
