@@ -96,10 +96,10 @@ class Result:
             if self.kept is not None:
                 yield from self.kept
                 return
-            bands = iter_bands(self.vectors, req.factor, req.objective_fn, req.offset, self.chunk_elements)
-            for block in (block for band in bands for block in band_blocks(band)):
-                yield block
-                self.deadline.check()
+            for band in iter_bands(self.vectors, req.factor, req.objective_fn, req.offset, self.chunk_elements):
+                for block in band_blocks(band):
+                    yield block
+                    self.deadline.check()
 
 
 def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = None) -> Result:

@@ -22,8 +22,8 @@ from ...http.parsing import ApiBlueprint, is_json_mimetype, read_body
 from ...http.settings import current_settings
 from ...http.slot import compute_slot, held_until_written, request_deadline
 from ...http.streaming import gather
-from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, RowSlabs, body_length, encode_response,
-                    has_binary, iter_body, iter_json)
+from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, body_length, encode_response, has_binary,
+                    has_slabs, iter_body, iter_json)
 from .infer import output_tensors, parse_infer_request
 from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, model_metadata
 from .schemas import InferRequestSchema, InferResponseSchema, ModelMetadataSchema, ProtocolErrorSchema, ServerMetadataSchema
@@ -175,7 +175,7 @@ def infer(model: str, version: str | None = None):
         g.device = str(result.device)
         # block_gradients is made as it is written: blocks recomputed then keep the slot until
         # the body ends; kept blocks are only copied, and the slot goes to the next request now.
-        recomputes = result.kept is None and any(isinstance(tensor.array, RowSlabs) for tensor in tensors)
+        recomputes = result.kept is None and has_slabs(tensors)
         return infer_response(head, tensors, lambda body: held_until_written(body, ticket, computes=recomputes))
     except BaseException:
         ticket.release()
