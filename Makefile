@@ -9,7 +9,15 @@ BIN := $(VENV)/bin
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# Where torch comes from, e.g. TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu for the CPU
+# build (PyPI's is the CUDA one, several GB): torch at requirements.txt's pin from that index
+# first, then the rest as usual. Unset: requirements.txt alone, which holds no index options.
+TORCH_INDEX_URL ?=
+
 $(VENV)/.runtime: $(BIN)/python requirements.txt
+ifneq ($(strip $(TORCH_INDEX_URL)),)
+	$(BIN)/python -m pip install --quiet --no-cache-dir --index-url $(TORCH_INDEX_URL) "$$(grep -E '^torch==' requirements.txt)"
+endif
 	$(BIN)/python -m pip install --quiet --no-cache-dir -r requirements.txt
 	touch $@
 

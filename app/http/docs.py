@@ -91,24 +91,34 @@ def api_description(settings: Settings, objectives) -> str:
     rows = "\n".join(f"| `{name}` | {getattr(settings, name.removeprefix('BLOCKGRAD_').lower())} | {meaning} |"
                      for name, meaning in limits)
     codes = "\n".join(f"| {entry.status} | `{code}` | {entry.when} |" for code, entry in ERRORS.items())
+    # The tables are folded (<details>) so that the /docs page opens on its operations.
     return f"""Per-block gradients of the pairwise feature matrix built from N vectors of length D.
+Every response carries `X-Request-ID`: the request's own header when it is 1-128 characters of
+`A-Z a-z 0-9 . _ : / + = -`, else a fresh 32-digit hex id. The same id is in the request's log line.
 
-## Limits of this server
+<details><summary><b>Limits of this server</b></summary>
+
 | setting | value | what it limits |
 |---|---|---|
 {rows}
 
-## Objectives of this server
+</details>
+<details><summary><b>Objectives of this server</b></summary>
+
 `objective` (in `/v1/gradients` and in `/v2`'s parameters) takes one of these names; `GET /v1/objectives`
 lists them as JSON. A model takes only vectors of its D and only its dtype (422 `validation_error` otherwise).
+
 | name | kind | D | dtypes | L(B) |
 |---|---|---|---|---|
 {objectives_table(objectives)}
 
-## Errors
+</details>
+<details><summary><b>Errors</b></summary>
+
 Every error, on every path but `/v2`, is `{{"error": {{"code", "message", "details"}}}}` (schema `Error`);
 the Open Inference Protocol's `/v2` paths answer its own `{{"error": "<message>"}}`, with 400 for any
 invalid request:
+
 | status | code | when |
 |---|---|---|
 {codes}
@@ -116,9 +126,7 @@ invalid request:
 404 `not_found` answers any path not listed here, and 405 `method_not_allowed` any listed path
 called with a method it does not list.
 
-## Request ids
-Every response carries `X-Request-ID`: the request's own header when it is 1-128 characters of
-`A-Z a-z 0-9 . _ : / + = -`, else a fresh 32-digit hex id. The same id is in the request's log line.
+</details>
 """
 
 

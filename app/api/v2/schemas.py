@@ -34,16 +34,24 @@ class RequestOutputSchema(Schema):
     parameters = Parameters(keys=fields.String(), load_default=dict)
 
 
+# Swagger UI's "Try it out" sends these: a 4 x 2 FP32 input, two JSON outputs.
+EXAMPLE_INPUTS = [{"name": "vectors", "datatype": "FP32", "shape": [4, 2], "data": [0, 1, 2, 3, 4, 5, 6, 7]}]
+EXAMPLE_OUTPUTS = [{"name": "accumulated"}, {"name": "losses"}]
+
+
 class InferRequestSchema(Schema):
-    id = fields.String()
+    id = fields.String(metadata={"example": "example-1"})
     parameters = Parameters(keys=fields.String(), load_default=dict, metadata={
         "description": "factor (integer), objective (string), offset (number): as in /v1/gradients; "
-                       "binary_data_output (boolean): every output as binary data."})
-    inputs = fields.List(fields.Nested(RequestInputSchema), required=True, validate=Length(min=1))
-    outputs = fields.List(fields.Nested(RequestOutputSchema), validate=Length(min=1))
+                       "binary_data_output (boolean): every output as binary data.",
+        "example": {"factor": 2}})
+    inputs = fields.List(fields.Nested(RequestInputSchema), required=True, validate=Length(min=1),
+                         metadata={"example": EXAMPLE_INPUTS})
+    outputs = fields.List(fields.Nested(RequestOutputSchema), validate=Length(min=1),
+                          metadata={"example": EXAMPLE_OUTPUTS})
     # Some clients repeat the URL's model in the body (the extension's own examples do).
-    model_name = fields.String()
-    model_version = fields.String()
+    model_name = fields.String(metadata={"example": "blockgrad"})
+    model_version = fields.String(metadata={"example": "1"})
 
 
 class MetadataTensorSchema(Schema):
