@@ -1,8 +1,8 @@
 """Call a served model objective from Python, through /v1 (JSON) and /v2 (binary tensors).
 
     BLOCKGRAD_MODEL_DIR=models make serve   # with models/relnet.pt2 from export_scorer.py
-    pip install ./client
-    python examples/call_scorer.py relnet --dim 64
+    .venv/bin/pip install ./client
+    .venv/bin/python examples/call_scorer.py relnet --dim 64
 """
 import argparse
 

@@ -1,6 +1,6 @@
 """Build and export a relation-network-style pair scorer for BLOCKGRAD_MODEL_DIR.
 
-    python examples/export_scorer.py models/relnet.pt2 --dim 64 --hidden 256
+    .venv/bin/python examples/export_scorer.py models/relnet.pt2 --dim 64 --hidden 256
     BLOCKGRAD_MODEL_DIR=models make serve      # objective "relnet" (the file's stem)
 
 The scorer is g(v_i, v_j) = MLP(concat(v_i, v_j)), one score per pair; a block's
