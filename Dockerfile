@@ -1,4 +1,4 @@
-# blockgrad: the service as a container image (README, "Container and Kubernetes").
+# blockgrad: the service as a container image (docs/operations.md, "Container").
 #
 #   docker build -t blockgrad:1.0.0 .                                   # CPU-only torch (default)
 #   docker build -t blockgrad:1.0.0-cuda \
@@ -60,5 +60,5 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request; port = os.environ.get('BLOCKGRAD_BIND', '0.0.0.0:8000').rsplit(':', 1)[1]; urllib.request.urlopen(f'http://127.0.0.1:{port}/healthz', timeout=4)"]
 
-# The README's command; gunicorn.conf.py reads BLOCKGRAD_BIND, WEB_CONCURRENCY and the rest.
+# The command `make serve` runs; gunicorn.conf.py reads BLOCKGRAD_BIND, WEB_CONCURRENCY and the rest.
 CMD ["gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one short device check for a session lent a GPU machine (README, "GPU check").
+# The one short device check for a session lent a GPU machine (docs/operations.md, "GPU").
 # There, python3 already holds a CUDA torch; this project's other runtime packages travel
 # as cp312 wheels in .whl/ (`make gpu-wheels` here). Writes its logs under $OUT.
 set -uo pipefail

@@ -24,7 +24,7 @@ from app import create_app
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"
-# The oldest Kubernetes the manifests claim to support (README) and the newest the
+# The oldest Kubernetes the manifests claim to support (docs/operations.md) and the newest the
 # pinned kubernetes-validate knows.
 KUBERNETES_VERSIONS = ("1.30.0", "1.37.0")
 GUNICORN_COMMAND = ["gunicorn", "-c", "gunicorn.conf.py", "wsgi:app"]

@@ -9,7 +9,7 @@ from openapi_spec_validator import validate
 
 from app import create_app
 
-# Error codes and their statuses, as the contract (issue 2) and README list them.
+# Error codes and their statuses, as the contract and docs/api.md list them.
 CONTRACT_ERRORS = {
     "bad_json": 400, "too_large": 413, "limit_exceeded": 413, "unsupported_media_type": 415,
     "validation_error": 422, "non_finite_result": 422, "deadline_exceeded": 503, "internal_error": 500,

@@ -19,7 +19,7 @@ from .test_api import assert_error, strict_json
 from .test_docs import AssetLinks
 
 TOKEN = "friction-token"
-V1_FIELDS = ["vectors", "factor", "objective", "offset", "outputs", "dtype"]  # README's /v1 table
+V1_FIELDS = ["vectors", "factor", "objective", "offset", "outputs", "dtype"]  # docs/api.md's /v1 table
 
 
 def rules_as_routes(app) -> set[str]:

@@ -1,4 +1,4 @@
-"""gunicorn.conf.py: the settings the README documents, read as gunicorn reads them."""
+"""gunicorn.conf.py: the settings docs/configuration.md documents, read as gunicorn reads them."""
 import os
 import runpy
 from pathlib import Path
