@@ -205,13 +205,13 @@ def test_dripping_uploads_never_hold_back_a_small_request(server):
                 futures += [pool.submit(small_request, server, False), pool.submit(small_request, server, True)]
                 time.sleep(0.25)
             outcomes = [future.result(timeout=WAIT_S) for future in futures]
+        refused = [outcome for outcome in outcomes if outcome != 200]
+        assert not any("overloaded" in str(outcome) for outcome in refused), refused
+        assert len(outcomes) == 80 and outcomes.count(200) >= 0.99 * len(outcomes), refused
         assert drips.unanswered(), "an upload was answered: the attack did not last the whole run"
         assert drips.sent >= 10
     finally:
         drips.close()
-    refused = [outcome for outcome in outcomes if outcome != 200]
-    assert not any("overloaded" in str(outcome) for outcome in refused), refused
-    assert len(outcomes) == 80 and outcomes.count(200) >= 0.99 * len(outcomes), refused
 
 
 # --- a client that has gone gets no 499
