@@ -137,7 +137,8 @@ ERRORS: dict[str, ErrorCode] = {
                                   "before its Content-Length (`details.received` and `details.declared` then give "
                                   "both in bytes); a malformed request line or header never reaches the app: "
                                   "gunicorn answers it itself with an HTML body (400, 414 for a request line over "
-                                  "4094 bytes, 431 for a header over 8190 bytes or more than 100 headers)",
+                                  "4094 bytes, 431 for a header over 8190 bytes or more than 100 headers, 417 for an "
+                                  "Expect other than 100-continue)",
                              lambda: body_unreadable("InvalidChunkSize")),
     "bad_json": ErrorCode(400, "the body is not valid JSON (NaN and Infinity literals included)",
                           lambda: bad_json("unexpected character, expected a JSON value: line 1 column 1 (char 0)")),
@@ -183,8 +184,10 @@ ERRORS: dict[str, ErrorCode] = {
                                    "is closed after the answer", lambda: read_timeout(30.0)),
     "overloaded": ErrorCode(503, "the worker's compute slot is taken and BLOCKGRAD_QUEUE_DEPTH requests already "
                                  "wait for it, or the memory its requests hold plus this one's predicted peak "
-                                 "is over BLOCKGRAD_WORKER_MEMORY_BYTES (`details.limit` then names it): "
-                                 "refused at once, retry after Retry-After (any replica)",
+                                 "is over BLOCKGRAD_WORKER_MEMORY_BYTES, or a body still arriving (over 64 KiB) "
+                                 "would take the bodies still arriving past BLOCKGRAD_UPLOAD_MEMORY_SHARE of it "
+                                 "(`details.limit` then names the setting): refused at once, retry after "
+                                 "Retry-After (any replica)",
                             lambda: core.overloaded(4), RETRY_AFTER),
     "client_closed": ErrorCode(499, "never sent: the client closed (or half-closed) the connection before the "
                                     "answer was complete; the computation stopped and the connection is closed "
