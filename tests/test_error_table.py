@@ -83,7 +83,7 @@ TRIGGERS = {
                                               fail_with(torch.OutOfMemoryError("out of memory")))], None),
     "not_ready": ({"BLOCKGRAD_DEVICE": "cuda"}, lambda c: c.get("/readyz"), [], None),
     "read_timeout": ({}, post_v1(), [("app.http.parsing.ReadAlarm", FiredAlarm),
-                                     ("app.http.parsing.Request.get_data", fail_with(ClientDisconnected()))], None),
+                                     ("app.http.parsing.read_arriving", fail_with(ClientDisconnected()))], None),
     "overloaded": ({}, post_v1(), [("app.http.slot.current_gate", full_gate)], None),
     "client_closed": ({}, post_v1(), [("app.core.run.Deadline", ClientGone)], None),
 }

@@ -176,7 +176,7 @@ def test_mixed_json_and_binary_outputs_match_the_all_json_answer(client):
 
 
 def test_a_body_at_the_size_limit_fits_the_default_budget():
-    # A chunked body reserves for the whole body limit before it is read: that must fit.
+    # A body at the size limit, once it has arrived, reserves its parse estimate: that must fit.
     from app.core.memory import body_parse_bytes
 
     settings = Settings()

@@ -28,6 +28,9 @@ def healthz():
     return {"status": "ok"}
 
 
+# Readiness says nothing about load: a worker that refuses work (503 overloaded) is shedding
+# it, and taking the pod out of the Service for that moves the load onto the other replicas
+# until none is ready (docs/errors-edge.md, "Readiness").
 @blp.route("/readyz", methods=["GET"])
 @blp.doc(**OPEN_ROUTE)
 @blp.response(200, ReadySchema)

@@ -14,6 +14,12 @@ coefficient is the largest measured per-unit cost, rounded up.
 plus what is reserved fits BLOCKGRAD_WORKER_MEMORY_BYTES; a prediction over the budget
 alone is `limit_exceeded` (413), one that only the current load keeps out is
 `memory_busy` (503, Retry-After). Standard library only.
+
+A body is reserved for as it arrives, never for what its Content-Length declares:
+`upload_bytes` of what has arrived while it is still arriving, `body_parse_bytes` once it is
+complete. Bodies still arriving (uploads) together hold at most BLOCKGRAD_UPLOAD_MEMORY_SHARE
+of the budget, so that clients sending slowly can hold back other uploads, never a request
+whose body has arrived.
 """
 import threading
 from dataclasses import dataclass
@@ -103,6 +109,11 @@ def body_parse_bytes(body_bytes: int, binary: bool) -> int:
     return FIXED_BYTES + 2 * body_bytes + parsed
 
 
+def upload_bytes(received: int) -> int:
+    """Bytes a body still arriving holds: what has arrived, and the buffer grown to hold it."""
+    return 2 * received
+
+
 def memory_limit_exceeded(predicted: int, budget: int) -> BlockgradError:
     return limit_exceeded(
         f"This request would take about {predicted // 2 ** 20} MiB at its peak, over "
@@ -124,11 +135,29 @@ def memory_busy(predicted: int, reserved: int, budget: int) -> BlockgradError:
         retry_after_s=MEMORY_BUSY_RETRY_AFTER_S)
 
 
+def uploads_busy(nbytes: int, uploading: int, allowed: int) -> BlockgradError:
+    return BlockgradError(
+        "overloaded",
+        f"This worker's bodies still arriving hold {uploading // 2 ** 20} MiB of the {allowed // 2 ** 20} MiB "
+        "they may share (BLOCKGRAD_UPLOAD_MEMORY_SHARE of BLOCKGRAD_WORKER_MEMORY_BYTES); send the body faster, "
+        "or retry after the Retry-After seconds, on any replica.",
+        {"limit": "BLOCKGRAD_UPLOAD_MEMORY_SHARE", "value": nbytes, "reserved": uploading, "allowed": allowed},
+        retry_after_s=MEMORY_BUSY_RETRY_AFTER_S)
+
+
+def upload_limit_exceeded(nbytes: int, allowed: int) -> BlockgradError:
+    return limit_exceeded(
+        f"This body takes about {nbytes // 2 ** 20} MiB while it arrives, over the {allowed // 2 ** 20} MiB "
+        "that bodies still arriving may hold (BLOCKGRAD_UPLOAD_MEMORY_SHARE of BLOCKGRAD_WORKER_MEMORY_BYTES); "
+        "send a smaller body.", "BLOCKGRAD_UPLOAD_MEMORY_SHARE", nbytes, allowed)
+
+
 @dataclass
 class Reservation:
     ledger: "MemoryLedger"
     nbytes: int
     released: bool = False
+    uploading: bool = False  # a body still arriving: counted in the ledger's `uploading` too
 
     def release(self) -> None:
         """Idempotent: a stream's end and its close may both call it."""
@@ -138,14 +167,32 @@ class Reservation:
         """Hold `nbytes` instead (e.g. the prediction once the sizes are known); raises as reserve."""
         self.ledger._resize(self, nbytes)
 
+    def settle(self) -> None:
+        """The body has arrived: from now on the reservation counts against the budget only."""
+        self.ledger._settle(self)
+
 
 class MemoryLedger:
     """One worker's reserved bytes, shared by its threads (gthread) or held by one request (sync)."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, upload_share: float = 1.0):
         self.budget = budget
+        self.upload_budget = int(budget * min(1.0, upload_share))  # what uploads may hold together
         self.reserved = 0
+        self.uploading = 0  # the part of `reserved` held by bodies still arriving
         self._lock = threading.Lock()
+
+    def check_budget(self, nbytes: int) -> None:
+        """limit_exceeded if `nbytes` could never fit, whatever else is reserved; reserves nothing."""
+        if nbytes > self.budget:
+            raise memory_limit_exceeded(nbytes, self.budget)
+
+    def reserve_upload(self, nbytes: int) -> Reservation:
+        """`nbytes` for a body still arriving: within the budget and the uploads' share
+        (uploads_busy when other uploads fill it)."""
+        reservation = Reservation(self, 0, uploading=True)
+        self._resize(reservation, nbytes)
+        return reservation
 
     def reserve(self, nbytes: int) -> Reservation:
         """`nbytes` reserved until released; limit_exceeded (over the budget alone) or
@@ -167,10 +214,25 @@ class MemoryLedger:
             others = self.reserved - reservation.nbytes
             if others + nbytes > self.budget:
                 raise memory_busy(nbytes, others, self.budget)
+            if reservation.uploading:
+                if nbytes > self.upload_budget:
+                    raise upload_limit_exceeded(nbytes, self.upload_budget)
+                other_uploads = self.uploading - reservation.nbytes
+                if other_uploads + nbytes > self.upload_budget:
+                    raise uploads_busy(nbytes, other_uploads, self.upload_budget)
+                self.uploading = other_uploads + nbytes
             self.reserved, reservation.nbytes = others + nbytes, nbytes
+
+    def _settle(self, reservation: Reservation) -> None:
+        with self._lock:
+            if reservation.uploading and not reservation.released:
+                self.uploading -= reservation.nbytes
+            reservation.uploading = False
 
     def _release(self, reservation: Reservation) -> None:
         with self._lock:
             if not reservation.released:
                 reservation.released = True
                 self.reserved -= reservation.nbytes
+                if reservation.uploading:
+                    self.uploading -= reservation.nbytes

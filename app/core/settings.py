@@ -105,6 +105,9 @@ class Settings:
     # predicts each): 2 workers x (233 MB idle + 1280 MiB) = 3.2 GB fit the 4 GiB pod with
     # ~1 GB of room (master, page cache, prediction error).
     worker_memory_bytes: int = 1280 * 1024 * 1024
+    # The part of it that bodies still arriving may hold together (app/core/memory.py): the
+    # rest stays for requests whose bodies have arrived. Above 1 counts as 1.
+    upload_memory_share: float = 0.5
     log_level: str = "INFO"
     # Optional bearer token for every route but the probes (app/http/auth.py); None = open.
     api_token: str | None = None

@@ -1,13 +1,14 @@
 """The client's connection, as gunicorn hands it to the app (environ["gunicorn.socket"]).
 
-Three things only the socket can tell or do, used by the request path:
+What only the socket can tell or do, used by the request path:
 - `client_gone`: a peek for end-of-file, so that a computation stops when its client leaves;
 - `read_alarm`: the whole body within BLOCKGRAD_READ_TIMEOUT_S. A socket timeout bounds one
   recv, not a body a client sends a byte at a time, so one watchdog thread per process
   shuts the socket's read side at the deadline: the blocked read returns at once;
 - `set_send_timeout`: a socket timeout on writes. The server writes pieces of at most
-  PIECE_BYTES (observe.py), so a write that times out made no progress for about that long.
-Outside gunicorn (Flask's test client) there is no socket and all three do nothing.
+  PIECE_BYTES (observe.py), so a write that times out made no progress for about that long;
+- `drop_connection`: close without writing, for a client that has gone (client_closed).
+Outside gunicorn (Flask's test client) there is no socket and these do nothing.
 """
 import heapq
 import itertools
@@ -56,6 +57,17 @@ def set_send_timeout(environ: dict[str, Any], seconds: float) -> None:
         try:
             sock.settimeout(seconds)
         except OSError:
+            pass
+
+
+def drop_connection(environ: dict[str, Any]) -> None:
+    """Shut both directions of the client's connection, so that nothing more reaches it: the
+    server's next write fails (EPIPE), which servers take as the client gone, and they close."""
+    sock = client_socket(environ)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:  # already gone
             pass
 
 

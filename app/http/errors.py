@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 
 from ..core import errors as core
 from ..core.errors import BlockgradError, cut_text
+from .connection import drop_connection
 
 log = logging.getLogger("blockgrad")
 
@@ -53,6 +54,12 @@ def body_unreadable(kind: str) -> HttpError:
     the bytes are not echoed."""
     return bad_request(f"The request body could not be read as HTTP/1.1 ({kind}); "
                        "send a valid chunked body or a Content-Length.")
+
+
+def incomplete_body(received: int, declared: int) -> HttpError:
+    """The client ended its side of the connection before its Content-Length was reached."""
+    return HttpError("bad_request", f"The body ended after {received} of the {declared} bytes its Content-Length "
+                                    "declares; send the whole body.", {"received": received, "declared": declared})
 
 
 def bad_json(reason: str) -> HttpError:
@@ -126,7 +133,12 @@ class ErrorCode:
 
 RETRY_AFTER = ("Retry-After",)
 ERRORS: dict[str, ErrorCode] = {
-    "bad_request": ErrorCode(400, "the request could not be read as HTTP (e.g. a malformed chunked body)",
+    "bad_request": ErrorCode(400, "the body could not be read as HTTP/1.1 (a malformed chunked body), or it ended "
+                                  "before its Content-Length (`details.received` and `details.declared` then give "
+                                  "both in bytes); a malformed request line or header never reaches the app: "
+                                  "gunicorn answers it itself with an HTML body (400, 414 for a request line over "
+                                  "4094 bytes, 431 for a header over 8190 bytes or more than 100 headers, 417 for an "
+                                  "Expect other than 100-continue)",
                              lambda: body_unreadable("InvalidChunkSize")),
     "bad_json": ErrorCode(400, "the body is not valid JSON (NaN and Infinity literals included)",
                           lambda: bad_json("unexpected character, expected a JSON value: line 1 column 1 (char 0)")),
@@ -172,11 +184,14 @@ ERRORS: dict[str, ErrorCode] = {
                                    "is closed after the answer", lambda: read_timeout(30.0)),
     "overloaded": ErrorCode(503, "the worker's compute slot is taken and BLOCKGRAD_QUEUE_DEPTH requests already "
                                  "wait for it, or the memory its requests hold plus this one's predicted peak "
-                                 "is over BLOCKGRAD_WORKER_MEMORY_BYTES (`details.limit` then names it): "
-                                 "refused at once, retry after Retry-After (any replica)",
+                                 "is over BLOCKGRAD_WORKER_MEMORY_BYTES, or a body still arriving (over 64 KiB) "
+                                 "would take the bodies still arriving past BLOCKGRAD_UPLOAD_MEMORY_SHARE of it "
+                                 "(`details.limit` then names the setting): refused at once, retry after "
+                                 "Retry-After (any replica)",
                             lambda: core.overloaded(4), RETRY_AFTER),
-    "client_closed": ErrorCode(499, "never sent: the client closed the connection before the answer was complete "
-                                    "(the computation stopped; logged and counted under this code)",
+    "client_closed": ErrorCode(499, "never sent: the client closed (or half-closed) the connection before the "
+                                    "answer was complete; the computation stopped and the connection is closed "
+                                    "without a byte more (logged and counted under this code)",
                                core.client_closed),
 }
 
@@ -284,6 +299,8 @@ def error_response(error: BlockgradError) -> Response:
     status = style.status(status_of(error))
     if has_request_context():
         g.error_code = error.code  # for the errors metric and the log line (app/http/observe.py)
+    if error.code == "client_closed" and has_request_context():
+        drop_connection(request.environ)  # no status line reaches the wire; the log line still has the code
     payload = render_error_body(style, error)
     response = Response(payload, status=status, mimetype="application/json")
     response.headers.update(error_headers(error))

@@ -1,6 +1,7 @@
-"""The worker's memory ledger as the front ends use it: one reservation per request, taken
-for its body before it is read, resized to the request's predicted peak once its sizes are
-known, and released when its answer has been written (observe.py's finish).
+"""The worker's memory ledger as the front ends use it: one reservation per request, grown
+with its body as it arrives (within the uploads' share while it is still arriving), resized to
+the request's predicted peak once its sizes are known, and released when its answer has been
+written (observe.py's finish).
 
 Under gthread the ledger is what lets a worker hold several requests (computing, queued,
 bodies being parsed) without their sum passing BLOCKGRAD_WORKER_MEMORY_BYTES.
@@ -14,7 +15,7 @@ EXTENSION = "blockgrad_memory"
 
 
 def install_memory_ledger(app: Flask, settings: Settings) -> None:
-    app.extensions[EXTENSION] = MemoryLedger(settings.worker_memory_bytes)
+    app.extensions[EXTENSION] = MemoryLedger(settings.worker_memory_bytes, settings.upload_memory_share)
 
 
 def current_ledger() -> MemoryLedger:
@@ -29,6 +30,24 @@ def reserve_for_request(nbytes: int) -> None:
         g.memory_reservation = current_ledger().reserve(nbytes)
     else:
         held.resize(nbytes)
+
+
+def hold_for_upload(nbytes: int) -> None:
+    """Hold `nbytes` for this request's body while more of it is to come: within the budget and
+    the uploads' share (overloaded when other bodies still arriving fill it)."""
+    held = g.get("memory_reservation")
+    if held is None:
+        g.memory_reservation = current_ledger().reserve_upload(nbytes)
+    else:
+        held.resize(nbytes)
+
+
+def reserve_for_body(nbytes: int) -> None:
+    """The body has arrived: hold `nbytes` (what parsing it may take) against the budget only."""
+    held = g.get("memory_reservation")
+    if held is not None:
+        held.settle()
+    reserve_for_request(nbytes)
 
 
 def release_held(state) -> None:

@@ -14,10 +14,11 @@ from webargs.flaskparser import FlaskParser
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from ..core.errors import validation_error
-from ..core.memory import body_parse_bytes
+from ..core.memory import body_parse_bytes, upload_bytes
 from .connection import ReadAlarm
-from .errors import BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, read_timeout, wrong_content_type
-from .memory import reserve_for_request
+from .errors import (BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, incomplete_body, read_timeout,
+                     wrong_content_type)
+from .memory import current_ledger, hold_for_upload, reserve_for_body
 from .settings import current_settings
 from .slices import loads_sliced
 
@@ -28,40 +29,72 @@ def is_json_mimetype(mimetype: str) -> bool:
 
 def read_body(request: Request) -> bytes:
     """The whole body, uncompressed and within MAX_CONTENT_LENGTH, or an error (415, 413),
-    within BLOCKGRAD_READ_TIMEOUT_S else 408 read_timeout (connection.ReadAlarm).
+    within BLOCKGRAD_READ_TIMEOUT_S else 408 read_timeout (connection.ReadAlarm); a body that
+    ends before its Content-Length is 400 bad_request.
 
     A body with Content-Length over the limit is refused by werkzeug before reading.
-    A chunked body has none: werkzeug then stops reading at the limit without a word,
-    which would hand us a truncated document; one byte more from the server's stream
-    tells a body exactly at the limit from a longer one.
+    Memory is held for what has arrived, never for what is declared (read_arriving); a
+    Content-Length whose parse could never fit the budget is refused before reading.
     """
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise compressed_body(encoding)
-    declared = request.content_length if request.content_length is not None else request.max_content_length
-    if declared:  # reserved before reading: what the body may take until its sizes are known
-        limit = request.max_content_length
-        reserve_for_request(body_parse_bytes(min(declared, limit) if limit else declared,
-                                             binary=request.mimetype == "application/octet-stream"))
+    binary = request.mimetype == "application/octet-stream"
+    declared = request.content_length
+    limit = request.max_content_length
+    if declared:  # the request's own size alone: what others hold plays no part
+        current_ledger().check_budget(body_parse_bytes(min(declared, limit) if limit else declared, binary=binary))
     seconds = current_settings().read_timeout_s
     with ReadAlarm(request.environ, seconds) as alarm:
         try:
-            data = request.get_data(cache=False)
-            limit = request.max_content_length
-            more = (limit is not None and len(data) >= limit and request.content_length is None
-                    and request.environ.get("wsgi.input_terminated") and request.environ["wsgi.input"].read(1))
+            data, more = read_arriving(request)
         except Exception as exc:
             if alarm.fired:  # the read side was shut at the deadline: whatever broke, that is why
                 raise read_timeout(seconds) from None
             if isinstance(exc, BODY_STREAM_ERRORS):  # gunicorn parses a chunked body as it is read
                 raise body_unreadable(type(exc).__name__) from None
             raise
-        if alarm.fired and (request.content_length or 0) > len(data):
+        if alarm.fired and (declared or 0) > len(data):
             raise read_timeout(seconds)
     if more:
         raise RequestEntityTooLarge()
+    if declared is not None and len(data) < declared:  # gunicorn hands a body cut by EOF over as it is
+        raise incomplete_body(len(data), declared)
+    reserve_for_body(body_parse_bytes(len(data), binary=binary))
     g.body_bytes = len(data)  # for the memory prediction (app/core/memory.py)
     return data
+
+
+# Read a body in pieces of this size (werkzeug's own step): a body that ends within its first
+# piece is never an upload in progress, so it never meets BLOCKGRAD_UPLOAD_MEMORY_SHARE.
+BODY_PIECE_BYTES = 64 * 1024
+
+
+def read_arriving(request: Request) -> tuple[bytes, bool]:
+    """The body, a piece at a time, and whether a chunked body goes on past the limit.
+
+    After each whole piece with more to come, the request holds `upload_bytes` of what has
+    arrived (memory.hold_for_upload); a short piece is the body's end (or the client's EOF).
+    A chunked body has no Content-Length: werkzeug would stop at the limit without a word,
+    handing over a truncated document; one byte more from the server's stream tells a body
+    exactly at the limit from a longer one.
+    """
+    stream = request.stream
+    declared = request.content_length
+    limit = request.max_content_length
+    end = declared if declared is not None else limit
+    buffer = bytearray()
+    while end is None or len(buffer) < end:
+        step = BODY_PIECE_BYTES if end is None else min(BODY_PIECE_BYTES, end - len(buffer))
+        piece = stream.read(step)
+        buffer += piece
+        if len(piece) < step:
+            break
+        if end is None or len(buffer) < end:
+            hold_for_upload(upload_bytes(len(buffer)))
+    more = (declared is None and limit is not None and len(buffer) >= limit
+            and request.environ.get("wsgi.input_terminated") and request.environ["wsgi.input"].read(1))
+    return bytes(buffer), bool(more)
 
 
 def reject_constant(name: str):
