@@ -39,13 +39,13 @@ TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
-def peer_server(workers: int = WORKERS, torch_threads: int = 1):
-    """The peer under gunicorn's sync worker on 127.0.0.1:<free port>; the whole process group
+def peer_server(workers: int = WORKERS, torch_threads: int = 1, app: str = PEER_APP):
+    """The peer (or `app`) under gunicorn's sync worker on 127.0.0.1:<free port>; the whole process group
     is killed in `finally` (tools.server.stop)."""
     port = free_port()
     script = Path(sys.executable).parent / "gunicorn"
     launcher = [str(script)] if script.exists() else [sys.executable, "-m", "gunicorn"]
-    command = [*launcher, "-c", PEER_CONFIG, "--bind", f"127.0.0.1:{port}", PEER_APP]
+    command = [*launcher, "-c", PEER_CONFIG, "--bind", f"127.0.0.1:{port}", app]
     env = {**os.environ, "PEER_WORKERS": str(workers), "PEER_TORCH_THREADS": str(torch_threads)}
     env.pop("GUNICORN_CMD_ARGS", None)  # the peer's settings are its own file's
     with tempfile.TemporaryDirectory() as tmp:
@@ -78,9 +78,9 @@ class Phase:
     cpu_ms: float  # the workers' CPU milliseconds per request served
 
 
-def phase(server: Server, clients: int, seconds: float) -> Phase:
+def phase(server: Server, clients: int, seconds: float, path: str = "/v1/gradients") -> Phase:
     before = workers_cpu_s(server)
-    rate, latencies, _ = load(server, "/v1/gradients", BODY, clients=clients, seconds=seconds)
+    rate, latencies, _ = load(server, path, BODY, clients=clients, seconds=seconds)
     served = len(latencies) + LOAD_WARM_UP * clients
     return Phase(rate, 1e3 * (workers_cpu_s(server) - before) / served)
 
