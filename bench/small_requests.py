@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,13 +77,15 @@ def workers_cpu_s(server: Server) -> float:
 class Phase:
     rate: float  # requests per second the clients saw
     cpu_ms: float  # the workers' CPU milliseconds per request served
+    client_cpu_ms: float  # this process's (the load driver's) CPU milliseconds per request
 
 
 def phase(server: Server, clients: int, seconds: float, path: str = "/v1/gradients") -> Phase:
-    before = workers_cpu_s(server)
+    before, client_before = workers_cpu_s(server), time.process_time()
     rate, latencies, _ = load(server, path, BODY, clients=clients, seconds=seconds)
     served = len(latencies) + LOAD_WARM_UP * clients
-    return Phase(rate, 1e3 * (workers_cpu_s(server) - before) / served)
+    return Phase(rate, 1e3 * (workers_cpu_s(server) - before) / served,
+                 1e3 * (time.process_time() - client_before) / served)
 
 
 def answer_arrays(server: Server) -> tuple[np.ndarray, np.ndarray]:
@@ -120,9 +123,11 @@ def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S
             ratio = statistics.median(s.rate / p.rate for s, p in pairs)
             rate_s, rate_p = (statistics.median(phase_.rate for phase_ in side) for side in zip(*pairs))
             cpu_s, cpu_p = (statistics.median(phase_.cpu_ms for phase_ in side) for side in zip(*pairs))
+            client_s, client_p = (statistics.median(phase_.client_cpu_ms for phase_ in side) for side in zip(*pairs))
             results.append(Result(
                 f"18. seed 10x5 example, {clients} client{'s' if clients > 1 else ''}: service vs minimal "
                 f"Flask app (sync)", f">= {TARGET}x", f"{ratio:.2f}x", at_least(ratio, TARGET),
                 f"{rate_s:.0f} vs {rate_p:.0f} req/s, medians of {rounds} alternating rounds of {seconds:g} s, "
-                f"{WORKERS} workers each; workers' CPU per request {cpu_s:.2f} vs {cpu_p:.2f} ms"))
+                f"{WORKERS} workers each; CPU per request: workers {cpu_s:.2f} vs {cpu_p:.2f} ms, "
+                f"load driver {client_s:.2f} vs {client_p:.2f} ms"))
     return results

@@ -210,18 +210,24 @@ def other_rows() -> list[tuple[str, float]]:
 
 
 def served_rows(seconds: float = 3.0) -> list[tuple[str, float]]:
-    """The server's share: workers' CPU per request of the no-op WSGI app, 1 and 4 clients."""
+    """The server's share: workers' CPU per request of the no-op WSGI app, 1 and 4 clients,
+    and the load driver's own CPU per request (keep-alive under gthread, a new connection
+    per request under sync); gthread once more with worker recycling off."""
     from tools.server import gunicorn_server
 
     from .small_requests import peer_server, phase
 
     rows = []
+    no_recycling = {"GUNICORN_CMD_ARGS": "--max-requests 0"}
     with gunicorn_server(workers=2, device="cpu", ready_path="/", app="bench.noop:app") as gthread, \
+            gunicorn_server(workers=2, device="cpu", ready_path="/", app="bench.noop:app", env=no_recycling) as kept, \
             peer_server(2, 1, app="bench.noop:app") as sync:
-        for name, server in (("gunicorn gthread (service settings)", gthread), ("gunicorn sync (peer settings)", sync)):
+        for name, server in (("gunicorn gthread (service settings)", gthread), ("gunicorn sync (peer settings)", sync),
+                             ("gunicorn gthread, --max-requests 0 (no recycling)", kept)):
             for clients in (1, 4):
-                rows.append((f"{name}, no-op app, {clients} client(s): workers' CPU per request",
-                             phase(server, clients, seconds, path="/").cpu_ms))
+                measured = phase(server, clients, seconds, path="/")
+                rows.append((f"{name}, no-op app, {clients} client(s): workers' CPU per request", measured.cpu_ms))
+                rows.append(("  the load driver's CPU per request", measured.client_cpu_ms))
     return rows
 
 
