@@ -31,6 +31,8 @@ from app import create_app  # noqa: E402
 from app.http import metrics  # noqa: E402
 from app.http.request_log import JsonStderrHandler  # noqa: E402
 
+from tools.server import gunicorn_settings  # noqa: E402
+
 from . import peer  # noqa: E402
 from .small_requests import BODY  # noqa: E402
 
@@ -83,104 +85,91 @@ def bare_flask() -> flask.Flask:
 
 
 class Stopwatch:
-    """Wraps named functions where the request path looks them up (module attributes, Flask's
-    hook lists) and adds up this thread's CPU time inside each; a name absent after a
-    refactor is reported as such, not guessed."""
+    """Wraps functions where the request path looks them up (module attributes, Flask's hook
+    lists) and adds up this thread's CPU time inside each, by stage (several functions may make
+    one stage); a function absent after a refactor is reported as such, not guessed."""
 
     def __init__(self):
-        self.spent: dict[str, float] = {}
+        self.spent: dict[str, float] = {}  # stage -> CPU seconds, in the order stages were added
+        self.top_level: dict[str, bool] = {}  # stage -> not inside another timed stage
         self.missing: list[str] = []
 
-    def wrap(self, name: str, fn: Callable) -> Callable:
-        self.spent[name] = 0.0
+    def wrap(self, stage: str, fn: Callable, top_level: bool) -> Callable:
+        self.spent.setdefault(stage, 0.0)
+        self.top_level[stage] = top_level
 
         def timed(*args, **kwargs):
             start = time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.spent[name] += time.thread_time() - start
+                self.spent[stage] += time.thread_time() - start
 
         return timed
 
-    def patch(self, name: str, owner, attribute: str) -> None:
+    def patch(self, stage: str, owner, attribute: str, top_level: bool = True) -> None:
         if not hasattr(owner, attribute):
-            self.missing.append(name)
+            self.missing.append(f"{stage}: {getattr(owner, '__name__', owner)}.{attribute}")
             return
-        setattr(owner, attribute, self.wrap(name, getattr(owner, attribute)))
+        setattr(owner, attribute, self.wrap(stage, getattr(owner, attribute), top_level))
 
-    def patch_hook(self, name: str, hooks: list, fn: Callable) -> None:
-        if fn not in hooks:
-            self.missing.append(name)
-            return
-        hooks[hooks.index(fn)] = self.wrap(name, fn)
+    def patch_hooks(self, stage: str, hooks: list, only: Callable | None = None) -> None:
+        """Every function of a Flask hook list (or only `only`)."""
+        for k, hook in enumerate(list(hooks)):
+            if only is None or hook is only:
+                hooks[k] = self.wrap(stage, hook, True)
+        if only is not None and self.spent.get(stage) is None:
+            self.missing.append(f"{stage}: {only.__qualname__} among the hooks")
 
-
-# (name, top level: not inside another timed stage). Top-level stages add up to at most the whole.
-SERVICE_STAGES = (
-    ("before_request hooks (observe: ids, timing; auth)", True),
-    ("body read + JSON decode (webargs' json loader: http.parsing)", True),
-    ("  of which the body read (read_body: memory reservation, werkzeug get_data)", False),
-    ("/v1 schema load (marshmallow fields, pre_load admission, vectors conversion)", True),
-    ("  of which admission in the schema (admit_document)", False),
-    ("  of which vectors conversion (core.vectors.parse_matrix)", False),
-    ("view: admit_request + compute_slot + request_deadline", True),
-    ("engine (core.run: both passes)", True),
-    ("render (render_result: head, blocks, join)", True),
-    ("after_request hook (observe: finisher, send timeout, log line, metrics)", True),
-    ("  of which the request log line (log_request)", False),
-    ("  of which metrics (observe_request, observe_work, observe_device)", False),
-)
+    def reset(self) -> None:
+        self.spent = dict.fromkeys(self.spent, 0.0)
 
 
 def instrument(service: flask.Flask) -> Stopwatch:
+    """The service's request path for POST /v1/gradients, stage by stage, in the order it runs."""
     from app.api.v1 import schemas, views
     from app.http import observe, parsing
 
     watch = Stopwatch()
-    names = [name for name, _ in SERVICE_STAGES]
-    before = service.before_request_funcs.setdefault(None, [])
-    for k, hook in enumerate(list(before)):  # every before_request hook, as one stage
-        before[k] = watch.wrap(f"{names[0]} #{k}", hook)
-    watch.patch_hook(names[9], service.after_request_funcs.setdefault(None, []), observe.after_request)
-    watch.patch(names[1], parsing.OrjsonParser, "_raw_load_json")
-    watch.patch(names[2], parsing, "read_body")
-    watch.patch(names[3], schemas.GradientRequestSchema, "load")
-    watch.patch(names[4], schemas, "admit_document")
-    watch.patch(names[5], schemas, "parse_matrix")
+    watch.patch_hooks("before_request hooks (observe: ids, timing, in-flight; auth)",
+                      service.before_request_funcs.setdefault(None, []))
+    watch.patch("body read + JSON decode (webargs' json loader: http.parsing)", parsing.OrjsonParser, "_raw_load_json")
+    watch.patch("  of which the body read (read_body: memory reservation, werkzeug get_data)", parsing, "read_body",
+                top_level=False)
+    watch.patch("/v1 schema load (marshmallow fields, pre_load admission, vectors conversion)",
+                schemas.GradientRequestSchema, "load")
+    watch.patch("  of which admission in the schema (admit_document)", schemas, "admit_document", top_level=False)
+    watch.patch("  of which vectors conversion (core.vectors.parse_matrix)", schemas, "parse_matrix", top_level=False)
     for attribute in ("admit_request", "compute_slot", "request_deadline"):
-        watch.patch(f"{names[6]} ({attribute})", views, attribute)
-    watch.patch(names[7], views, "run")
-    watch.patch(names[8], views, "render_result")
-    watch.patch(names[10], observe, "log_request")
+        watch.patch("view: admit_request + compute_slot + request_deadline", views, attribute)
+    watch.patch("engine (core.run: both passes)", views, "run")
+    watch.patch("render (render_result: head, blocks, join)", views, "render_result")
+    watch.patch_hooks("after_request hook (observe: finisher, send timeout, log line, metrics)",
+                      service.after_request_funcs.setdefault(None, []), only=observe.after_request)
+    watch.patch("  of which the request log line (log_request)", observe, "log_request", top_level=False)
     for attribute in ("observe_request", "observe_work", "observe_device"):
-        watch.patch(f"{names[11]} ({attribute})", metrics, attribute)
+        watch.patch("  of which metrics (observe_request, observe_work, observe_device)", metrics, attribute,
+                    top_level=False)
     return watch
 
 
-def by_stage(watch: Stopwatch, calls: int) -> list[tuple[str, float]]:
-    """Milliseconds per request of each stage, the parts of a stage (" (read)", " #0") summed."""
-    return [(name, 1e3 * sum(spent for key, spent in watch.spent.items() if key.startswith(name)) / calls)
-            for name, _ in SERVICE_STAGES]
-
-
 def service_stage_rows(calls: int = 1000) -> list[tuple[str, float]]:
-    """The service's POST /v1/gradients in process, whole and stage by stage."""
+    """The service's POST /v1/gradients in process, whole (not instrumented) and stage by stage."""
     service = quiet(create_app())
     call = wsgi_call(service, "POST", "/v1/gradients", BODY)
     whole = cpu_ms(call)
     watch = instrument(service)
     for _ in range(BATCH):  # warm-up, not counted
         call()
-    watch.spent = dict.fromkeys(watch.spent, 0.0)
+    watch.reset()
     start = time.thread_time()
     for _ in range(calls):
         call()
     timed_whole = 1e3 * (time.thread_time() - start) / calls
-    stages = by_stage(watch, calls)
-    top = sum(ms for (name, ms), (_, top_level) in zip(stages, SERVICE_STAGES) if top_level)
+    stages = [(stage, 1e3 * spent / calls) for stage, spent in watch.spent.items()]
+    top = sum(ms for stage, ms in stages if watch.top_level[stage])
     rows = [("service: POST /v1/gradients, whole app (WSGI call)", whole)] + [("  " + n, ms) for n, ms in stages]
-    rows.append(("  the rest: Flask/werkzeug, flask-smorest/webargs wrappers, view glue (whole - stages)",
+    rows.append(("  the rest: Flask/werkzeug, flask-smorest/webargs wrappers, view glue (instrumented whole - stages)",
                  timed_whole - top))
     rows += [(f"  (not found, not timed: {name})", float("nan")) for name in watch.missing]
     return rows
@@ -235,7 +224,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.stages", description=__doc__.splitlines()[0])
     parser.add_argument("--served", action="store_true", help="also measure the servers' share under load")
     served = parser.parse_args(argv).served
-    torch.set_num_threads(1)  # one gunicorn worker's threads on this 2-core machine
+    torch.set_num_threads(int(gunicorn_settings()["torch_threads"]))  # as one gunicorn worker computes
     rows = service_stage_rows() + other_rows() + (served_rows() if served else [])
     for name, value in rows:
         print(f"{value:7.3f} ms  {name}")
