@@ -106,6 +106,12 @@ def same_answer(service: Server, peer: Server) -> None:
         raise RuntimeError(f"expected 1050 numbers, got {sum(a.size for a in mine)}")
 
 
+def medians(pairs: list[tuple[Phase, Phase]], field: str) -> tuple[float, float]:
+    """The median of one Phase field over the rounds: (service, peer)."""
+    service, peer = zip(*pairs)
+    return (statistics.median(getattr(p, field) for p in service), statistics.median(getattr(p, field) for p in peer))
+
+
 def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S) -> list[Result]:
     """The service's requests/s over the peer's on the 10x5 example, at 1 and 4 clients."""
     results = []
@@ -121,9 +127,9 @@ def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S
                 print(f"  {clients} client(s), round {k + 1}: service {pairs[-1][0].rate:.0f} req/s, "
                       f"peer {pairs[-1][1].rate:.0f} req/s", file=sys.stderr, flush=True)
             ratio = statistics.median(s.rate / p.rate for s, p in pairs)
-            rate_s, rate_p = (statistics.median(phase_.rate for phase_ in side) for side in zip(*pairs))
-            cpu_s, cpu_p = (statistics.median(phase_.cpu_ms for phase_ in side) for side in zip(*pairs))
-            client_s, client_p = (statistics.median(phase_.client_cpu_ms for phase_ in side) for side in zip(*pairs))
+            rate_s, rate_p = medians(pairs, "rate")
+            cpu_s, cpu_p = medians(pairs, "cpu_ms")
+            client_s, client_p = medians(pairs, "client_cpu_ms")
             results.append(Result(
                 f"18. seed 10x5 example, {clients} client{'s' if clients > 1 else ''}: service vs minimal "
                 f"Flask app (sync)", f">= {TARGET}x", f"{ratio:.2f}x", at_least(ratio, TARGET),
