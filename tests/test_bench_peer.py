@@ -2,6 +2,7 @@
 example with tools/reference.py's numbers and with the same fields and as many numbers as the
 service's default answer."""
 import pytest
+import requests
 import torch
 
 from bench import peer, workloads
@@ -44,3 +45,21 @@ def test_peer_answers_what_the_service_answers(peer_answer, client):
     for key in ("n", "dim", "factor", "bounds", "objective", "dtype", "device"):
         assert peer_answer[key] == service[key], key
     torch.testing.assert_close(torch.tensor(peer_answer["accumulated"]), torch.tensor(service["accumulated"]))
+
+
+def test_peer_serves_under_its_own_gunicorn_settings():
+    """The row's launcher: sync workers, as many as asked, the same answer as in process."""
+    from bench.small_requests import BODY, peer_server
+
+    with peer_server(workers=2) as server:
+        response = requests.post(server.url + "/v1/gradients", data=BODY, timeout=60,
+                                 headers={"Content-Type": "application/json"})
+        assert len(server.worker_pids()) == 2
+        log = server.log()
+    assert response.status_code == 200
+    assert response.headers.get("Connection", "").lower() == "close"  # the sync worker: no keep-alive
+    assert "Using worker: sync" in log
+    answer = response.json()
+    vectors = torch.tensor(workloads.SEED_EXAMPLE, dtype=torch.float32)
+    torch.testing.assert_close(torch.tensor(answer["accumulated"]), reference_accumulated(vectors, 2, "sum"))
+    assert numbers(answer) == 1050
