@@ -1,0 +1,139 @@
+"""Issue 18's small-requests row: the README's 10 x 5 example, this service against a minimal
+Flask app doing the same computation (bench/peer.py, gunicorn sync workers), side by side.
+
+Same conditions for both: 2 workers, the same body and default outputs (blocks and accumulated,
+1050 numbers), the same load driver (rows.load: each client thread its own requests.Session,
+a warm-up, then back to back for a phase). The two servers run at once and are measured in
+alternating rounds, so both see the same load on a shared machine; the ratio is the median
+over rounds. Beside the rate, each app's server CPU time per request, read from /proc: the
+machine's noise moves it much less than the rate.
+"""
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import requests
+
+from tools.server import ROOT, Server, children, cpu_ticks, free_port, gunicorn_server, stop
+
+from . import workloads
+from .measure import Result, at_least
+from .rows import load
+
+WORKERS = 2
+CLIENTS = (1, 4)
+ROUNDS = 5  # alternating rounds per client count (service, peer, service, peer, ...)
+PHASE_S = 3.0  # seconds of one app's load in one round, after its warm-up
+TARGET = 1.05
+LOAD_WARM_UP = 5  # requests rows.load sends per client before it starts counting
+PEER_APP = "bench.peer:app"
+PEER_CONFIG = "bench/peer_gunicorn.py"
+BODY = workloads.body(workloads.SEED_EXAMPLE, factor=2)
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
+@contextlib.contextmanager
+def peer_server(workers: int = WORKERS, torch_threads: int = 1, app: str = PEER_APP):
+    """The peer (or `app`) under gunicorn's sync worker on 127.0.0.1:<free port>; the whole process group
+    is killed in `finally` (tools.server.stop)."""
+    port = free_port()
+    script = Path(sys.executable).parent / "gunicorn"
+    launcher = [str(script)] if script.exists() else [sys.executable, "-m", "gunicorn"]
+    command = [*launcher, "-c", PEER_CONFIG, "--bind", f"127.0.0.1:{port}", app]
+    env = {**os.environ, "PEER_WORKERS": str(workers), "PEER_TORCH_THREADS": str(torch_threads)}
+    env.pop("GUNICORN_CMD_ARGS", None)  # the peer's settings are its own file's
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = Path(tmp) / "peer.log"
+        with open(log_path, "wb") as log_file:
+            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        try:
+            server = Server(process, port, workers, log_path)
+            server.wait_ready("/healthz")
+            yield server
+        finally:
+            stop(process)
+
+
+def workers_cpu_s(server: Server) -> float:
+    """CPU seconds (user + system) of all the server's workers so far: the live ones from their
+    /proc/<pid>/stat, the exited ones (a recycled worker) from the master's cutime + cstime."""
+    fields = Path(f"/proc/{server.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[13]) + int(fields[14])  # cutime, cstime: fields 16 and 17
+    for pid in children(server.pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            ticks += cpu_ticks(pid)
+    return ticks / TICKS_PER_S
+
+
+@dataclass(frozen=True)
+class Phase:
+    rate: float  # requests per second the clients saw
+    cpu_ms: float  # the workers' CPU milliseconds per request served
+    client_cpu_ms: float  # this process's (the load driver's) CPU milliseconds per request
+
+
+def phase(server: Server, clients: int, seconds: float, path: str = "/v1/gradients") -> Phase:
+    before, client_before = workers_cpu_s(server), time.process_time()
+    rate, latencies, _ = load(server, path, BODY, clients=clients, seconds=seconds)
+    served = len(latencies) + LOAD_WARM_UP * clients
+    return Phase(rate, 1e3 * (workers_cpu_s(server) - before) / served,
+                 1e3 * (time.process_time() - client_before) / served)
+
+
+def answer_arrays(server: Server) -> tuple[np.ndarray, np.ndarray]:
+    """(block gradients, accumulated) of the server's answer to BODY, as float32 arrays."""
+    response = requests.post(server.url + "/v1/gradients", data=BODY, timeout=60,
+                             headers={"Content-Type": "application/json"})
+    response.raise_for_status()
+    answer = response.json()
+    blocks = np.array([block["gradient"] for block in answer["blocks"]], dtype=np.float32)
+    return blocks, np.array(answer["accumulated"], dtype=np.float32)
+
+
+def same_answer(service: Server, peer: Server) -> None:
+    mine, theirs = answer_arrays(service), answer_arrays(peer)
+    if not all(a.shape == b.shape and np.array_equal(a, b) for a, b in zip(mine, theirs, strict=True)):
+        raise RuntimeError("the service and the peer disagree on the 10x5 example")
+    if sum(a.size for a in mine) != 1050:
+        raise RuntimeError(f"expected 1050 numbers, got {sum(a.size for a in mine)}")
+
+
+def medians(pairs: list[tuple[Phase, Phase]], field: str) -> tuple[float, float]:
+    """The median of one Phase field over the rounds: (service, peer)."""
+    service, peer = zip(*pairs)
+    return (statistics.median(getattr(p, field) for p in service), statistics.median(getattr(p, field) for p in peer))
+
+
+def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S) -> list[Result]:
+    """The service's requests/s over the peer's on the 10x5 example, at 1 and 4 clients."""
+    results = []
+    with gunicorn_server(workers=WORKERS, device="cpu", ready_path="/readyz") as service, \
+            peer_server(WORKERS, bench.torch_threads) as peer:
+        same_answer(service, peer)
+        for server in (service, peer):  # warm-up: every worker has served before the first round
+            load(server, "/v1/gradients", BODY, clients=max(CLIENTS), seconds=min(1.0, seconds))
+        for clients in CLIENTS:
+            pairs = []
+            for k in range(rounds):
+                pairs.append((phase(service, clients, seconds), phase(peer, clients, seconds)))
+                print(f"  {clients} client(s), round {k + 1}: service {pairs[-1][0].rate:.0f} req/s, "
+                      f"peer {pairs[-1][1].rate:.0f} req/s", file=sys.stderr, flush=True)
+            ratio = statistics.median(s.rate / p.rate for s, p in pairs)
+            rate_s, rate_p = medians(pairs, "rate")
+            cpu_s, cpu_p = medians(pairs, "cpu_ms")
+            client_s, client_p = medians(pairs, "client_cpu_ms")
+            results.append(Result(
+                f"18. seed 10x5 example, {clients} client{'s' if clients > 1 else ''}: service vs minimal "
+                f"Flask app (sync)", f">= {TARGET}x", f"{ratio:.2f}x", at_least(ratio, TARGET),
+                f"{rate_s:.0f} vs {rate_p:.0f} req/s, medians of {rounds} alternating rounds of {seconds:g} s, "
+                f"{WORKERS} workers each; CPU per request: workers {cpu_s:.2f} vs {cpu_p:.2f} ms, "
+                f"load driver {client_s:.2f} vs {client_p:.2f} ms"))
+    return results
