@@ -228,3 +228,27 @@ def test_head_and_body_must_arrive_within_the_read_timeout_of_the_connection(bou
     elapsed = time.monotonic() - start
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
     assert 20 <= elapsed < 28
+
+
+def test_the_default_bound_holds_the_flood_the_service_is_sized_for(monkeypatch):
+    """Workers x BLOCKGRAD_MAX_CONNECTIONS >= 1500 + 40 x BLOCKGRAD_HEADER_TIMEOUT_S at make
+    serve's 2 workers; below it, gunicorn's start-up log says what to raise it to."""
+    from app.core.settings import Settings
+    from app.serving.worker import ConnectionWorker
+
+    settings = Settings.from_env({})
+    assert 2 * settings.max_connections >= 1500 + 40 * settings.header_timeout_s
+
+    class Cfg:
+        is_ssl, http_protocols, workers = False, ("h1",), 1
+
+    class Log:
+        lines: list[str] = []
+
+        def warning(self, message, *args):
+            self.lines.append(message % args)
+    log = Log()
+    monkeypatch.delenv("BLOCKGRAD_MAX_CONNECTIONS", raising=False)
+    monkeypatch.delenv("BLOCKGRAD_HEADER_TIMEOUT_S", raising=False)
+    ConnectionWorker.check_config(Cfg(), log)
+    assert log.lines and "raise it to 1900" in log.lines[0]

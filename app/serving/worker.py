@@ -23,6 +23,7 @@ import errno
 import heapq
 import itertools
 import json
+import math
 import re
 import resource
 import selectors
@@ -32,7 +33,7 @@ import time
 from collections import OrderedDict
 from functools import partial
 
-from gunicorn.http.errors import LimitRequestHeaders, LimitRequestLine
+from gunicorn.http.errors import LimitRequestHeaders
 from gunicorn.http.message import DEFAULT_MAX_HEADERFIELD_SIZE, MAX_HEADERS, MAX_REQUEST_LINE
 from gunicorn.workers import gthread
 
@@ -86,6 +87,12 @@ def head_timeout_answer(seconds: float) -> bytes:
     head = ("HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nX-Blockgrad-Error-Code: read_timeout\r\nConnection: close\r\n\r\n")
     return head.encode("latin-1") + body
+
+
+def flood_connections(header_timeout_s: float) -> int:
+    """Connections the workers together must hold: 1500 idle at once, plus 40 new ones a
+    second, each kept until the header timeout closes it."""
+    return math.ceil(1500 + 40 * header_timeout_s)
 
 
 def head_limits(cfg) -> tuple[int, int]:
@@ -149,6 +156,12 @@ class ConnectionWorker(gthread.ThreadWorker):
         if cfg.is_ssl or "h2" in getattr(cfg, "http_protocols", ()):
             raise RuntimeError("app.serving.worker.ConnectionWorker reads plain HTTP/1.1 heads itself: "
                                "TLS and HTTP/2 need gunicorn's gthread worker")
+        settings = Settings.from_env()
+        needed = flood_connections(settings.header_timeout_s)
+        if cfg.workers * settings.max_connections < needed:
+            log.warning("%d workers x BLOCKGRAD_MAX_CONNECTIONS = %d hold fewer than the %d connections of the "
+                        "flood the service is sized for (docs/connections.md): raise it to %d",
+                        cfg.workers, settings.max_connections, needed, math.ceil(needed / cfg.workers))
 
     def accepting(self) -> bool:
         """Whether to take new connections at all (the listening socket is polled only then);
@@ -170,7 +183,9 @@ class ConnectionWorker(gthread.ThreadWorker):
         app, clock = self.wsgi, self.clock
 
         def timed_app(environ, start_response):
-            environ[CONN_STARTED_KEY] = clock.started
+            started = getattr(clock, "started", None)
+            if started is not None:
+                environ[CONN_STARTED_KEY] = started
             return app(environ, start_response)
         self.wsgi = timed_app
 
@@ -234,7 +249,11 @@ class ConnectionWorker(gthread.ThreadWorker):
         try:
             sock, client = listener.accept()
         except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
+            if e.errno in (errno.EMFILE, errno.ENFILE):  # out of descriptors: free one, the next accept takes it
+                oldest = next(iter(self.waiting), None)
+                if oldest is not None:
+                    self.close(oldest, None if oldest.state == CLOSING else EVICTED)
+            elif e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                 raise
             return
         now = time.monotonic()
@@ -412,14 +431,19 @@ class ConnectionWorker(gthread.ThreadWorker):
             elif conn.state == CLOSING:
                 self.close(conn, None)
 
-    def make_room(self, keep: Conn) -> None:
-        """Past the bound (connections, or head bytes held), close the longest-idle waiting
-        connection, never `keep` (the one just accepted or active)."""
-        while self.nr_conns > self.max_connections or self.head_bytes > HEAD_BYTES_BUDGET:
+    def make_room(self, keep: Conn | None) -> None:
+        """Past the bound, close the longest-idle waiting connection; past the bytes of heads
+        held, the one holding most. Never `keep` (the one just accepted or active)."""
+        while self.nr_conns > self.max_connections:
             oldest = next(iter(self.waiting), None)
             if oldest is None or oldest is keep:
-                return
+                break
             self.close(oldest, None if oldest.state == CLOSING else EVICTED)
+        while self.head_bytes > HEAD_BYTES_BUDGET:  # only under attack: a scan is fine
+            largest = max((c for c in self.waiting if c is not keep), key=lambda c: len(c.head), default=None)
+            if largest is None or not largest.head:
+                break
+            self.close(largest, EVICTED)
 
     def show_metrics(self) -> None:
         if self.metrics is None:
