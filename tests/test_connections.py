@@ -96,6 +96,9 @@ def test_an_idle_flood_does_not_freeze_probes():
             assert wait_until(lambda: len(readable(first)) == len(first), WAIT_S, 0.5)
             assert all(sock.recv(1) == b"" for sock in first)  # closed, nothing written
         assert closes(server, "no_request") >= 1500
+        # No log line per connection: only the probes' request lines and gunicorn's start-up.
+        other = [line for line in server.log().splitlines() if not line.startswith('{"ts"')]
+        assert len(other) < 50, other[-10:]
 
 
 def test_header_slowloris_is_cut_at_the_header_timeout_and_probes_answer(short):
