@@ -25,7 +25,7 @@ torch_threads = max(1, cores // workers)  # each worker computes on the cores it
 
 # Worker model (README, "Worker model"): threads take connections, probes and slow clients;
 # one computation at a time per worker (app/core/gate.py) with BLOCKGRAD_QUEUE_DEPTH waiting.
-worker_class = "gthread"
+worker_class = "app.serving.worker.ConnectionWorker"  # gthread, with connections waiting in its poller (docs/connections.md)
 # Threads that are neither computing nor queued: 16 slow uploads (each freed after at most
 # BLOCKGRAD_READ_TIMEOUT_S), slow readers (BLOCKGRAD_SEND_TIMEOUT_S), probes, /metrics, docs.
 SPARE_THREADS = 24

@@ -79,7 +79,7 @@ def test_worker_model(monkeypatch):
     """gthread: threads above the compute slot + queue + spare; keep-alive from the settings."""
     assert load(monkeypatch)["keepalive"] == 75
     conf = load(monkeypatch, BLOCKGRAD_QUEUE_DEPTH="5", BLOCKGRAD_KEEPALIVE_S="80")
-    assert conf["worker_class"] == "gthread"
+    assert conf["worker_class"] == "app.serving.worker.ConnectionWorker"  # gthread, heads read in its poller
     assert conf["threads"] == 1 + 5 + conf["SPARE_THREADS"] and conf["SPARE_THREADS"] >= 16 + 4
     assert conf["keepalive"] == 80
     assert conf["max_requests"] >= 100 and conf["max_requests_jitter"] >= conf["max_requests"] // 10

@@ -122,7 +122,14 @@ class Settings:
     # so that the balancer, not the server, closes idle connections.
     keepalive_s: float = 75.0
     queue_depth: int = field(default_factory=default_queue_depth)
-    read_timeout_s: float = 30.0  # the whole body must arrive within it (408 read_timeout)
+    read_timeout_s: float = 30.0  # head and body must arrive within it, from the head's first byte (408)
+    # The request head must arrive within it, from accept or a kept-alive connection's first new
+    # byte (app/serving/worker.py): nothing sent -> closed silently, a partial head -> 408.
+    header_timeout_s: float = 10.0
+    # Open connections per worker. Workers x this must hold 1500 + 40 x header_timeout_s: an
+    # idle flood of that size leaves room for probes; past it the longest-idle connection
+    # without a complete head is closed (docs/connections.md).
+    max_connections: int = 1000
     send_timeout_s: float = 30.0  # a write making no progress this long ends the request
     # The cost model's constants (app/core/cost.py): when set, they replace its measured
     # table for every objective and dtype (tests pin them so no verdict depends on the machine).

@@ -21,6 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 SOCKET_KEY = "gunicorn.socket"
+# When the request's clock started (time.monotonic(): accept, or a kept-alive connection's
+# first new byte), set by the worker class (app/serving/worker.py); the read alarm counts from it.
+CONN_STARTED_KEY = "blockgrad.conn_started"
 
 
 def client_socket(environ: dict[str, Any]) -> socket.socket | None:
@@ -133,7 +136,8 @@ class ReadAlarm:
 
     def __init__(self, environ: dict[str, Any], seconds: float):
         self.sock = client_socket(environ)
-        self.seconds = seconds
+        started = environ.get(CONN_STARTED_KEY)
+        self.seconds = seconds if started is None else max(0.0, started + seconds - time.monotonic())
         self.alarm: Alarm | None = None
 
     @property

@@ -1,0 +1,454 @@
+"""The gunicorn worker class: gthread's pool of threads, with connections waiting in its poller.
+
+gunicorn's gthread worker hands each new connection to a pool thread, which waits for its first
+byte and then reads the head at the client's pace: idle connections and clients that send their
+headers a byte at a time hold the threads that probes need. Here the main loop does all the
+waiting. It reads each request head without blocking into the connection's buffer; only a
+connection with a complete head goes to a pool thread, where gunicorn's own parser reads the
+buffered bytes (put back in front of the socket, in its unreader) and serves the request as
+gthread does: keep-alive, pipelining, max_requests, graceful shutdown and the heartbeat are
+gthread's code.
+
+A connection's clock starts at accept, or at a kept-alive connection's first new byte: the head
+must arrive within BLOCKGRAD_HEADER_TIMEOUT_S (nothing sent: closed without a word; a partial
+head: 408 read_timeout), head and body within BLOCKGRAD_READ_TIMEOUT_S (the app's read alarm
+counts from environ[CONN_STARTED_KEY]). At most BLOCKGRAD_MAX_CONNECTIONS are open per worker;
+past it the connection that has waited longest without a complete head is closed, so that a
+new one (a probe) always gets in. docs/connections.md has the whole picture.
+
+The master loads this module: it imports neither torch, Flask nor prometheus_client (the
+metrics are imported after fork, once PROMETHEUS_MULTIPROC_DIR is set).
+"""
+import errno
+import heapq
+import itertools
+import json
+import math
+import re
+import resource
+import selectors
+import socket
+import threading
+import time
+from collections import OrderedDict
+from functools import partial
+
+from gunicorn.http.errors import LimitRequestHeaders
+from gunicorn.http.message import DEFAULT_MAX_HEADERFIELD_SIZE, MAX_HEADERS, MAX_REQUEST_LINE
+from gunicorn.workers import gthread
+
+from app.core.settings import Settings
+
+# The instant (time.monotonic()) the request's clock started, read by app/http/connection.py.
+CONN_STARTED_KEY = "blockgrad.conn_started"
+
+RECV_BYTES = 64 * 1024
+HEAD_END = b"\r\n\r\n"
+BARE_LF = re.compile(rb"(?<!\r)\n")  # gunicorn's parser refuses it at once: no need to wait for HEAD_END
+# Bytes of request heads one worker holds at most, all waiting connections together: past it
+# the longest-idle one is closed (a head may be ~800 KiB under gunicorn's default limits).
+HEAD_BYTES_BUDGET = 64 * 1024 * 1024
+# A connection being closed after its answer: FIN sent, what the peer still sends is read
+# and dropped for this long (at most CLOSE_DRAIN_BYTES), so that the kernel sends no RST that
+# could cut the answer short (gunicorn's close_graceful, without blocking the loop).
+CLOSE_LINGER_S = 2.0
+CLOSE_DRAIN_BYTES = 64 * 1024
+POLL_S = 1.0  # the longest the loop sleeps: the heartbeat and accepting() are looked at this often
+SPARE_FILES = 512  # descriptors beyond the connections: the pool's files, metrics, the app's own
+
+# What a connection is doing. Every state but BUSY waits in the poller (self.waiting).
+NEW = "new"  # accepted, no byte yet
+HEAD = "head"  # part of a head has arrived
+IDLE = "idle"  # kept alive after an answer, no byte of the next request yet
+BUSY = "busy"  # in a pool thread with a complete head
+CLOSING = "closing"  # answer sent, write side shut, waiting for the peer's FIN
+
+# Why a connection was closed (label of blockgrad_connections_closed_total).
+SERVED = "served"  # after its last answer (Connection: close, an error, the client left mid-request)
+NO_REQUEST = "no_request"  # sent nothing within the header timeout (closed silently)
+HEAD_TIMEOUT = "head_timeout"  # a partial head at the header timeout (408)
+HEAD_TOO_LARGE = "head_too_large"  # a head over gunicorn's limits (gunicorn's own error answer)
+KEEPALIVE_TIMEOUT = "keepalive_timeout"  # idle past BLOCKGRAD_KEEPALIVE_S (gunicorn's keepalive)
+EVICTED = "evicted"  # the longest-idle one without a head, past BLOCKGRAD_MAX_CONNECTIONS
+CLIENT_CLOSED = "client_closed"  # the client closed or reset it while it waited in the poller
+SHUTDOWN = "shutdown"  # still open when the worker stopped
+CLOSE_REASONS = (SERVED, NO_REQUEST, HEAD_TIMEOUT, HEAD_TOO_LARGE, KEEPALIVE_TIMEOUT, EVICTED, CLIENT_CLOSED,
+                 SHUTDOWN)
+
+
+def head_timeout_answer(seconds: float) -> bytes:
+    """408 read_timeout as the app's error table writes it (app/http/errors.py), made here
+    because no app runs before a head is complete."""
+    body = json.dumps({"error": {
+        "code": "read_timeout",
+        "message": f"The request head did not arrive within BLOCKGRAD_HEADER_TIMEOUT_S = {seconds:g} s; "
+                   "send it faster, or through a proxy that buffers it.",
+        "details": {"timeout_s": seconds}}}, separators=(",", ":")).encode()
+    head = ("HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nX-Blockgrad-Error-Code: read_timeout\r\nConnection: close\r\n\r\n")
+    return head.encode("latin-1") + body
+
+
+def flood_connections(header_timeout_s: float) -> int:
+    """Connections the workers together must hold: 1500 idle at once, plus 40 new ones a
+    second, each kept until the header timeout closes it."""
+    return math.ceil(1500 + 40 * header_timeout_s)
+
+
+def head_limits(cfg) -> tuple[int, int]:
+    """(request line, whole head) in bytes, as gunicorn's parser bounds them."""
+    line = cfg.limit_request_line if 0 < cfg.limit_request_line < MAX_REQUEST_LINE else MAX_REQUEST_LINE
+    fields = cfg.limit_request_fields if 0 < cfg.limit_request_fields <= MAX_HEADERS else MAX_HEADERS
+    size = cfg.limit_request_field_size if cfg.limit_request_field_size > 0 else DEFAULT_MAX_HEADERFIELD_SIZE
+    return line, line + 2 + fields * (size + 2) + 4
+
+
+def raise_open_files_limit(needed: int) -> int:
+    """The soft RLIMIT_NOFILE raised towards `needed` (up to the hard limit); the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+class Conn(gthread.TConn):
+    """gthread's connection, with the head read so far and the state of its wait."""
+
+    def __init__(self, cfg, sock, client, server, now: float):
+        super().__init__(cfg, sock, client, server)  # non-blocking from here
+        self.data_ready = True  # gthread's handle() must not wait for a first byte: it has a head
+        self.head = bytearray()
+        self.started: float | None = now  # None while kept alive without a new byte
+        self.state = NEW
+        self.version = 0  # bumped on every change of state: older deadlines no longer apply
+        self.drained = 0
+        self.closed = False
+
+
+class ConnectionWorker(gthread.ThreadWorker):
+    """gunicorn worker class `app.serving.worker.ConnectionWorker` (gunicorn.conf.py)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        settings = Settings.from_env()
+        self.header_timeout_s = min(settings.header_timeout_s, settings.read_timeout_s)
+        self.max_connections = settings.max_connections
+        # gthread answers "Connection: close" once this many are kept alive; here the bound
+        # closes the longest-idle instead, so that keep-alive never stops for a flood.
+        self.max_keepalived = self.max_connections + 1
+        self.line_limit, self.head_limit = head_limits(self.cfg)
+        self.waiting: OrderedDict[Conn, None] = OrderedDict()  # least recently active first
+        self.deadlines: list[tuple[float, int, Conn, int]] = []  # heap: (due, order, conn, version)
+        self.order = itertools.count()
+        self.counts = dict.fromkeys((NEW, HEAD, IDLE, BUSY, CLOSING), 0)
+        self.head_bytes = 0
+        self.clock = threading.local()  # the pool thread's request: its clock's start
+        self.metrics = None
+        self.shown: tuple | None = None
+
+    @classmethod
+    def check_config(cls, cfg, log):
+        if cfg.is_ssl or "h2" in getattr(cfg, "http_protocols", ()):
+            raise RuntimeError("app.serving.worker.ConnectionWorker reads plain HTTP/1.1 heads itself: "
+                               "TLS and HTTP/2 need gunicorn's gthread worker")
+        settings = Settings.from_env()
+        needed = flood_connections(settings.header_timeout_s)
+        if cfg.workers * settings.max_connections < needed:
+            log.warning("%d workers x BLOCKGRAD_MAX_CONNECTIONS = %d hold fewer than the %d connections of the "
+                        "flood the service is sized for (docs/connections.md): raise it to %d",
+                        cfg.workers, settings.max_connections, needed, math.ceil(needed / cfg.workers))
+
+    def accepting(self) -> bool:
+        """Whether to take new connections at all (the listening socket is polled only then);
+        a worker busier than its siblings may say no and leave them the next one."""
+        return True
+
+    def init_process(self):
+        from . import connection_metrics  # after fork: PROMETHEUS_MULTIPROC_DIR is set
+
+        self.metrics = connection_metrics
+        needed = self.max_connections + self.cfg.threads + SPARE_FILES
+        if raise_open_files_limit(needed) < needed:
+            self.log.warning("RLIMIT_NOFILE is below %d: BLOCKGRAD_MAX_CONNECTIONS = %d may not all open",
+                             needed, self.max_connections)
+        super().init_process()
+
+    def load_wsgi(self):
+        super().load_wsgi()
+        app, clock = self.wsgi, self.clock
+
+        def timed_app(environ, start_response):
+            started = getattr(clock, "started", None)
+            if started is not None:
+                environ[CONN_STARTED_KEY] = started
+            return app(environ, start_response)
+        self.wsgi = timed_app
+
+    # -- the pool thread ------------------------------------------------------------------
+
+    def handle(self, conn):
+        """gthread's handle(), with the head this loop read put back in front of the socket."""
+        if conn.head:
+            conn.sock.setblocking(True)
+            conn.init()  # the parser, once per connection
+            conn.parser.unreader.unread(bytes(conn.head))
+            conn.head = bytearray()
+        self.clock.started = conn.started
+        return super().handle(conn)
+
+    # -- the main loop --------------------------------------------------------------------
+
+    def run(self):
+        self.poller.register(self.method_queue.fileno(), selectors.EVENT_READ, self.method_queue.run_callbacks)
+        while self.alive:
+            self.notify()
+            want = self.accepting() and (self.nr_conns < self.max_connections or bool(self.waiting))
+            if want != self._accepting:
+                self.set_accept_enabled(want)
+            self.wait_for_and_dispatch_events(timeout=self.poll_timeout())
+            if not self.is_parent_alive():
+                break
+            self.expire(time.monotonic())
+            self.show_metrics()
+        self.stop()
+
+    def stop(self):
+        """Graceful shutdown: no new connections; connections without a byte of a request get
+        gthread's short linger (a request arriving meanwhile is answered with Connection:
+        close), the rest finish within graceful_timeout."""
+        self.set_accept_enabled(False)
+        now = time.monotonic()
+        linger = now + gthread.STOP_KEEPALIVE_LINGER
+        for conn in list(self.waiting):
+            if conn.state in (NEW, IDLE):
+                self.wait(conn, conn.state, linger)
+        end = now + self.cfg.graceful_timeout
+        while self.nr_conns > 0 and time.monotonic() < end:
+            self.notify()
+            self.wait_for_and_dispatch_events(timeout=self.poll_timeout())
+            self.expire(time.monotonic())
+            self.show_metrics()
+        for conn in list(self.waiting):
+            self.close(conn, SHUTDOWN)
+        self.show_metrics()
+        self.tpool.shutdown(wait=False)
+        self.poller.close()
+        self.method_queue.close()
+
+    def poll_timeout(self) -> float:
+        if not self.deadlines:
+            return POLL_S
+        return min(POLL_S, max(0.0, self.deadlines[0][0] - time.monotonic()))
+
+    def accept(self, listener):
+        try:
+            sock, client = listener.accept()
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):  # out of descriptors: free one, the next accept takes it
+                oldest = next(iter(self.waiting), None)
+                if oldest is not None:
+                    self.close(oldest, None if oldest.state == CLOSING else EVICTED)
+            elif e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
+                raise
+            return
+        now = time.monotonic()
+        self.nr_conns += 1
+        conn = Conn(self.cfg, sock, client, listener.getsockname(), now)
+        self.counts[NEW] += 1
+        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_readable, conn))
+        self.waiting[conn] = None
+        self.push_deadline(conn, now + self.header_timeout_s)
+        self.make_room(keep=conn)
+
+    def wait(self, conn: Conn, state: str, due: float) -> None:
+        """`conn` (already in the poller) waits in `state` until `due` at the latest."""
+        self.set_state(conn, state)
+        self.push_deadline(conn, due)
+
+    def set_state(self, conn: Conn, state: str) -> None:
+        self.counts[conn.state] -= 1
+        self.counts[state] += 1
+        conn.state = state
+        conn.version += 1
+
+    def push_deadline(self, conn: Conn, due: float) -> None:
+        heapq.heappush(self.deadlines, (due, next(self.order), conn, conn.version))
+        if len(self.deadlines) > 4 * len(self.waiting) + 64:  # drop the entries that no longer apply
+            self.deadlines = [entry for entry in self.deadlines
+                              if entry[3] == entry[2].version and not entry[2].closed]
+            heapq.heapify(self.deadlines)
+
+    def on_readable(self, conn: Conn, _sock) -> None:
+        if conn.closed or conn.state == BUSY:  # closed or handed over earlier in this batch of events
+            return
+        try:
+            data = conn.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close(conn, SERVED if conn.state == CLOSING else CLIENT_CLOSED)
+            return
+        if conn.state == CLOSING:
+            conn.drained += len(data)
+            if not data or conn.drained >= CLOSE_DRAIN_BYTES:
+                self.close(conn, SERVED)
+            return
+        if not data:
+            self.close(conn, CLIENT_CLOSED)
+            return
+        now = time.monotonic()
+        if conn.state == IDLE:  # the next request's clock starts with its first byte
+            conn.started = now
+            self.wait(conn, HEAD, now + self.header_timeout_s)
+        elif conn.state == NEW:
+            self.set_state(conn, HEAD)
+            self.push_deadline(conn, conn.started + self.header_timeout_s)
+        self.waiting.move_to_end(conn)
+        searched = max(0, len(conn.head) - 3)
+        conn.head += data
+        self.head_bytes += len(data)
+        self.examine(conn, searched)
+        self.make_room(keep=conn)
+
+    def examine(self, conn: Conn, searched: int) -> None:
+        """Hand `conn` over once its head is complete (or certain to be refused by gunicorn's
+        parser without another read); answer it here when it is too large."""
+        head = conn.head
+        if head.find(HEAD_END, searched) >= 0 or BARE_LF.search(head, searched):
+            self.hand_over(conn)
+        elif len(head) > self.line_limit + 2 and head.find(b"\r\n", 0, self.line_limit + 2) < 0:
+            self.hand_over(conn)  # the parser answers 414 from these bytes alone
+        elif len(head) > self.head_limit:
+            self.refuse(conn, LimitRequestHeaders("max buffer headers"))
+
+    def hand_over(self, conn: Conn) -> None:
+        self.leave_poller(conn)
+        self.set_state(conn, BUSY)
+        self.enqueue_req(conn)
+
+    def leave_poller(self, conn: Conn) -> None:
+        if self.waiting.pop(conn, False) is None:
+            self.head_bytes -= len(conn.head)
+            try:
+                self.poller.unregister(conn.sock)
+            except (KeyError, ValueError, OSError):
+                pass
+
+    def refuse(self, conn: Conn, error: Exception) -> None:
+        """gunicorn's own answer to a head it cannot take (handle_error), then close."""
+        self.counts_closed(HEAD_TOO_LARGE)
+        self.handle_error(None, conn.sock, conn.client, error)
+        self.close_after_answer(conn, counted=True)
+
+    def finish_request(self, conn, fs):
+        """A pool thread is done with `conn` (called on the main loop)."""
+        try:
+            keep = not fs.cancelled() and fs.result() is True
+        except Exception:
+            keep = False
+        if not keep or conn.closed:
+            self.close_after_answer(conn)
+            return
+        now = time.monotonic()
+        conn.sock.setblocking(False)
+        self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_readable, conn))
+        self.waiting[conn] = None
+        # A body drain or a pipelining client may have sent the next request's bytes already:
+        # its clock starts now.
+        pending = conn.parser.unreader.take_buffered()
+        if pending:
+            conn.started = now
+            conn.head = bytearray(pending)
+            self.head_bytes += len(pending)
+            self.wait(conn, HEAD, now + self.header_timeout_s)
+            self.examine(conn, 0)
+        else:
+            conn.started = None
+            due = now + self.cfg.keepalive
+            if not self.alive:
+                due = min(due, now + gthread.STOP_KEEPALIVE_LINGER)
+            self.wait(conn, IDLE, due)
+        self.make_room(keep=conn)
+
+    def close_after_answer(self, conn: Conn, counted: bool = False) -> None:
+        """FIN now, close when the peer's FIN arrives or after CLOSE_LINGER_S (never blocking)."""
+        if conn.closed:
+            return
+        if not counted:
+            self.counts_closed(SERVED)
+        try:
+            conn.sock.setblocking(False)
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            self.close(conn, None)
+            return
+        if conn in self.waiting:
+            self.head_bytes -= len(conn.head)
+        else:
+            self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_readable, conn))
+            self.waiting[conn] = None
+        conn.head = bytearray()
+        self.wait(conn, CLOSING, time.monotonic() + CLOSE_LINGER_S)
+
+    def close(self, conn: Conn, reason: str | None) -> None:
+        """Close `conn` now; `reason` counted (None: counted already)."""
+        if conn.closed:
+            return
+        self.leave_poller(conn)
+        self.counts[conn.state] -= 1
+        conn.closed = True
+        conn.version += 1
+        self.nr_conns -= 1
+        if reason is not None and conn.state != CLOSING:
+            self.counts_closed(reason)
+        gthread.util.close(conn.sock)
+
+    def counts_closed(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.CLOSED.labels(reason).inc()
+
+    def expire(self, now: float) -> None:
+        while self.deadlines and self.deadlines[0][0] <= now:
+            _, _, conn, version = heapq.heappop(self.deadlines)
+            if version != conn.version or conn.closed:
+                continue
+            if conn.state == HEAD:
+                try:
+                    conn.sock.send(head_timeout_answer(self.header_timeout_s))
+                except OSError:
+                    pass
+                self.counts_closed(HEAD_TIMEOUT)
+                self.close_after_answer(conn, counted=True)
+            elif conn.state == NEW:
+                self.close(conn, NO_REQUEST)
+            elif conn.state == IDLE:
+                self.close(conn, KEEPALIVE_TIMEOUT)
+            elif conn.state == CLOSING:
+                self.close(conn, None)
+
+    def make_room(self, keep: Conn | None) -> None:
+        """Past the bound, close the longest-idle waiting connection; past the bytes of heads
+        held, the one holding most. Never `keep` (the one just accepted or active)."""
+        while self.nr_conns > self.max_connections:
+            oldest = next(iter(self.waiting), None)
+            if oldest is None or oldest is keep:
+                break
+            self.close(oldest, None if oldest.state == CLOSING else EVICTED)
+        while self.head_bytes > HEAD_BYTES_BUDGET:  # only under attack: a scan is fine
+            largest = max((c for c in self.waiting if c is not keep), key=lambda c: len(c.head), default=None)
+            if largest is None or not largest.head:
+                break
+            self.close(largest, EVICTED)
+
+    def show_metrics(self) -> None:
+        if self.metrics is None:
+            return
+        shown = (self.nr_conns, self.counts[IDLE], self.counts[NEW] + self.counts[HEAD])
+        if shown != self.shown:
+            self.shown = shown
+            self.metrics.show(*shown)

@@ -1,0 +1,257 @@
+"""The service's own edge (app/serving/worker.py) against real gunicorn: idle floods, header
+slowloris, silent closes, the header and read clocks, and the connection bound.
+
+Verdicts count events (probes answered, connections closed and how); the few times compared
+have margins of many seconds over what they measure.
+"""
+import http.client
+import json
+import re
+import select
+import socket
+import time
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.attacks import HeaderDrip, IdleFlood, Prober, raise_open_files
+from tools.server import gunicorn_server, wait_until
+from .test_api import GOOD
+
+pytestmark = pytest.mark.slow
+
+WAIT_S = 60  # bound of every wait below; reached only on failure
+PROBE_BOUND_S = 5.0  # the issue's target is 1 s (measured in bench/attacks.py); here only "answered"
+BODY = json.dumps(GOOD).encode()
+
+
+def scrape(server) -> dict:
+    text = requests.get(server.url + "/metrics", timeout=WAIT_S).text
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def closes(server, reason: str) -> float:
+    return scrape(server).get(("blockgrad_connections_closed_total", (("reason", reason),)), 0.0)
+
+
+def connect(server, timeout: float = WAIT_S) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", server.port), timeout=timeout)
+
+
+def eof_at(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes (bounded by the socket's timeout)."""
+    received = b""
+    while True:
+        data = sock.recv(65536)
+        if not data:
+            return received
+        received += data
+
+
+def readable(socks: list[socket.socket]) -> list[socket.socket]:
+    """Those of `socks` with data or EOF waiting (poll: descriptors past 1024 too)."""
+    poller = select.poll()
+    for sock in socks:
+        poller.register(sock.fileno(), select.POLLIN)
+    ready = {fd for fd, _ in poller.poll(0)}
+    return [sock for sock in socks if sock.fileno() in ready]
+
+
+def closed_without_a_word(sock: socket.socket) -> bool:
+    """Readable now and at EOF with no byte."""
+    return bool(readable([sock])) and sock.recv(1) == b""
+
+
+def assert_probes_answered(prober: Prober, count: int) -> None:
+    probes = prober.all()
+    assert len(probes) >= count, f"only {len(probes)} probes ran"
+    failed = [x for x in probes if x is None]
+    assert len(failed) <= 0.01 * len(probes), f"{len(failed)} of {len(probes)} probes unanswered within " \
+                                              f"{PROBE_BOUND_S} s"
+
+
+@pytest.fixture(scope="module")
+def short():
+    """Header timeout 2 s, two workers."""
+    with gunicorn_server(workers=2, env={"BLOCKGRAD_HEADER_TIMEOUT_S": "2"}) as server:
+        yield server
+
+
+def test_an_idle_flood_does_not_freeze_probes():
+    """1500 idle connections at once, then 40 more a second for 15 s, at the defaults (2
+    workers, header timeout 10 s): /healthz and the 10 x 5 request on fresh connections every
+    0.25 s are answered; the server really held the flood, and closed it without a word."""
+    raise_open_files(4096)
+    with gunicorn_server(workers=2) as server:
+        with IdleFlood(server.port, initial=1500, per_second=40, seconds=15) as flood:
+            with Prober(server.port, BODY, seconds=15, timeout_s=PROBE_BOUND_S) as prober:
+                held = wait_until(lambda: scrape(server)[("blockgrad_connections_open", ())] >= 1500, WAIT_S, 1.0)
+                prober.join()
+            assert flood.opened >= 1500 + 40 * 10 and flood.failed == 0
+            assert held, "the workers never held the flood's connections"
+            assert_probes_answered(prober, count=50)
+            first = flood.sockets[:1500]
+            assert wait_until(lambda: len(readable(first)) == len(first), WAIT_S, 0.5)
+            assert all(sock.recv(1) == b"" for sock in first)  # closed, nothing written
+        assert closes(server, "no_request") >= 1500
+        # No log line per connection: only the probes' request lines and gunicorn's start-up.
+        other = [line for line in server.log().splitlines() if not line.startswith('{"ts"')]
+        assert len(other) < 50, other[-10:]
+
+
+def test_header_slowloris_is_cut_at_the_header_timeout_and_probes_answer(short):
+    """200 connections sending their heads a byte a second: each is closed once 2 s have passed
+    since it connected (408 read_timeout, or nothing if no byte had arrived), and probes answer
+    meanwhile."""
+    before = closes(short, "head_timeout") + closes(short, "no_request")
+    with HeaderDrip(short.port, count=200, seconds=WAIT_S) as drip:
+        with Prober(short.port, BODY, seconds=8, timeout_s=PROBE_BOUND_S) as prober:
+            prober.join()
+        assert wait_until(lambda: not drip.live(), WAIT_S, 0.5), f"{len(drip.live())} drippers still open"
+    assert len(drip.drippers) == 200
+    assert_probes_answered(prober, count=25)
+    answered = 0
+    for dripper in drip.drippers:
+        assert dripper.closed_at - dripper.opened_at >= 2.0  # never before the header timeout
+        if dripper.received:
+            assert dripper.received.startswith(b"HTTP/1.1 408 ")
+            body = json.loads(dripper.received.split(b"\r\n\r\n", 1)[1])
+            assert body["error"]["code"] == "read_timeout" and body["error"]["details"] == {"timeout_s": 2.0}
+            answered += 1
+    assert answered >= 150  # each sent its first byte at once
+    assert closes(short, "head_timeout") + closes(short, "no_request") >= before + 200
+
+
+def test_a_connection_that_sends_nothing_is_closed_silently(short):
+    before = closes(short, "no_request")
+    start = time.monotonic()
+    with connect(short) as sock:
+        assert eof_at(sock) == b""
+    assert time.monotonic() - start >= 2.0
+    assert closes(short, "no_request") >= before + 1
+
+
+def test_a_kept_alive_connection_s_clock_starts_at_its_next_byte(short):
+    """Idle past the header timeout is fine (keep-alive is 75 s); a partial next head then
+    gets its 408 once 2 s have passed since its first byte."""
+    with connect(short) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        first = http.client.HTTPResponse(sock)
+        first.begin()
+        assert first.status == 200 and first.read() == b'{"status":"ok"}\n'
+        time.sleep(3)  # longer than the header timeout, idle
+        assert not readable([sock]), "an idle kept-alive connection was closed"
+        sent = time.monotonic()
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")
+        answer = eof_at(sock)
+        assert time.monotonic() - sent >= 2.0
+    assert answer.startswith(b"HTTP/1.1 408 ") and b'"code":"read_timeout"' in answer
+
+
+def test_pipelined_requests_are_answered_in_order(short):
+    with connect(short) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
+                     b"GET /nowhere HTTP/1.1\r\nHost: t\r\n\r\n"
+                     b"GET /readyz HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        answers = eof_at(sock)
+    assert re.findall(rb"HTTP/1\.1 (\d+)", answers) == [b"200", b"404", b"200"]
+
+
+def test_large_heads_within_gunicorn_s_limits_are_served_and_larger_ones_refused(short):
+    fields = "".join(f"X-Pad-{i}: {'a' * 7000}\r\n" for i in range(9))  # 63 KiB of header fields
+    with connect(short) as sock:
+        sock.sendall(f"GET /healthz HTTP/1.1\r\nHost: t\r\n{fields}Connection: close\r\n\r\n".encode())
+        assert eof_at(sock).startswith(b"HTTP/1.1 200")
+    # Over gunicorn's whole-head bound (100 fields of 8190 bytes), never ending: refused at once.
+    with connect(short) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")
+        try:
+            for i in range(120):
+                sock.sendall(f"X-Pad-{i}: {'a' * 8000}\r\n".encode())
+        except OSError:
+            pass  # the server closed once it had answered
+        answer = eof_at(sock)
+    assert re.match(rb"HTTP/1\.1 (400|431) ", answer), answer[:200]
+    assert requests.get(short.url + "/healthz", timeout=WAIT_S).status_code == 200
+
+
+@pytest.fixture(scope="module")
+def bounded():
+    """One worker, at most 50 connections, header and read timeouts 20 s."""
+    with gunicorn_server(workers=1, env={"BLOCKGRAD_MAX_CONNECTIONS": "50", "BLOCKGRAD_HEADER_TIMEOUT_S": "20",
+                                         "BLOCKGRAD_READ_TIMEOUT_S": "20"}) as server:
+        yield server
+
+
+def test_past_the_bound_the_longest_idle_connection_is_closed_and_probes_get_in(bounded):
+    before = closes(bounded, "evicted")
+    idle = []
+    try:
+        for _ in range(60):
+            idle.append(connect(bounded))
+            time.sleep(0.01)  # accepted in this order
+        assert requests.get(bounded.url + "/healthz", timeout=WAIT_S).status_code == 200
+        assert wait_until(lambda: bool(readable([idle[0]])), WAIT_S)
+        shut = [i for i, sock in enumerate(idle) if readable([sock])]
+        assert all(closed_without_a_word(idle[i]) for i in shut)
+        assert len(shut) >= 10 and max(shut) < 20  # the oldest went
+        assert not readable(idle[-10:])  # the newest are still open
+        metrics = scrape(bounded)
+        assert metrics[("blockgrad_connections_open", ())] <= 51
+        assert metrics[("blockgrad_connections_closed_total", (("reason", "evicted"),))] >= before + 10
+    finally:
+        for sock in idle:
+            sock.close()
+
+
+def test_head_and_body_must_arrive_within_the_read_timeout_of_the_connection(bounded):
+    """The read clock starts at accept, not with the body: a client idle for 12 s, then sending
+    a head and dripping its body, gets 408 read_timeout 20 s after it connected (it would be 32 s
+    if the clock started with the body)."""
+    start = time.monotonic()
+    with connect(bounded) as sock:
+        time.sleep(12)
+        sock.sendall(b"POST /v1/gradients HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n")
+        sock.settimeout(1.0)
+        answer = b""
+        while time.monotonic() - start < 60 and b"\r\n\r\n" not in answer:
+            try:
+                sock.send(b" ")
+                data = sock.recv(65536)
+                if not data:
+                    break
+                answer += data
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+    elapsed = time.monotonic() - start
+    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
+    assert 20 <= elapsed < 28
+
+
+def test_the_default_bound_holds_the_flood_the_service_is_sized_for(monkeypatch):
+    """Workers x BLOCKGRAD_MAX_CONNECTIONS >= 1500 + 40 x BLOCKGRAD_HEADER_TIMEOUT_S at make
+    serve's 2 workers; below it, gunicorn's start-up log says what to raise it to."""
+    from app.core.settings import Settings
+    from app.serving.worker import ConnectionWorker
+
+    settings = Settings.from_env({})
+    assert 2 * settings.max_connections >= 1500 + 40 * settings.header_timeout_s
+
+    class Cfg:
+        is_ssl, http_protocols, workers = False, ("h1",), 1
+
+    class Log:
+        lines: list[str] = []
+
+        def warning(self, message, *args):
+            self.lines.append(message % args)
+    log = Log()
+    monkeypatch.delenv("BLOCKGRAD_MAX_CONNECTIONS", raising=False)
+    monkeypatch.delenv("BLOCKGRAD_HEADER_TIMEOUT_S", raising=False)
+    ConnectionWorker.check_config(Cfg(), log)
+    assert log.lines and "raise it to 1900" in log.lines[0]
