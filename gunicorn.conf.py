@@ -32,7 +32,7 @@ SPARE_THREADS = 24
 threads = COMPUTE_SLOTS + settings.queue_depth + SPARE_THREADS
 # Idle connections kept past a balancer's usual 60 s idle timeout: the balancer closes them.
 keepalive = math.ceil(settings.keepalive_s)
-worker_connections = 1000  # open connections per worker, idle keep-alive ones included
+worker_connections = settings.max_connections  # per worker, idle ones included (the worker class reads the setting)
 # A kept-alive connection stays with the worker that accepted it. When a worker recycles, its
 # clients reconnect to the siblings, so one worker can end up with every busy connection while
 # its fresh replacement idles. Closing each connection after this many requests (as nginx's

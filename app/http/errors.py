@@ -180,8 +180,8 @@ ERRORS: dict[str, ErrorCode] = {
     "not_ready": ErrorCode(503, "the compute device is not usable",
                            lambda: core.not_ready("BLOCKGRAD_DEVICE=cuda but CUDA is not available in this process")),
     # Serving (issue 9): the worker model's refusals; README, "Worker model".
-    "read_timeout": ErrorCode(408, "the whole body did not arrive within BLOCKGRAD_READ_TIMEOUT_S; the connection "
-                                   "is closed after the answer", lambda: read_timeout(30.0)),
+    "read_timeout": ErrorCode(408, "a partial head did not arrive within BLOCKGRAD_HEADER_TIMEOUT_S, or head "
+                                   "and body within BLOCKGRAD_READ_TIMEOUT_S; the connection is closed after the answer", lambda: read_timeout(30.0)),
     "overloaded": ErrorCode(503, "the worker's compute slot is taken and BLOCKGRAD_QUEUE_DEPTH requests already "
                                  "wait for it, or the memory its requests hold plus this one's predicted peak "
                                  "is over BLOCKGRAD_WORKER_MEMORY_BYTES, or a body still arriving (over 64 KiB) "
