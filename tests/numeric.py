@@ -9,6 +9,8 @@ weights), pass `scale`, the size of those terms: it is added to the floor.
 A whole-tensor absolute tolerance (the old rtol=atol=2e-5) let a 16% error through on
 entries of 1.2e-4 (mean at N = 37); this does not.
 """
+import math
+
 import numpy as np
 import torch
 
@@ -31,6 +33,7 @@ def mismatches(actual, expected, dtype, *, scale=None, rtol=None) -> np.ndarray:
     assert actual.shape == expected.shape, f"shape {actual.shape} != expected {expected.shape}"
     assert np.isfinite(expected).all(), "the oracle itself is not finite here: fix the oracle, not the check"
     floor = float(np.finfo(name).smallest_normal) + (0.0 if scale is None else as_array(scale))
+    assert np.isfinite(floor).all(), "an infinite scale would pass anything"
     bad = ~np.isfinite(actual)
     with np.errstate(invalid="ignore"):
         bad |= ~(np.abs(actual - expected) <= rtol * (np.abs(expected) + floor))
@@ -46,3 +49,27 @@ def assert_matches(actual, expected, dtype, *, scale=None, rtol=None, what: str 
         raise AssertionError(f"{what or 'values'}: {int(bad.sum())} of {bad.size} entries off the reference "
                              f"(rtol {RTOL[NAMES[dtype]] if rtol is None else rtol}); first at {where}: "
                              f"{a[where]!r} vs expected {e[where]!r}")
+
+
+def largest(expected) -> float:
+    """max |expected|: the `scale` for entries that are sums of terms that cancel (a model's
+    gradient), whose error is relative to the tensor's size rather than to each entry."""
+    return float(np.abs(as_array(expected)).max(initial=0.0))
+
+
+def loss_terms(block: torch.Tensor, objective: str, offset: float = 5.0) -> float:
+    """How big the terms summed into a built-in objective's loss of `block` are: the `scale`
+    for comparing that loss (sum(B + offset) near 0 from terms of 1e3 is exact only to their size)."""
+    block = block.detach().to(torch.float64)
+    if objective == "sum":
+        return (block + offset).abs().sum().item()
+    if objective == "mean":
+        return block.abs().sum().item() / block.numel()
+    if objective == "logsumexp":
+        return block.max().abs().item() + math.log(block.numel())
+    if objective == "sum_of_squares":
+        return (block * block).sum().item()
+    if objective == "l2_norm":
+        largest = block.abs().max().item()
+        return largest * torch.linalg.vector_norm(block / largest).item() if largest > 0 else 0.0
+    raise ValueError(objective)
