@@ -17,7 +17,7 @@ from app import create_app
 
 from tools.reference import (REFERENCE_OBJECTIVES, SHIFTED_OBJECTIVES, batch_matrix, concat_matrix,
                              reference_accumulated, reference_blocks)
-from .numeric import assert_matches
+from .numeric import assert_matches, loss_terms
 from .test_api import strict_json
 
 OBJECTIVES = ["sum", "mean", "sum_of_squares", "l2_norm", "logsumexp"]
@@ -107,18 +107,6 @@ def oracle_accumulated(vectors: torch.Tensor, factor: int, objective: str, offse
     return leaf.grad
 
 
-def loss_terms(block: torch.Tensor, objective: str, offset: float, loss: float) -> float:
-    """How big the terms summed into a block's loss are: the floor of its error where they
-    cancel (sum(B + offset) near 0 from terms of 1e3)."""
-    if objective == "sum":
-        return (block + offset).abs().sum().item()
-    if objective == "mean":
-        return block.abs().sum().item() / block.numel()
-    if objective == "logsumexp":
-        return block.max().abs().item() + abs(loss)
-    return abs(loss)  # sums of squares: no cancellation
-
-
 def assert_matches_reference(request: dict, body: dict) -> None:
     dtype = DTYPES[request.get("dtype", "float32")]
     # The service's inputs (rounded to the request's dtype), then the oracle in float64.
@@ -136,7 +124,7 @@ def assert_matches_reference(request: dict, body: dict) -> None:
         losses = np.array(body["losses"], dtype=np.float64)
         assert losses.shape == (factor, factor)
         blocks = batch_matrix(concat_matrix(vectors), factor=factor)
-        scale = [loss_terms(b, objective, offset, loss.item()) for b, (loss, _) in zip(blocks, expected, strict=True)]
+        scale = [loss_terms(b, objective, offset) for b in blocks]
         assert_matches(losses.reshape(-1), [loss.item() for loss, _ in expected], dtype, scale=np.array(scale),
                        rtol=RTOL[dtype], what="losses")
     if "blocks" in body:
