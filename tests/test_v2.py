@@ -707,3 +707,19 @@ def test_a_grid_holds_the_slot_while_written_only_when_its_blocks_are_recomputed
     assert gate.busy == 0
     assert list(tensors) == ["block_gradients"]
     assert_matches(tensors["block_gradients"], reference_grid(vectors, 4, objective), "float64")
+
+
+def test_the_comparison_fails_a_missing_output_or_a_wrong_number(client):
+    """assert_matches_reference is what the tests above rely on: it must refuse an answer with
+    block_gradients dropped, outputs reordered, or one number off by 0.1%."""
+    vectors = torch.randn(9, 4, dtype=torch.float64).to(torch.float32)
+    body, headers = binary_request(vectors.numpy(), "FP32", parameters={"factor": 4, "binary_data_output": True})
+    _, tensors = read_response(client.post(INFER, data=body, headers=headers))
+    expected = reference_outputs(vectors, 4, "sum", 5.0, [0, 2, 4, 6, 9])
+    assert_matches_reference(tensors, expected, "FP32", ALL_OUTPUTS)
+    dropped = {name: array for name, array in tensors.items() if name != "block_gradients"}
+    reordered = dict(reversed(list(tensors.items())))
+    off = dict(tensors, accumulated=tensors["accumulated"] * np.float32(1.001))
+    for wrong in (dropped, reordered, off):
+        with pytest.raises(AssertionError):
+            assert_matches_reference(wrong, expected, "FP32", ALL_OUTPUTS)
