@@ -9,6 +9,8 @@ from app import create_app
 
 from tools.reference import reference_accumulated, reference_blocks
 
+from .numeric import assert_matches
+
 GOOD = {"vectors": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "factor": 2}
 
 
@@ -52,16 +54,19 @@ def test_api_matches_reference(client, objective, dtype):
                                    "outputs": ["losses", "blocks", "accumulated"]})
     assert response.status_code == 200
     cast = vectors.to(torch_dtype)
-    tol = dict(rtol=2e-5, atol=2e-5) if dtype == "float32" else dict(rtol=1e-12, atol=1e-12)
     expected = reference_blocks(cast, 3, objective, 1.5)
+    assert set(body) == {"n", "dim", "factor", "bounds", "objective", "dtype", "device",
+                         "losses", "blocks", "accumulated"}
+    assert len(body["blocks"]) == len(expected) == 9
     losses = np.array(body["losses"])
     assert losses.shape == (3, 3)
-    for k, (block, (loss, grad)) in enumerate(zip(body["blocks"], expected)):
-        torch.testing.assert_close(torch.tensor(block["gradient"], dtype=torch_dtype), grad, **tol)
-        torch.testing.assert_close(torch.tensor(block["loss"], dtype=torch_dtype), loss, **tol)
+    for k, (block, (loss, grad)) in enumerate(zip(body["blocks"], expected, strict=True)):
+        assert (block["row"], block["col"]) == divmod(k, 3)
+        assert_matches(np.array(block["gradient"]), grad, dtype, what=f"block {k} gradient")
+        assert_matches(block["loss"], loss, dtype, what=f"block {k} loss")
         assert losses[k // 3, k % 3] == block["loss"]
-    torch.testing.assert_close(torch.tensor(body["accumulated"], dtype=torch_dtype),
-                               reference_accumulated(cast, 3, objective, 1.5), **tol)
+    assert_matches(np.array(body["accumulated"]), reference_accumulated(cast, 3, objective, 1.5), dtype,
+                   what="accumulated")
 
 
 def test_float32_output_is_float32_exact(client):

@@ -18,7 +18,8 @@ from app.core.engine import DEFAULT_CHUNK_ELEMENTS, plan_bands
 from app.core.run import Deadline
 from app.core.errors import BlockgradError
 
-from tools.server import gunicorn_server
+from tools.server import gunicorn_server, wait_until
+from .events import reached_the_app
 from .test_api import GOOD, assert_error, assert_still_serving, strict_json
 
 
@@ -136,11 +137,12 @@ def test_kept_blocks_are_written_whole_whatever_the_deadline(monkeypatch, n):
 # the token never reaches the server's log).
 TOKEN = "t0ken-that-must-not-be-logged"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+DEADLINE_S = 2
 
 
 @pytest.fixture(scope="module")
 def short_deadline_server():
-    with gunicorn_server(workers=1, env={"BLOCKGRAD_REQUEST_TIMEOUT_S": "2", "BLOCKGRAD_API_TOKEN": TOKEN,
+    with gunicorn_server(workers=1, env={"BLOCKGRAD_REQUEST_TIMEOUT_S": str(DEADLINE_S), "BLOCKGRAD_API_TOKEN": TOKEN,
                                          **PREDICTED_INSTANT}) as server:
         yield server
         assert TOKEN not in server.log()
@@ -148,14 +150,27 @@ def short_deadline_server():
 
 @pytest.mark.slow
 def test_gunicorn_answers_503_before_streaming(short_deadline_server):
-    # N=8192, D=128 is 17 billion numbers of blocks (tens of seconds on 2 cores); the
-    # deadline stops it at 2 s.
-    body = {"vectors": np.zeros((8192, 128)).tolist(), "factor": 64, "outputs": ["accumulated"]}
-    response = requests.post(short_deadline_server.url + "/v1/gradients", json=body, headers=AUTH, timeout=30)
-    assert response.status_code == 503
-    assert response.json()["error"]["code"] == "deadline_exceeded"
-    assert int(response.headers["Retry-After"]) >= 1
-    ok = requests.post(short_deadline_server.url + "/v1/gradients", json=GOOD, headers=AUTH, timeout=30)
+    """The deadline counts from the request's arrival, reading the body included. The client
+    sends half the body, waits until the request is in the app, and withholds the rest for
+    twice the deadline: however fast the machine, the request cannot be answered in time."""
+    server = short_deadline_server
+    body = json.dumps({"vectors": np.ones((64, 4)).tolist(), "factor": 4, "outputs": ["accumulated"]}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.putrequest("POST", "/v1/gradients")
+        for name, value in {"Content-Type": "application/json", "Content-Length": str(len(body)), **AUTH}.items():
+            conn.putheader(name, value)
+        conn.endheaders(body[:len(body) // 2])
+        assert wait_until(reached_the_app(server), 30), "the request did not reach the app"
+        time.sleep(2 * DEADLINE_S)  # the client's own pace: the server has nothing to compute yet
+        conn.send(body[len(body) // 2:])
+        response = conn.getresponse()
+        assert response.status == 503
+        assert json.loads(response.read())["error"]["code"] == "deadline_exceeded"
+        assert int(response.getheader("Retry-After")) >= 1
+    finally:
+        conn.close()
+    ok = requests.post(server.url + "/v1/gradients", json=GOOD, headers=AUTH, timeout=30)
     assert ok.status_code == 200 and ok.json()["n"] == 3
 
 
@@ -175,10 +190,17 @@ def test_gunicorn_cuts_a_stream_that_passes_the_deadline(short_deadline_server):
         response = conn.getresponse()  # status and headers: the head was sent first
         assert response.status == 200
         assert response.getheader("Transfer-Encoding") == "chunked"
-        time.sleep(3)  # past the 2 s deadline while ~34 MB wait to be sent
+        # A reader at most 64 KiB per 50 ms: the ~34 MB answer would take over 25 s to read,
+        # more than ten times the deadline, however fast the server.
+        pieces = []
         with pytest.raises(http.client.IncompleteRead) as cut:
-            response.read()
-        partial = cut.value.partial
+            for _ in range(4000):
+                piece = response.read(64 * 1024)
+                if not piece:
+                    break
+                pieces.append(piece)
+                time.sleep(0.05)
+        partial = b"".join(pieces) + cut.value.partial
         assert partial.startswith(b'{"n":512,')
         with pytest.raises(ValueError):
             strict_json(partial)

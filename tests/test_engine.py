@@ -13,10 +13,11 @@ from app.http.errors import error_headers, status_of
 from app.core.errors import BlockgradError
 from app.core.objectives import OBJECTIVES
 
-from tools.reference import reference_accumulated, reference_blocks
+from tools.reference import batch_matrix, concat_matrix, reference_accumulated, reference_blocks
+
+from .numeric import assert_matches, loss_terms
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
-TOLERANCE = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
 SHAPES = [  # (N, D, F): default split, N not divisible by F, F = 1, F = N, N = 1
     (10, 5, 2), (11, 3, 3), (13, 4, 4), (7, 2, 1), (6, 3, 6), (1, 4, 1), (9, 1, 2),
 ]
@@ -32,22 +33,23 @@ def engine_run(vectors, factor, objective, offset=5.0, max_elements=4 * 1024 * 1
 
 
 def assert_matches_seed_loops(vectors, factor, objective, chunk_sizes=(4 * 1024 * 1024,)):
-    tol = TOLERANCE[vectors.dtype]
+    inputs = batch_matrix(concat_matrix(vectors), factor=factor)
     expected_blocks = reference_blocks(vectors, factor, objective, offset=2.5)
     expected_accumulated = reference_accumulated(vectors, factor, objective, offset=2.5)
     bounds = block_bounds(vectors.shape[0], factor)
     for max_elements in chunk_sizes:
         blocks, accumulated = engine_run(vectors, factor, objective, offset=2.5, max_elements=max_elements)
         assert len(blocks) == len(expected_blocks) == factor * factor
-        for k, (block, (loss, grad)) in enumerate(zip(blocks, expected_blocks)):
+        for k, (block, (loss, grad)) in enumerate(zip(blocks, expected_blocks, strict=True)):
             r, c = divmod(k, factor)  # row-block-major, as the seed's loops
             assert (block.r, block.c) == (r, c)
             assert (block.row_span, block.col_span) == ((bounds[r], bounds[r + 1]), (bounds[c], bounds[c + 1]))
             assert block.gradient.dtype == vectors.dtype
             assert block.gradient.shape == grad.shape
-            torch.testing.assert_close(block.loss, loss, **tol)
-            torch.testing.assert_close(block.gradient, grad, **tol)
-        torch.testing.assert_close(accumulated, expected_accumulated, **tol)
+            assert_matches(block.loss, loss, vectors.dtype, scale=loss_terms(inputs[k], objective, 2.5),
+                           what=f"block {k} loss")
+            assert_matches(block.gradient, grad, vectors.dtype, what=f"block {k} gradient")
+        assert_matches(accumulated, expected_accumulated, vectors.dtype, what="accumulated")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -203,17 +205,17 @@ def test_logsumexp_gradient_stays_exact_for_large_values(dtype):
     else:
         expected_grad, expected_acc = [0.125, 0.375, 0.125, 0.375], [0.25, 0.75]
     blocks, accumulated = engine_run(vectors, 1, "logsumexp")
-    torch.testing.assert_close(blocks[0].gradient.flatten(), torch.tensor(expected_grad, dtype=DTYPES[dtype]))
-    torch.testing.assert_close(accumulated.flatten(), torch.tensor(expected_acc, dtype=DTYPES[dtype]))
+    assert_matches(blocks[0].gradient.flatten(), expected_grad, dtype)
+    assert_matches(accumulated.flatten(), expected_acc, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_l2_norm_of_tiny_values_does_not_underflow(dtype):
     vectors = torch.tensor([[1e-23, 1e-23]], dtype=DTYPES[dtype])  # squares (1e-46) underflow float32
     blocks, accumulated = engine_run(vectors, 1, "l2_norm")
-    torch.testing.assert_close(blocks[0].loss, torch.tensor(2e-23, dtype=DTYPES[dtype]))
-    torch.testing.assert_close(blocks[0].gradient.flatten(), torch.full((4,), 0.5, dtype=DTYPES[dtype]))
-    torch.testing.assert_close(accumulated.flatten(), torch.ones(2, dtype=DTYPES[dtype]))
+    assert_matches(blocks[0].loss, torch.tensor(1e-23, dtype=DTYPES[dtype]) * 2, dtype)  # 2e-23 rounded as the service's
+    assert_matches(blocks[0].gradient.flatten(), [0.5] * 4, dtype)
+    assert_matches(accumulated.flatten(), [1.0, 1.0], dtype)
 
 
 def test_warm_up_runs_on_cpu_and_reports_a_device_it_cannot_use():

@@ -76,7 +76,7 @@ GRID = list(itertools.product(
 
 
 @pytest.mark.parametrize("pinned", [True, False])
-def test_suggested_factor_fits_every_limit_and_is_the_cheapest(pinned):
+def test_suggested_factor_fits_every_limit_and_has_the_fewest_blocks(pinned):
     for n, dim, outputs, max_block, max_output in GRID:
         costs = dict(cost_per_block_s=1e-3, cost_per_number_s=1e-9) if pinned else {}
         settings = Settings(max_block_elements=max_block, max_output_elements=max_output, **costs)
@@ -87,8 +87,10 @@ def test_suggested_factor_fits_every_limit_and_is_the_cheapest(pinned):
             assert suggested is None, case
             continue
         assert suggested in fitting, case
-        predicted = {f: predict_seconds(n, dim, f, "logsumexp", "float64", outputs, settings) for f in fitting}
-        assert predicted[suggested] == min(predicted.values()), case
+        # Every block here is far within one chunk (at most 2000 numbers), where each further
+        # block only adds work (its overhead, its row and column sums, a loss): the fastest
+        # factor is the fitting one with the fewest blocks, whatever the cost table says.
+        assert suggested == min(fitting), case
 
 
 def test_the_advice_is_the_factor_with_the_fewest_blocks_not_the_next_larger():

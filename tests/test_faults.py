@@ -16,12 +16,12 @@ import torch
 
 from tools.reference import reference_accumulated
 from tools.server import gunicorn_server, rss_kib, wait_until
+from .numeric import assert_matches
+from .events import accepting, connection_owner, reached_the_app
 from .test_api import GOOD
 
 pytestmark = pytest.mark.slow
 
-# N=8192, D=128 is 17 billion numbers of blocks: tens of seconds on 2 cores, even batched.
-LONG = {"vectors": np.zeros((8192, 128)).tolist(), "factor": 64, "outputs": ["accumulated"]}
 TIMEOUT_S = 120
 
 
@@ -50,14 +50,33 @@ def in_background(fn):
     return outcome
 
 
+def open_request(server, body: bytes) -> http.client.HTTPConnection:
+    """A request whose body is sent only up to its half: held in flight by its own client."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
+    conn.putrequest("POST", "/v1/gradients")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(len(body)))
+    conn.endheaders(body[:len(body) // 2])
+    return conn
+
+
 def test_sigkill_of_a_worker_fails_only_its_request(server):
+    """The request is held in flight by its client (half a body), so that the worker is
+    killed mid-request however fast it computes; the worker is the one holding its socket."""
     workers_before = set(server.worker_pids())
-    long = in_background(lambda: post(server, LONG))
-    victim = server.busy_worker()
-    assert victim in workers_before, "no worker picked up the long request"
-    os.kill(victim, signal.SIGKILL)
-    long["thread"].join(TIMEOUT_S)
-    assert isinstance(long.get("error"), requests.ConnectionError), long
+    body = json.dumps(GOOD).encode()
+    conn = open_request(server, body)
+    try:
+        assert wait_until(reached_the_app(server), 30), "no worker picked up the request"
+        assert wait_until(lambda: connection_owner(server, conn.sock) is not None, 30)
+        victim = connection_owner(server, conn.sock)
+        assert victim in workers_before
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises((OSError, http.client.HTTPException)):  # reset or closed: never an answer
+            conn.send(body[len(body) // 2:])
+            conn.getresponse()
+    finally:
+        conn.close()
     # The master replaces the worker by itself.
     assert wait_until(lambda: len(set(server.worker_pids()) - {victim}) == 2, 30), server.log()
     assert victim not in server.worker_pids()
@@ -87,7 +106,7 @@ def test_a_burst_larger_than_the_workers_is_all_answered(server):
         assert response.status_code == 200
         expected = reference_accumulated(torch.tensor(body["vectors"], dtype=torch.float64), body["factor"],
                                           "sum_of_squares")
-        torch.testing.assert_close(torch.tensor(response.json()["accumulated"], dtype=torch.float64), expected)
+        assert_matches(response.json()["accumulated"], expected, "float64")
 
 
 def test_soak_worker_memory_levels_off(server):
@@ -118,33 +137,23 @@ def test_sigterm_lets_the_request_in_flight_finish(server):
     body = json.dumps({"vectors": np.linspace(-1, 1, 40 * 3).reshape(40, 3).tolist(), "factor": 4,
                        "objective": "sum_of_squares", "outputs": ["accumulated"], "dtype": "float64"}).encode()
     half = len(body) // 2
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT_S)
+    conn = open_request(server, body)
     try:
-        conn.putrequest("POST", "/v1/gradients")
-        conn.putheader("Content-Type", "application/json")
-        conn.putheader("Content-Length", str(len(body)))
-        conn.endheaders(body[:half])
         # In flight once its worker has started it (the gauge counts the scrape too).
-        assert wait_until(lambda: in_flight(server) >= 2, 30), "no worker picked up the request"
+        assert wait_until(reached_the_app(server), 30), "no worker picked up the request"
+        workers = server.worker_pids()
+        assert workers and all(accepting(pid, server.port) for pid in workers)
         os.kill(server.pid, signal.SIGTERM)  # the master only, as an orchestrator would
-        time.sleep(0.5)  # let the signal reach the workers while the body is still incomplete
+        # Every worker has begun its graceful stop (stopped accepting) while the body is still incomplete.
+        assert wait_until(lambda: not any(accepting(pid, server.port) for pid in workers), 30), server.log()
         conn.send(body[half:])
         response = conn.getresponse()
         assert response.status == 200
         expected = reference_accumulated(torch.tensor(json.loads(body)["vectors"], dtype=torch.float64), 4,
                                          "sum_of_squares")
-        torch.testing.assert_close(torch.tensor(json.loads(response.read())["accumulated"], dtype=torch.float64),
-                                   expected)
+        assert_matches(json.loads(response.read())["accumulated"], expected, "float64")
     finally:
         conn.close()
     assert server.process.wait(30) == 0
     assert not server.worker_pids()
 
-
-def in_flight(server) -> float:
-    try:
-        text = requests.get(server.url + "/metrics", timeout=10).text
-    except requests.RequestException:
-        return 0.0
-    match = re.search(r"^blockgrad_requests_in_flight ([0-9.e+]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0

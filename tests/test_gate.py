@@ -100,7 +100,11 @@ def test_a_waiter_whose_client_left_gives_up_its_place():
     assert outcomes == [("gone", "client_closed", {})]
     assert gate.depth == 0
     holder.release()
-    assert gate.acquire(COST, Deadline(FAR)) is not None
+    # The slot is free at once: a deadline already past would fail any acquire that had to wait.
+    ticket = gate.acquire(COST, Deadline(0.0))
+    assert gate.busy == 1 and gate.depth == 0
+    ticket.release()
+    assert gate.busy == 0
 
 
 def test_deadline_check_stops_a_computation_whose_client_left():

@@ -2,7 +2,7 @@
 
 Binary bodies are built and read here byte by byte with struct, following the
 binary tensor data extension, independently of app/api/v2/codec.py. Numbers are
-compared with tests/reference.py (the seed's loops) and with /v1/gradients.
+compared with tools/reference.py (the seed's loops) and with /v1/gradients.
 """
 import gzip
 import io
@@ -19,6 +19,8 @@ from app import create_app
 from app.http.streaming import gather
 
 from tools.reference import reference_accumulated, reference_blocks
+
+from .numeric import assert_matches
 
 INFER = "/v2/models/blockgrad/infer"
 HEADER = "Inference-Header-Content-Length"
@@ -83,6 +85,7 @@ def read_response(response) -> tuple[dict, dict[str, np.ndarray]]:
             assert size == count * struct.calcsize(FORMATS[datatype])
             values = np.array(struct.unpack_from(f"<{count}{FORMATS[datatype]}", body, offset), dtype=NUMPY[datatype])
             offset += size
+        assert output["name"] not in tensors, f"output {output['name']} twice"
         tensors[output["name"]] = values.reshape(shape)
     assert offset == len(body), "bytes left over after the last binary output"
     return header, tensors
@@ -101,14 +104,18 @@ def reference_outputs(vectors: torch.Tensor, factor: int, objective: str, offset
             "losses": losses, "bounds": torch.tensor(bounds)}
 
 
-def assert_matches_reference(tensors, expected, datatype):
-    tol = dict(rtol=2e-5, atol=2e-5) if datatype == "FP32" else dict(rtol=1e-12, atol=1e-12)
+ALL_OUTPUTS = ["block_gradients", "accumulated", "bounds", "losses"]  # the default, in the contract's order
+
+
+def assert_matches_reference(tensors, expected, datatype, names):
+    """Exactly the outputs `names`, in that order, each equal to the reference's."""
+    assert list(tensors) == names
     for name, array in tensors.items():
         if name == "bounds":
             assert array.dtype == np.int64 and array.tolist() == expected["bounds"].tolist()
         else:
             assert array.dtype == NUMPY[datatype]
-            torch.testing.assert_close(torch.from_numpy(array.copy()), expected[name], **tol)
+            assert_matches(array, expected[name], datatype, what=name)
 
 
 GOOD = {"inputs": [vectors_input((3, 2), data=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])], "parameters": {"factor": 2}}
@@ -197,7 +204,7 @@ def test_json_infer_matches_reference(client, nested):
         "block_gradients": ("FP32", [7, 7, 6]), "accumulated": ("FP32", [7, 3]),
         "bounds": ("INT64", [4]), "losses": ("FP32", [3, 3])}
     assert tensors["bounds"].tolist() == [0, 2, 4, 7]  # base 7 // 3 = 2, the last block takes 3
-    assert_matches_reference(tensors, reference_outputs(vectors, 3, "logsumexp", 5.0, [0, 2, 4, 7]), "FP32")
+    assert_matches_reference(tensors, reference_outputs(vectors, 3, "logsumexp", 5.0, [0, 2, 4, 7]), "FP32", ALL_OUTPUTS)
 
 
 def test_seed_example_defaults(client):
@@ -225,7 +232,8 @@ def test_binary_request_and_response_byte_by_byte(client, datatype, objective):
     header, tensors = read_response(response)
     assert all("binary_data_size" in o["parameters"] for o in header["outputs"])
     assert tensors["bounds"].tolist() == [0, 2, 4, 6, 9]
-    assert_matches_reference(tensors, reference_outputs(vectors, 4, objective, 1.5, [0, 2, 4, 6, 9]), datatype)
+    assert_matches_reference(tensors, reference_outputs(vectors, 4, objective, 1.5, [0, 2, 4, 6, 9]), datatype,
+                             ALL_OUTPUTS)
 
 
 def test_binary_answer_equals_v1(client):
@@ -256,7 +264,7 @@ def test_outputs_selection_order_and_binary_flags(client):
     assert [o["name"] for o in header["outputs"]] == ["losses", "accumulated"]
     assert "data" in header["outputs"][0] and "binary_data_size" in header["outputs"][1]["parameters"]
     expected = reference_outputs(torch.from_numpy(vectors), 2, "sum", 5.0, [0, 2, 4])
-    assert_matches_reference(tensors, expected, "FP64")
+    assert_matches_reference(tensors, expected, "FP64", ["losses", "accumulated"])
 
 
 def test_only_json_outputs_give_a_json_body(client):
@@ -355,7 +363,7 @@ def test_mixed_json_and_binary_outputs_with_a_large_json_one(client):
     header, tensors = read_response(response)
     assert "data" in header["outputs"][0] and "binary_data_size" in header["outputs"][1]["parameters"]
     expected = reference_outputs(torch.from_numpy(vectors), 3, "sum", 5.0, [0, 16, 32, 48])
-    assert_matches_reference(tensors, expected, "FP32")
+    assert_matches_reference(tensors, expected, "FP32", ["block_gradients", "accumulated"])
 
 
 # ---------------------------------------------------------------- bad input: status and {"error": ...}
@@ -697,5 +705,21 @@ def test_a_grid_holds_the_slot_while_written_only_when_its_blocks_are_recomputed
     assert gate.busy == (1 if recomputed else 0)
     _, tensors = read_response(response)
     assert gate.busy == 0
-    expected = reference_grid(vectors, 4, objective)
-    np.testing.assert_allclose(tensors["block_gradients"], expected, rtol=1e-12, atol=0)
+    assert list(tensors) == ["block_gradients"]
+    assert_matches(tensors["block_gradients"], reference_grid(vectors, 4, objective), "float64")
+
+
+def test_the_comparison_fails_a_missing_output_or_a_wrong_number(client):
+    """assert_matches_reference is what the tests above rely on: it must refuse an answer with
+    block_gradients dropped, outputs reordered, or one number off by 0.1%."""
+    vectors = torch.randn(9, 4, dtype=torch.float64).to(torch.float32)
+    body, headers = binary_request(vectors.numpy(), "FP32", parameters={"factor": 4, "binary_data_output": True})
+    _, tensors = read_response(client.post(INFER, data=body, headers=headers))
+    expected = reference_outputs(vectors, 4, "sum", 5.0, [0, 2, 4, 6, 9])
+    assert_matches_reference(tensors, expected, "FP32", ALL_OUTPUTS)
+    dropped = {name: array for name, array in tensors.items() if name != "block_gradients"}
+    reordered = dict(reversed(list(tensors.items())))
+    off = dict(tensors, accumulated=tensors["accumulated"] * np.float32(1.001))
+    for wrong in (dropped, reordered, off):
+        with pytest.raises(AssertionError):
+            assert_matches_reference(wrong, expected, "FP32", ALL_OUTPUTS)

@@ -1,33 +1,38 @@
 """A worker killed by gunicorn's timeout is logged and counted as worker_timeout, never as
 client_closed or a plain 200 (issue 11). Real gunicorn with a short `--timeout` and a
-request many times longer (a slow reader, or compute with a far deadline)."""
+request many times longer (a slow reader, or a request held in the app by its own client)."""
 import json
 import os
 import signal
 import socket
-import time
 
 import numpy as np
 import orjson
 import pytest
 
 from tools.server import gunicorn_server, wait_until
+from .events import in_flight_in
 
 pytestmark = pytest.mark.slow
 
 GUNICORN_TIMEOUT_S = 10  # long enough for a fresh worker to import torch on a busy machine
-HELD_S = 3  # for a half-sent request to reach the app (headers parsed, before_request run)
 # Fast to compute (sum), but a streamed answer of ~20M numbers: far more than socket buffers hold.
 LARGE_ANSWER = {"vectors": np.linspace(-1, 1, 400 * 64).reshape(400, 64).tolist(), "factor": 4}
 
 
 @pytest.fixture(scope="module")
-def server():
+def metrics_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("metrics")
+
+
+@pytest.fixture(scope="module")
+def server(metrics_dir):
     # sync: a worker whose one thread is stuck writing misses its heartbeat, so gunicorn's
     # timeout is what ends a slow reader (a gthread worker's main loop keeps beating; gunicorn
     # runs gthread whenever threads > 1, hence --threads 1).
     env = {"GUNICORN_CMD_ARGS": f"--worker-class sync --threads 1 --timeout {GUNICORN_TIMEOUT_S}", "BLOCKGRAD_REQUEST_TIMEOUT_S": "600",
-           "BLOCKGRAD_COST_PER_BLOCK_S": "1e-15", "BLOCKGRAD_COST_PER_NUMBER_S": "1e-15"}  # admitted
+           "BLOCKGRAD_COST_PER_BLOCK_S": "1e-15", "BLOCKGRAD_COST_PER_NUMBER_S": "1e-15",  # admitted
+           "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir)}  # read here while the one worker is held
     with gunicorn_server(workers=1, env=env) as server:
         yield server
 
@@ -74,16 +79,18 @@ def test_worker_killed_while_a_slow_reader_holds_it_is_worker_timeout(server):
     assert not any(line.get("error") == "client_closed" for line in request_lines(server))
 
 
-def test_worker_aborted_before_answering_is_worker_timeout(server):
+def test_worker_aborted_before_answering_is_worker_timeout(server, metrics_dir):
     """gunicorn's master kills a silent worker with SIGABRT (arbiter.murder_workers); sent here
     directly while the request is held in the app (its body half sent), whatever the worker
     class, so the verdict does not depend on how long a computation takes."""
     assert wait_until(lambda: server.answers("/healthz"), 120, 0.5)  # the replacement worker is up
     pid = server.worker_pids()[0]
+    assert wait_until(lambda: in_flight_in(metrics_dir) == 0, 30)  # nothing held before this one
     with socket.create_connection(("127.0.0.1", server.port), timeout=6 * GUNICORN_TIMEOUT_S) as sock:
         sock.sendall(b"POST /v1/gradients HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"X-Request-ID: aborted-early\r\nContent-Length: 1000\r\n\r\n{\"vectors\": [[1")
-        time.sleep(HELD_S)  # the app is now waiting for the rest of the body
+        # The app has the request (before_request ran) and waits for the rest of the body.
+        assert wait_until(lambda: in_flight_in(metrics_dir) >= 1, 6 * GUNICORN_TIMEOUT_S), server.log()[-3000:]
         os.kill(pid, signal.SIGABRT)
         received = sock.recv(65536)  # gunicorn's own 500 page, or nothing
     assert received == b"" or received.startswith(b"HTTP/1.1 500")

@@ -39,18 +39,33 @@ REFERENCE_OBJECTIVES = {
 }
 
 
-def reference_accumulated(vectors, factor, objective, offset=5.0):
+def shifted_logsumexp(b, offset):
+    """log(sum(exp(B))) with the block's max m taken out: m + log(sum(exp(B - m))).
+
+    The same value as the literal one, which overflows (exp(100) in float32) and then
+    gives a gradient of 0 where the true one is tiny but not zero.
+    """
+    m = b.detach().max()
+    return m + torch.log(torch.exp(b - m).sum())
+
+
+# The literal objectives, except logsumexp written max-shifted: an oracle that stays right
+# where the literal form overflows.
+SHIFTED_OBJECTIVES = {**REFERENCE_OBJECTIVES, "logsumexp": shifted_logsumexp}
+
+
+def reference_accumulated(vectors, factor, objective, offset=5.0, objectives=REFERENCE_OBJECTIVES):
     """Shared graph, backward(retain_graph=True) once per block: sums onto V."""
     leaf = vectors.clone().requires_grad_(True)
-    loss_fn = REFERENCE_OBJECTIVES[objective]
+    loss_fn = objectives[objective]
     for block in batch_matrix(concat_matrix(leaf), factor=factor):
         loss_fn(block, offset).backward(retain_graph=True)
     return leaf.grad
 
 
-def reference_blocks(vectors, factor, objective, offset=5.0):
+def reference_blocks(vectors, factor, objective, offset=5.0, objectives=REFERENCE_OBJECTIVES):
     """Detach each block as its own leaf: independent (loss, gradient) pairs."""
-    loss_fn = REFERENCE_OBJECTIVES[objective]
+    loss_fn = objectives[objective]
     out = []
     for i in batch_matrix(concat_matrix(vectors), factor=factor):
         i = i.detach()
