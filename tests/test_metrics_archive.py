@@ -138,3 +138,13 @@ def test_a_fold_waits_for_scrapes_and_gives_up_after_its_bound(metrics_dir):
         lock.release()
     assert fold_dead_workers(str(path), live_pids=set(), wait_s=0.05) == set(pids)
     assert counted(path) == pytest.approx(EXPECTED)
+
+
+def test_the_app_defines_live_gauges_only():
+    """Gauges of the other modes cannot be folded: a dead worker's would stay for good."""
+    from prometheus_client import Gauge
+
+    from app.http import metrics
+
+    gauges = [value for value in vars(metrics).values() if isinstance(value, Gauge)]
+    assert gauges and all(gauge._multiprocess_mode.startswith("live") for gauge in gauges)
