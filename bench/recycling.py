@@ -71,6 +71,7 @@ def metrics_recycling_row(bench=None, requests_total: int = REQUESTS) -> list[Re
         wall = time.perf_counter() - start
         time.sleep(2)  # the last recycled worker's files folded
         files = list(Path(metrics_dir).rglob("*.db"))
+        size_mb = sum(path.stat().st_size for path in files) / 1e6
         final = ok_requests(requests.get(server.url + "/metrics", timeout=60).text)
         lines = [json.loads(line) for line in server.log().splitlines() if line.startswith('{"ts"')]
         scrape_s = [line["duration_ms"] / 1e3 for line in lines if line.get("route") == "/metrics"]
@@ -81,7 +82,7 @@ def metrics_recycling_row(bench=None, requests_total: int = REQUESTS) -> list[Re
     return [
         Result(f"19. metrics files after {requests_total} requests, workers recycling ({RECYCLE_ARGS})",
                f"<= {MAX_DB_FILES}", str(len(files)), at_most(len(files), MAX_DB_FILES),
-               f"{recycles} recycles in {wall:.0f} s; {sum(path.stat().st_size for path in files) / 1e6:.1f} MB"),
+               f"{recycles} recycles in {wall:.0f} s; {size_mb:.1f} MB"),
         Result("19. /metrics server-side median after that (request log)", f"< {MAX_SCRAPE_S * 1e3:.0f} ms",
                f"{median_s * 1e3:.1f} ms", at_most(median_s, MAX_SCRAPE_S),
                f"worst of {len(scrape_s)} scrapes during the run {max(scrape_s) * 1e3:.1f} ms"),

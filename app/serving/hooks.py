@@ -10,6 +10,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from gunicorn import systemd
+
 from app.core.settings import Settings
 
 from . import addresses, metrics_archive, recycling, tuning, warmup
@@ -40,7 +42,8 @@ scrape = threading.local()  # the scrape lock of the request this thread serves
 def on_starting(server):
     """Before any worker exists: refuse a taken address, prepare the metrics directory, set
     the recycling floor, and on CPU import the app (workers find it in sys.modules)."""
-    if not server.LISTENERS and not server.master_pid:  # sockets not inherited (re-exec)
+    inherited = server.LISTENERS or server.master_pid or systemd.listen_fds(unset_environment=False)
+    if not inherited:  # a re-exec'd master's or systemd's sockets are ours already
         addresses.refuse_if_taken(server.cfg.address, server.cfg.reuse_port)
     process.settings = Settings.from_env()
     process.metrics = MetricsDir.prepare(server.cfg.worker_tmp_dir)
