@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.core.settings import available_cores
+from app.core.settings import Settings, available_cores
 from app.serving.recycling import enforce_floor
 from app.serving.warmup import warm_start
 
@@ -49,6 +49,12 @@ def test_web_concurrency_is_honoured(monkeypatch):
 
 def test_bind_is_honoured(monkeypatch):
     assert load(monkeypatch, BLOCKGRAD_BIND="0.0.0.0:9123")["bind"] == "0.0.0.0:9123"
+
+
+def test_settings_read_bind_and_workers_under_their_names():
+    settings = Settings.from_env({"BLOCKGRAD_BIND": "[::1]:9000", "WEB_CONCURRENCY": "3", "BLOCKGRAD_WORKERS": "7"})
+    assert (settings.bind, settings.workers) == ("[::1]:9000", 3)
+    assert Settings.from_env({}).workers == min(2, available_cores())
 
 
 def test_the_config_reads_no_environment_variable_itself():

@@ -137,7 +137,8 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, Any] = os.environ) -> "Settings":
-        """Each field from BLOCKGRAD_<FIELD> (upper case); a bad value raises naming the variable."""
+        """Each field from BLOCKGRAD_<FIELD> (upper case) or the variable its metadata's "env"
+        names; a bad value raises naming the variable."""
         values: dict[str, Any] = {}
         for item in fields(cls):
             name = item.metadata.get("env") or env_name(item.name)
