@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from app.serving.metrics_archive import ScrapeLock, fold_dead_workers
+from app.serving.metrics_dir import MetricsDir, value_file_kinds
 
 WORKERS = 6
 COPIES = 150
@@ -148,3 +149,31 @@ def test_the_app_defines_live_gauges_only():
 
     gauges = [value for value in vars(metrics).values() if isinstance(value, Gauge)]
     assert gauges and all(gauge._multiprocess_mode.startswith("live") for gauge in gauges)
+
+
+def test_a_workers_files_are_whole_before_it_writes_them(tmp_path):
+    """prometheus-client creates a file empty and sizes it afterwards: a scrape in between fails."""
+    directory = MetricsDir(str(tmp_path), created=False)
+    directory.prepare_worker_files(4242, {"counter", "gauge_livesum"})
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["counter_4242.db", "gauge_livesum_4242.db"]
+    assert all((tmp_path / name).stat().st_size > 0 for name in names)
+    assert totals(tmp_path) == {}  # whole and empty: a scrape reads them
+
+
+def test_an_existing_file_keeps_its_counts(metrics_dir):
+    """A new worker with a dead one's pid, not folded yet, counts on from it."""
+    path, pids = metrics_dir
+    MetricsDir(str(path), created=False).prepare_worker_files(pids[0], {"counter", "histogram", "summary"})
+    assert counted(path) == EXPECTED
+
+
+def test_value_file_kinds_are_named_as_prometheus_client_names_them():
+    from types import SimpleNamespace
+
+    from prometheus_client import Counter, Gauge, Histogram
+
+    module = SimpleNamespace(a=Counter("k_a", "a", registry=None), b=Histogram("k_b", "b", registry=None),
+                             c=Gauge("k_c", "c", multiprocess_mode="livesum", registry=None),
+                             d=Gauge("k_d", "d", multiprocess_mode="liveall", registry=None), e=3)
+    assert value_file_kinds(module) == {"counter", "histogram", "gauge_livesum", "gauge_liveall"}

@@ -106,3 +106,11 @@ def test_a_taken_bind_stops_gunicorn_at_once_naming_blockgrad_bind():
 
 def test_the_control_socket_is_named_by_the_masters_pid():
     assert Path(addresses.control_socket_path()).name == f"blockgrad-gunicorn-{os.getpid()}.ctl"
+
+
+def test_warm_up_computes_on_cpu_and_reports_a_device_it_cannot_use():
+    from app.core.settings import Settings
+    from app.serving.warmup import warm_up
+
+    assert warm_up(Settings(device="cpu")) is None
+    assert isinstance(warm_up(Settings(device="tpu")), Exception)  # returned, not raised: the worker starts

@@ -8,14 +8,14 @@ import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gunicorn import systemd
 
 from app.core.settings import Settings
 
 from . import addresses, metrics_archive, recycling, tuning, warmup
-from .metrics_dir import MetricsDir
+from .metrics_dir import MetricsDir, value_file_kinds
 from .recycling import WorkerRecycling
 
 # A kept-alive connection stays with the worker that accepted it: after a recycle, one worker
@@ -28,10 +28,11 @@ ARCHIVE_WAIT_S = 1.0  # the master's longest wait for scrapes to finish before a
 
 @dataclass
 class Process:
-    """What the hooks keep. on_starting fills settings and metrics in the master, and every
-    worker inherits them at fork; recycling is each worker's own, made after fork."""
+    """What the hooks keep. on_starting fills settings and the metrics directory in the
+    master, and every worker inherits them at fork; recycling is each worker's own."""
     settings: Settings | None = None
     metrics: MetricsDir | None = None
+    metric_kinds: set[str] = field(default_factory=set)
     recycling: WorkerRecycling | None = None
 
 
@@ -50,11 +51,14 @@ def on_starting(server):
     recycling.enforce_floor(server.cfg, server.log)
     if warmup.warm_start(process.settings.device):
         import wsgi  # noqa: F401 - no torch op runs here
+    from app.http import metrics  # prometheus-client only: which value files a worker writes
 
-        process.metrics.empty()  # the master's own (empty) value files: it never serves
+    process.metric_kinds = value_file_kinds(metrics)
+    process.metrics.empty()  # the master's own (empty) value files: it never serves
 
 
 def post_fork(server, worker):
+    process.metrics.prepare_worker_files(worker.pid, process.metric_kinds)  # before any value is written
     tuning.tune_worker(server.cfg.workers)
     process.recycling = WorkerRecycling.loading(process.metrics.file(recycling.LOCK_NAME))
 
