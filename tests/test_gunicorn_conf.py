@@ -1,15 +1,20 @@
-"""gunicorn.conf.py: the settings docs/configuration.md documents, read as gunicorn reads them."""
+"""gunicorn.conf.py: the settings the docs describe, read as gunicorn reads them; the recycling
+floor and the warm start it relies on (app/serving)."""
 import os
 import runpy
 from pathlib import Path
 
 import pytest
 
+from app.core.settings import Settings, available_cores
+from app.serving.recycling import enforce_floor
+from app.serving.warmup import warm_start
+
 CONF = Path(__file__).resolve().parent.parent / "gunicorn.conf.py"
 
 
 def load(monkeypatch, **env):
-    for name in ("WEB_CONCURRENCY", "BLOCKGRAD_REQUEST_TIMEOUT_S"):
+    for name in ("WEB_CONCURRENCY", "BLOCKGRAD_REQUEST_TIMEOUT_S", "BLOCKGRAD_BIND"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -18,7 +23,8 @@ def load(monkeypatch, **env):
 
 def test_defaults(monkeypatch):
     conf = load(monkeypatch)
-    cores = conf["available_cores"]()  # the cgroup quota or affinity mask, not os.cpu_count()
+    cores = available_cores()  # the cgroup quota or affinity mask, not os.cpu_count()
+    assert conf["bind"] == "127.0.0.1:8000"
     assert conf["preload_app"] is False  # no CUDA state may cross fork
     assert conf["workers"] == min(2, cores)
     assert conf["workers"] * conf["torch_threads"] <= max(cores, conf["workers"])
@@ -38,7 +44,23 @@ def test_timeouts_follow_the_deadline(monkeypatch, deadline, timeout, graceful):
 def test_web_concurrency_is_honoured(monkeypatch):
     conf = load(monkeypatch, WEB_CONCURRENCY="3")
     assert conf["workers"] == 3
-    assert conf["torch_threads"] == max(1, conf["available_cores"]() // 3)
+    assert conf["torch_threads"] == max(1, available_cores() // 3)
+
+
+def test_bind_is_honoured(monkeypatch):
+    assert load(monkeypatch, BLOCKGRAD_BIND="0.0.0.0:9123")["bind"] == "0.0.0.0:9123"
+
+
+def test_settings_read_bind_and_workers_under_their_names():
+    settings = Settings.from_env({"BLOCKGRAD_BIND": "[::1]:9000", "WEB_CONCURRENCY": "3", "BLOCKGRAD_WORKERS": "7"})
+    assert (settings.bind, settings.workers) == ("[::1]:9000", 3)
+    assert Settings.from_env({}).workers == min(2, available_cores())
+
+
+def test_the_config_reads_no_environment_variable_itself():
+    """Every variable goes through Settings, which names it when its value is bad."""
+    source = CONF.read_text()
+    assert "environ" not in source and "getenv" not in source
 
 
 def test_the_master_does_not_import_torch(monkeypatch):
@@ -53,7 +75,6 @@ def test_the_master_does_not_import_torch(monkeypatch):
 @pytest.mark.parametrize("cpu_max,quota_cores", [("max 100000", None), ("200000 100000", 2),
                                                  ("150000 100000", 1), ("50000 100000", 1), ("garbage", None)])
 def test_cores_follow_the_cgroup_cpu_quota(monkeypatch, tmp_path, cpu_max, quota_cores):
-    available_cores = load(monkeypatch)["available_cores"]
     path = tmp_path / "cpu.max"
     path.write_text(cpu_max + "\n")
     affinity = len(os.sched_getaffinity(0))
@@ -65,7 +86,7 @@ def test_cores_follow_the_cgroup_cpu_quota(monkeypatch, tmp_path, cpu_max, quota
 @pytest.mark.parametrize("value,workers", [("", None), ("  ", None), ("1", 1), ("4", 4)])
 def test_web_concurrency_blank_means_the_default(monkeypatch, value, workers):
     conf = load(monkeypatch, WEB_CONCURRENCY=value)
-    assert conf["workers"] == (workers or min(2, conf["available_cores"]()))
+    assert conf["workers"] == (workers or min(2, available_cores()))
 
 
 @pytest.mark.parametrize("name,value", [("WEB_CONCURRENCY", "0"), ("WEB_CONCURRENCY", "-2"), ("WEB_CONCURRENCY", "two"),
@@ -103,15 +124,14 @@ class FakeLog:
 
 @pytest.mark.parametrize("given,expected", [((20, 0), (100, 10)), ((1000, 50), (1000, 100)),
                                             ((500, 100), (500, 100)), ((0, 0), (0, 0))])
-def test_recycling_floor_applies_to_any_source(monkeypatch, given, expected):
+def test_recycling_floor_applies_to_any_source(given, expected):
     """What GUNICORN_CMD_ARGS or the command line set reaches on_starting as server.cfg."""
-    conf = load(monkeypatch)
     cfg, log = FakeConfig(*given), FakeLog()
-    conf["enforce_recycling_floor"](cfg, log)
+    enforce_floor(cfg, log)
     assert (cfg.max_requests, cfg.max_requests_jitter) == expected
     assert bool(log.warnings) == (given != expected)
 
 
 @pytest.mark.parametrize("device,warm", [("cpu", True), ("cuda", False), ("cuda:1", False)])
-def test_warm_start_only_on_cpu(monkeypatch, device, warm):
-    assert load(monkeypatch, BLOCKGRAD_DEVICE=device)["warm_start"] is warm
+def test_warm_start_only_on_cpu(device, warm):
+    assert warm_start(device) is warm

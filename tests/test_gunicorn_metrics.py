@@ -6,13 +6,14 @@ stops it, and every wait is bounded.
 """
 import json
 import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tools.server import gunicorn_server
+from tools.server import gunicorn_server, wait_until
 
 BODY = {"vectors": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "factor": 2, "outputs": ["accumulated", "losses"]}
 BODY_NUMBERS = 3 * 2 + 2 * 2  # accumulated N*D + losses F*F
@@ -77,3 +78,78 @@ def test_metrics_add_up_both_workers(server):
     logged = {line["request_id"] for line in lines if line.get("route") == "/v1/gradients"}
     assert logged == {f"mp-{k}" for k in range(sent)}
     assert {line["n"] for line in lines if line.get("route") == "/v1/gradients"} == {3}
+
+
+RECYCLED_REQUESTS, RECYCLING_CLIENTS = 2000, 4
+RECYCLE_ARGS = "--max-requests 100 --max-requests-jitter 10"
+WAIT_S = 120  # bound of every wait below; reached only on failure
+
+
+def live_worker_files_only(metrics_dir, worker_pids) -> bool:
+    """Every value file, subdirectories included, is an archive or a live worker's."""
+    owners = {path.stem.rpartition("_")[2] for path in metrics_dir.rglob("*.db")}
+    return owners <= {"archive", *map(str, worker_pids)}
+
+
+def test_recycled_workers_keep_their_counts_and_leave_no_files(tmp_path):
+    """Workers recycling every ~100 requests while keep-alive clients send RECYCLED_REQUESTS and
+    /metrics is scraped throughout: no request fails, no scrape sees a total go back, and at
+    the end every total is exact and the directory holds only the live workers' files and the
+    archives."""
+    metrics_dir = tmp_path / "metrics"
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(metrics_dir), "GUNICORN_CMD_ARGS": RECYCLE_ARGS}
+    with gunicorn_server(workers=2, env=env) as srv:
+        first = set(srv.worker_pids())
+        scraped, stop = [], threading.Event()
+
+        def client(k):
+            with requests.Session() as session:
+                return [session.post(f"{srv.url}/v1/gradients", json=BODY, timeout=WAIT_S).status_code
+                        for _ in range(RECYCLED_REQUESTS // RECYCLING_CLIENTS)]
+
+        def scraper():
+            with requests.Session() as session:
+                for _ in range(100_000):  # bounded; ends when the clients are done
+                    try:
+                        response = session.get(f"{srv.url}/metrics", timeout=WAIT_S)
+                        scraped.append(ok_requests(response.text) if response.status_code == 200 else None)
+                    except Exception as exc:  # noqa: BLE001 - a failed scrape fails the test below
+                        scraped.append(exc)
+                    if stop.wait(0.05):
+                        return
+
+        watcher = threading.Thread(target=scraper)
+        watcher.start()
+        try:
+            with ThreadPoolExecutor(RECYCLING_CLIENTS) as pool:
+                statuses = [status for batch in pool.map(client, range(RECYCLING_CLIENTS)) for status in batch]
+        finally:
+            stop.set()
+            watcher.join(WAIT_S)
+        assert statuses == [200] * RECYCLED_REQUESTS
+        recycles = srv.log().count("recycles after")
+        assert recycles >= 5 and not first & set(srv.worker_pids())
+        errors = [line for line in srv.log().splitlines() if "Traceback" in line or "Error" in line]
+        assert len(scraped) > 10 and all(isinstance(total, (int, float)) for total in scraped), (scraped, errors[-20:])
+        assert all(a <= b for a, b in zip(scraped, scraped[1:])), "a total went back"
+
+        assert wait_until(lambda: len(srv.worker_pids()) == 2
+                          and live_worker_files_only(metrics_dir, srv.worker_pids()), WAIT_S)
+        files = list(metrics_dir.rglob("*.db"))
+        assert len(files) <= 4 * 2 + 3, sorted(path.name for path in files)  # a few per worker, the archives
+        samples = scrape(srv.url)
+        assert ok_requests_of(samples) == RECYCLED_REQUESTS
+        [latency] = [s.value for s in samples if s.name == "blockgrad_request_duration_seconds_count"
+                     and s.labels == {"route": "/v1/gradients"}]
+        assert latency == RECYCLED_REQUESTS
+        [outputs] = [s.value for s in samples if s.name == "blockgrad_output_numbers_total"]
+        assert outputs == RECYCLED_REQUESTS * BODY_NUMBERS
+
+
+def ok_requests_of(samples) -> float:
+    return sum(s.value for s in samples if s.name == "blockgrad_requests_total"
+               and s.labels == {"route": "/v1/gradients", "method": "POST", "status": "200"})
+
+
+def ok_requests(text: str) -> float:
+    return ok_requests_of([s for family in text_string_to_metric_families(text) for s in family.samples])

@@ -88,6 +88,11 @@ def env_int(name: str, default: int, environ: Mapping[str, Any] = os.environ) ->
     return parse_int(name, environ.get(name), default)
 
 
+def default_workers() -> int:
+    """One worker per core, two at most: each worker computes on the cores it owns."""
+    return min(2, available_cores())
+
+
 @dataclass(frozen=True)
 class Settings:
     device: str = "auto"
@@ -135,13 +140,18 @@ class Settings:
     # table for every objective and dtype (tests pin them so no verdict depends on the machine).
     cost_per_block_s: float | None = None
     cost_per_number_s: float | None = None
+    # gunicorn's listening address and worker count (gunicorn.conf.py). WEB_CONCURRENCY is the
+    # name gunicorn itself and platforms such as Heroku use, hence no BLOCKGRAD_ prefix.
+    bind: str = "127.0.0.1:8000"
+    workers: int = field(default_factory=default_workers, metadata={"env": "WEB_CONCURRENCY"})
 
     @classmethod
     def from_env(cls, environ: Mapping[str, Any] = os.environ) -> "Settings":
-        """Each field from BLOCKGRAD_<FIELD> (upper case); a bad value raises naming the variable."""
+        """Each field from BLOCKGRAD_<FIELD> (upper case) or the variable its metadata's "env"
+        names; a bad value raises naming the variable."""
         values: dict[str, Any] = {}
         for item in fields(cls):
-            name = env_name(item.name)
+            name = item.metadata.get("env") or env_name(item.name)
             raw = environ.get(name)
             default = item.default if item.default_factory is MISSING else item.default_factory()
             if item.type is int:

@@ -1,1 +1,1 @@
-"""The server side of the service: the gunicorn worker class and what it needs after fork."""
+"""Serving under gunicorn: the worker class, the hooks gunicorn.conf.py names and the helpers they use (docs/serving.md, docs/connections.md)."""

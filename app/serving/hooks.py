@@ -1,0 +1,121 @@
+"""gunicorn's server hooks, named in gunicorn.conf.py; each hands its work to one module here.
+
+The master loads this module: nothing at module level imports torch, Flask or
+prometheus-client (the library picks its multiprocess mode on first import, which must come
+after on_starting has set PROMETHEUS_MULTIPROC_DIR).
+"""
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+
+from gunicorn import systemd
+
+from app.core.settings import Settings
+
+from . import addresses, metrics_archive, recycling, tuning, warmup
+from .metrics_dir import MetricsDir, value_file_kinds
+from .recycling import WorkerRecycling
+
+# A kept-alive connection stays with the worker that accepted it: after a recycle, one worker
+# can end up with every busy connection. Closing each after this many requests (as nginx's
+# keepalive_requests does) lets the accept race, which the least busy worker wins, spread them.
+KEEPALIVE_REQUESTS = 100
+METRICS_PATH = "/metrics"  # the route that reads every worker's value files
+ARCHIVE_WAIT_S = 1.0  # the master's longest wait for scrapes to finish before a fold
+
+
+@dataclass
+class Process:
+    """What the hooks keep. on_starting fills settings and the metrics directory in the
+    master, and every worker inherits them at fork; recycling is each worker's own."""
+    settings: Settings | None = None
+    metrics: MetricsDir | None = None
+    metric_kinds: set[str] = field(default_factory=set)
+    recycling: WorkerRecycling | None = None
+
+
+process = Process()
+scrape = threading.local()  # the scrape lock of the request this thread serves
+
+
+def on_starting(server):
+    """Before any worker exists: refuse a taken address, prepare the metrics directory, set
+    the recycling floor, and on CPU import the app (workers find it in sys.modules)."""
+    inherited = server.LISTENERS or server.master_pid or systemd.listen_fds(unset_environment=False)
+    if not inherited:  # a re-exec'd master's or systemd's sockets are ours already
+        addresses.refuse_if_taken(server.cfg.address, server.cfg.reuse_port)
+    process.settings = Settings.from_env()
+    process.metrics = MetricsDir.prepare(server.cfg.worker_tmp_dir)
+    recycling.enforce_floor(server.cfg, server.log)
+    if warmup.warm_start(process.settings.device):
+        import wsgi  # noqa: F401 - no torch op runs here
+    from app.http import metrics  # prometheus-client only: which value files a worker writes
+
+    process.metric_kinds = value_file_kinds(metrics)
+    process.metrics.empty()  # the master's own (empty) value files: it never serves
+
+
+def post_fork(server, worker):
+    process.metrics.prepare_worker_files(worker.pid, process.metric_kinds)  # before any value is written
+    tuning.tune_worker(server.cfg.workers)
+    process.recycling = WorkerRecycling.loading(process.metrics.file(recycling.LOCK_NAME))
+
+
+def post_worker_init(worker):
+    """Loaded: warm the engine up before accepting (still holding the recycle permit, so that
+    no sibling starts draining meanwhile), then let siblings recycle."""
+    failed = warmup.warm_up(process.settings)
+    if failed is not None:
+        worker.log.warning("warm-up computation failed (the worker starts; /readyz reports the device): %s", failed)
+    process.recycling.loaded()
+
+
+def pre_request(worker, req):
+    if KEEPALIVE_REQUESTS and getattr(req, "req_number", 0) >= KEEPALIVE_REQUESTS:
+        req.must_close = True  # gunicorn then answers "Connection: close"
+    process.recycling.before_request(worker)
+    if req.path == METRICS_PATH:
+        scrape.lock = metrics_archive.ScrapeLock(process.metrics.path)
+
+
+def post_request(worker, req, environ, resp):
+    lock, scrape.lock = getattr(scrape, "lock", None), None
+    if lock is not None:
+        lock.release()
+
+
+def worker_exit(server, worker):
+    """A recycled worker has served its last request: leave at once. The interpreter's own
+    shutdown with torch loaded takes hundreds of ms, all before the master can fork the
+    replacement. Nothing needs it: the request log is flushed here, metric values live in
+    shared files, no request is in flight. Any other exit takes the ordinary path."""
+    if process.recycling is None or not process.recycling.draining:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def worker_abort(worker):
+    """gunicorn killed this worker past `timeout` (SIGABRT, handled in the worker just before
+    it exits): log each request it still held as worker_timeout, not as the client_closed its
+    body's close would otherwise report."""
+    try:
+        from app.http import observe
+    except Exception:  # the app never loaded in this worker: nothing in flight to log
+        return
+    observe.abort_in_flight(observe.WORKER_TIMEOUT)
+
+
+def child_exit(server, worker):
+    """In the master, the worker reaped: its counts join the archive, its files go."""
+    if process.metrics is not None:
+        metrics_archive.fold_dead_workers(process.metrics.path, set(server.WORKERS), ARCHIVE_WAIT_S)
+
+
+def on_exit(server):
+    if process.metrics is not None:
+        process.metrics.remove()

@@ -1,0 +1,36 @@
+"""A worker process's own settings, applied after fork: torch threads, one malloc arena and a
+short GIL switch interval."""
+import ctypes
+import sys
+
+from app.core.settings import available_cores
+
+SWITCH_INTERVAL_S = 0.001
+MALLOC_ARENAS = 1
+M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def torch_threads(workers: int) -> int:
+    """Workers x torch threads never exceed the cores, so workers do not fight over them."""
+    return max(1, available_cores() // workers)
+
+
+def limit_malloc_arenas() -> None:
+    """glibc gives each new thread its own malloc arena (up to 8 per core): with a pool of
+    threads parsing bodies, every arena would grow to a large request's size and the worker's
+    memory with them. One is enough: one computation at a time, and torch's own work does not
+    allocate per element. Not glibc: skip."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, MALLOC_ARENAS)
+    except (OSError, AttributeError):
+        pass
+
+
+def tune_worker(workers: int) -> None:
+    import torch  # in the worker only: the master must stay free of it
+
+    torch.set_num_threads(torch_threads(workers))
+    limit_malloc_arenas()
+    # A thread waiting for the GIL (the main loop handing over a connection, a probe) waits
+    # for the running thread's switch interval: 5 ms by default.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
