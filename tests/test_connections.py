@@ -87,15 +87,15 @@ def test_an_idle_flood_does_not_freeze_probes():
     with gunicorn_server(workers=2) as server:
         with IdleFlood(server.port, initial=1500, per_second=40, seconds=15) as flood:
             with Prober(server.port, BODY, seconds=15, timeout_s=PROBE_BOUND_S) as prober:
-                held = wait_until(lambda: scrape(server)[("blockgrad_connections_open", ())] >= 1500, WAIT_S, 1.0)
                 prober.join()
             assert flood.opened >= 1500 + 40 * 10 and flood.failed == 0
-            assert held, "the workers never held the flood's connections"
             assert_probes_answered(prober, count=50)
             first = flood.sockets[:1500]
             assert wait_until(lambda: len(readable(first)) == len(first), WAIT_S, 0.5)
             assert all(sock.recv(1) == b"" for sock in first)  # closed, nothing written
-        assert closes(server, "no_request") >= 1500
+        # Every flood connection reached a worker and was closed there without a request: a
+        # count, where sampling the open gauge would depend on how fast the workers accept.
+        assert closes(server, "no_request") + closes(server, "evicted") >= 1500 + 40 * 10
         # No log line per connection: only the probes' request lines and gunicorn's start-up.
         other = [line for line in server.log().splitlines() if not line.startswith('{"ts"')]
         assert len(other) < 50, other[-10:]
