@@ -11,23 +11,32 @@ from pathlib import Path
 
 from tools.server import gunicorn_settings
 
-from . import client_rows, rows
+from . import attacks, client_rows, recycling, rows, small_requests, uploads
 from .measure import table
+
+def dripping_uploads(bench) -> list:
+    return uploads.dripping_uploads(bench.server())
+
 
 ROWS = [
     rows.engine_vs_seed,
     rows.http_vs_floor,
     rows.small_requests,
+    small_requests.small_requests_vs_peer,
     rows.peak_worker_rss,
     rows.parse_vs_loads,
-    rows.v2_binary_infer,  # issue 4: binary tensors against JSON
-    rows.serving_small_requests,  # issue 9: the worker model
-    rows.model_scorer,  # issue 12: a model objective against a plain loop and the all-pairs floor
-    client_rows.client_v1_read,  # issue 13: the client package
-    rows.default_factor_vs_16,  # issue 10: the factor users actually send
+    rows.v2_binary_infer,
+    rows.serving_small_requests,
+    rows.model_scorer,
+    client_rows.client_v1_read,
+    rows.default_factor_vs_16,
     rows.default_factor_http_vs_floor,
     rows.advice_leads_somewhere_fast,
     rows.engine_vs_seed_default_factor,
+    dripping_uploads,
+    attacks.idle_flood_row,
+    attacks.slowloris_row,
+    recycling.metrics_recycling_row,
 ]
 
 
