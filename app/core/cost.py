@@ -21,10 +21,11 @@ this machine's CPU; a faster CPU (or a GPU) is overpredicted. BLOCKGRAD_COST_PER
 and BLOCKGRAD_COST_PER_NUMBER_S, when set, replace every constant (compute and output) so
 that a test's verdict never depends on the machine.
 
-Used for the 413's suggested factor (app/core/limits.py) and for compute admission.
+Used by admission (app/core/admission.py): the deadline check and the 413's suggested factor.
 """
-from .engine import DEFAULT_CHUNK_ELEMENTS
+from .engine import DEFAULT_CHUNK_ELEMENTS, shape_groups
 from .settings import Settings
+from .sizes import Sizes
 
 # (objective, dtype) -> (seconds per block, seconds per number) of pass one.
 COMPUTE_COSTS: dict[tuple[str, str], tuple[float, float]] = {
@@ -68,25 +69,23 @@ def engine_work(n: int, dim: int, factor: int) -> tuple[int, int]:
     """(blocks, numbers) of one engine pass: numbers are the blocks' entries plus their
     row and column sums, plus once more the entries of blocks larger than a chunk (such a
     block is a chunk alone and its tensors fall out of cache: about 2x per number here)."""
-    base = n // factor
-    last = n - (factor - 1) * base
     pair = 2 * dim
+    groups = [(len(indices), side) for indices, side in shape_groups(n, factor)]
     oversized = sum(count_h * count_w * h * w * pair
-                    for h, count_h in ((base, factor - 1), (last, 1))
-                    for w, count_w in ((base, factor - 1), (last, 1))
+                    for count_h, h in groups for count_w, w in groups
                     if h * w * pair > DEFAULT_CHUNK_ELEMENTS)
     return factor * factor, n * n * pair + factor * n * pair + oversized
 
 
-def predict_seconds(n: int, dim: int, factor: int, objective_name: str, dtype: str,
-                    outputs: tuple[str, ...], settings: Settings) -> float:
+def predict_seconds(sizes: Sizes, settings: Settings) -> float:
     """Predicted seconds of computing (and, for blocks, writing) the answer on this machine's CPU."""
-    blocks, numbers = engine_work(n, dim, factor)
-    per_block, per_number = compute_costs(objective_name, dtype, settings)
+    n, dim, objective, dtype = sizes.n, sizes.dim, sizes.objective, sizes.dtype
+    blocks, numbers = engine_work(n, dim, sizes.factor)
+    per_block, per_number = compute_costs(objective, dtype, settings)
     stages = 1
     seconds = 0.0
-    if "blocks" in outputs:
-        stages += recomputes_blocks(n, dim, objective_name, settings)
+    if "blocks" in sizes.outputs:
+        stages += recomputes_blocks(n, dim, objective, settings)
         out_block, out_number = output_costs(dtype, settings)
         seconds += blocks * out_block + n * n * 2 * dim * out_number
     return seconds + stages * (blocks * per_block + numbers * per_number)

@@ -5,11 +5,12 @@ request then carries the resolved objective, so `run` needs no registry.
 """
 from typing import Any
 
+from .dtypes import DTYPES
 from .models import ModelObjective, load_models
 from .objectives import OBJECTIVES, Objective
 from .settings import Settings
 
-ALL_DTYPES = ("float32", "float64")
+ALL_DTYPES = tuple(DTYPES)
 
 
 def build_registry(settings: Settings) -> dict[str, Objective]:

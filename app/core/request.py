@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .dtypes import DEFAULT_DTYPE, DTYPES
 from .errors import validation_error
 from .objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET, OBJECTIVES, Objective
 from .registry import objective_dim, objective_dtypes
@@ -17,8 +18,6 @@ from .vectors import fits_dtype
 
 OUTPUTS = ("blocks", "accumulated", "losses")
 DEFAULT_OUTPUTS = ("blocks", "accumulated")
-DTYPES = {"float32": np.float32, "float64": np.float64}
-DEFAULT_DTYPE = "float32"
 BLOCK_CAP = 6  # default factor ceil(N / 6): blocks of about six rows
 
 
@@ -89,11 +88,11 @@ def build_request(vectors: np.ndarray, *, objectives: Mapping[str, Objective] = 
     if dtype not in DTYPES:
         errors["dtype"] = [f"Must be one of: {', '.join(DTYPES)}."]
     elif not errors:
-        cell = fits_dtype(vectors, DTYPES[dtype])
+        cell = fits_dtype(vectors, np.dtype(dtype))
         if cell is not None:
             advice = "send smaller values or use dtype float64" if dtype == "float32" else "send smaller values"
             errors["vectors"] = [f"Row {cell[0]}, column {cell[1]} overflows {dtype}; {advice}."]
-        elif fits_dtype(np.array([[offset]]), DTYPES[dtype]) is not None:
+        elif fits_dtype(np.array([[offset]]), np.dtype(dtype)) is not None:
             errors["offset"] = [f"Overflows {dtype}."]
     if errors:
         raise validation_error(errors)

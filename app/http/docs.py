@@ -14,8 +14,8 @@ from swagger_ui_bundle import swagger_ui_path
 
 from ..core.registry import describe
 from ..core.settings import Settings
+from ..extensions import services_of
 from .errors import DEFAULT_STYLE, ERRORS, ErrorStyle
-from .settings import EXTENSION as SETTINGS
 
 HEADER_DESCRIPTIONS = {
     "Allow": ("The methods this path accepts.", "string"),
@@ -164,7 +164,7 @@ def register_docs(app: Flask, api: Api, objectives) -> None:
     api.spec.tag({"name": "docs", "description": "This document and its interactive page."})
     rules = {rule.rule: rule for rule in app.url_map.iter_rules()}  # flask-smorest documents a path by its rule
     # With a token set, the documentation stays open unless BLOCKGRAD_DOCS_PUBLIC=false (app/http/auth.py).
-    settings = app.extensions[SETTINGS]
+    settings = services_of(app).settings
     open_docs = OPEN_ROUTE if settings.docs_public else {}
     api.spec.path(rule=rules["/openapi.json"], operations={"get": {
         "tags": ["docs"], "summary": "This OpenAPI 3 document.", **open_docs,

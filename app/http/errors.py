@@ -283,7 +283,7 @@ def error_response(error: BlockgradError) -> Response:
     style = style_of_request()
     status = style.status(status_of(error))
     if has_request_context():
-        g.error_code = error.code  # for the errors metric and the log line (app/http/observe.py)
+        g.error_code = error.code  # for the errors metric and the log line (app/http/request_record.py)
     payload = render_error_body(style, error)
     response = Response(payload, status=status, mimetype="application/json")
     response.headers.update(error_headers(error))

@@ -3,7 +3,7 @@ from marshmallow import ValidationError, fields
 from marshmallow.validate import Validator
 
 from ..core.request import unknown_objective
-from .settings import current_objectives
+from ..extensions import services
 
 
 class JsonNumber(fields.Float):
@@ -20,7 +20,7 @@ class ObjectiveName(Validator):
     the registry is built per app, so a fixed OneOf at import time cannot know it."""
 
     def __call__(self, value: str) -> str:
-        objectives = current_objectives()
+        objectives = services().objectives
         if value not in objectives:
             raise ValidationError(unknown_objective(objectives))
         return value

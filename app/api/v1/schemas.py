@@ -1,21 +1,20 @@
 """/v1's request and response shapes.
 
 The same schemas validate requests and produce the OpenAPI document. Loading a
-request admits its sizes first (pre_load, before any number is converted), checks
-the JSON types field by field, and hands the view the core's typed
-`GradientRequest` (post_load, through `build_request`), never a dict.
+request (after the pipeline has admitted its sizes) checks the JSON types field by
+field and gives the core's typed `GradientRequest` (post_load, through
+`build_request`), never a dict.
 """
 import numpy as np
-from marshmallow import Schema, ValidationError, fields, post_load, pre_load
+from marshmallow import Schema, ValidationError, fields, post_load
 from marshmallow.validate import Length, OneOf, Range
 
-from ...core.errors import many_unknown, unknown_fields
+from ...core.dtypes import DEFAULT_DTYPE, DTYPES
 from ...core.objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET
-from ...core.request import DEFAULT_DTYPE, DEFAULT_OUTPUTS, DTYPES, OUTPUTS, GradientRequest, build_request
+from ...core.request import DEFAULT_OUTPUTS, OUTPUTS, GradientRequest, build_request
 from ...core.vectors import MatrixError, parse_matrix
+from ...extensions import services
 from ...http.fields import JsonNumber, ObjectiveName
-from ...http.settings import current_objectives
-from .admission import admit_document
 
 
 class Vectors(fields.Field):
@@ -60,18 +59,10 @@ class GradientRequestSchema(Schema):
         "description": "Precision of all arithmetic and of every output number (written with the shortest "
                        "digits that round-trip in it)."})
 
-    @pre_load
-    def admit_sizes(self, data, **kwargs):
-        unknown = many_unknown(data, self.fields)
-        if unknown:
-            raise unknown_fields(unknown, self.fields)
-        admit_document(data)  # limit_exceeded from the list lengths alone
-        return data
-
     @post_load
     def make_request(self, data, **kwargs) -> GradientRequest:
         # the core's rules that need the numbers, against this server's objectives; validation_error
-        return build_request(**data, objectives=current_objectives())
+        return build_request(**data, objectives=services().objectives)
 
 
 # A misspelt field gets the valid names, not just "Unknown field.".
