@@ -9,7 +9,7 @@ from flask_smorest import Api
 
 from ..core.gate import Gate
 from ..core.memory import MemoryLedger
-from ..core.registry import build_registry
+from ..core.served_objectives import served_objectives
 from ..core.settings import COMPUTE_SLOTS, Settings
 from ..extensions import Services, install_services, services_of
 from . import request_record
@@ -40,7 +40,7 @@ def build_app(overrides: Mapping[str, Any]) -> tuple[Flask, Api]:
     settings = Settings.from_env({**os.environ, **{k: v for k, v in overrides.items() if k.startswith("BLOCKGRAD_")}})
     # Models are loaded and checked here, once per process (in each worker: no preload_app);
     # a file that fails raises ModelError and the service does not start.
-    objectives = build_registry(settings)
+    objectives = served_objectives(settings)
     app = Flask("app")
     # werkzeug would answer `/v2//health/live` with a 308 to an absolute URL built from the
     # Host header; without merging such paths are plain 404s.

@@ -12,7 +12,7 @@ from flask_smorest import Api
 from marshmallow import Schema, fields
 from swagger_ui_bundle import swagger_ui_path
 
-from ..core.registry import describe
+from ..core.served_objectives import describe
 from ..core.settings import Settings
 from ..extensions import services_of
 from .errors import DEFAULT_STYLE, ERRORS, ErrorStyle
@@ -134,19 +134,8 @@ def spec_options(settings: Settings, objectives) -> dict:
     return options
 
 
-def list_objectives_in_schemas(api: Api, objectives) -> None:
-    """The request schemas' `objective` as an enum of this server's objectives (the validator
-    reads the registry per request, so apispec cannot see the names by itself)."""
-    names = list(objectives)
-    schemas = api.spec.components.schemas
-    schemas["GradientRequest"]["properties"]["objective"]["enum"] = names
-    parameters = schemas["InferRequest"]["properties"]["parameters"]
-    parameters["description"] += f" objective is one of: {', '.join(names)}."
-
-
 def register_docs(app: Flask, api: Api, objectives) -> None:
     """Serve Swagger UI's files under /docs/assets/ and describe /openapi.json and /docs."""
-    list_objectives_in_schemas(api, objectives)
     api.spec.components.security_scheme(BEARER_SCHEME, {
         "type": "http", "scheme": "bearer",
         "description": "Required on every route but the probes and /metrics when BLOCKGRAD_API_TOKEN is set."})

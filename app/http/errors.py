@@ -9,7 +9,7 @@ carries its code in the X-Blockgrad-Error-Code header.
 """
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from typing import Any
 
@@ -102,10 +102,6 @@ def compressed_body(encoding: str) -> HttpError:
     return unsupported_media_type(f"Send the body uncompressed: Content-Encoding {encoding!r} is not supported.")
 
 
-def model_not_found(message: str) -> HttpError:
-    return HttpError("model_not_found", message)
-
-
 def read_timeout(seconds: float) -> HttpError:
     return HttpError("read_timeout", f"The request body did not arrive within BLOCKGRAD_READ_TIMEOUT_S = {seconds:g} s; "
                                      "send it faster, or through a proxy that buffers it.",
@@ -120,7 +116,9 @@ def internal_error() -> HttpError:
 class ErrorCode:
     status: int
     when: str
-    example: Callable[[], BlockgradError]  # the constructor that raises it, with example arguments
+    # The constructor that raises it, with example arguments; None until the front end that
+    # raises it supplies one (`supply_example`).
+    example: Callable[[], BlockgradError] | None
     headers: tuple[str, ...] = ()  # response headers this code carries (documented in OpenAPI)
 
 
@@ -136,8 +134,7 @@ ERRORS: dict[str, ErrorCode] = {
     "not_found": ErrorCode(404, "no such route (any path not in this document); the message and "
                                 "`details.routes` list the routes", lambda: not_found("/v1/gradient", [
                                     "POST /v1/gradients", "GET /healthz", "GET /docs"])),
-    "model_not_found": ErrorCode(404, "/v2: no such model or version",
-                                 lambda: model_not_found("Unknown model 'other'; this server serves 'blockgrad'.")),
+    "model_not_found": ErrorCode(404, "/v2: no such model or version", None),  # app/api/v2/errors.py
     "method_not_allowed": ErrorCode(405, "the path exists but not with this method; the message, "
                                          "`details.allowed` and the Allow header list the right ones",
                                     lambda: method_not_allowed("POST", "/healthz", ["GET", "HEAD", "OPTIONS"]),
@@ -167,7 +164,7 @@ ERRORS: dict[str, ErrorCode] = {
                                       core.device_out_of_memory, RETRY_AFTER),
     "not_ready": ErrorCode(503, "the compute device is not usable",
                            lambda: core.not_ready("BLOCKGRAD_DEVICE=cuda but CUDA is not available in this process")),
-    # Serving (issue 9): the worker model's refusals; README, "Worker model".
+    # The worker model's refusals.
     "read_timeout": ErrorCode(408, "the whole body did not arrive within BLOCKGRAD_READ_TIMEOUT_S; the connection "
                                    "is closed after the answer", lambda: read_timeout(30.0)),
     "overloaded": ErrorCode(503, "the worker's compute slot is taken and BLOCKGRAD_QUEUE_DEPTH requests already "
@@ -179,6 +176,11 @@ ERRORS: dict[str, ErrorCode] = {
                                     "(the computation stopped; logged and counted under this code)",
                                core.client_closed),
 }
+
+
+def supply_example(code: str, example: Callable[[], BlockgradError]) -> None:
+    """A front end's constructor for a code of the table that only it raises."""
+    ERRORS[code] = replace(ERRORS[code], example=example)
 
 
 def error_body(error: BlockgradError) -> dict[str, Any]:

@@ -6,15 +6,15 @@ field and gives the core's typed `GradientRequest` (post_load, through
 `build_request`), never a dict.
 """
 import numpy as np
-from marshmallow import Schema, ValidationError, fields, post_load
+from marshmallow import Schema, ValidationError, fields, post_load, validates_schema
 from marshmallow.validate import Length, OneOf, Range
 
 from ...core.dtypes import DEFAULT_DTYPE, DTYPES
 from ...core.objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET
-from ...core.request import DEFAULT_OUTPUTS, OUTPUTS, GradientRequest, build_request
+from ...core.request import DEFAULT_OUTPUTS, OUTPUTS, GradientRequest, build_request, factor_out_of_range
 from ...core.vectors import MatrixError, parse_matrix
 from ...extensions import services
-from ...http.fields import JsonNumber, ObjectiveName
+from ...http.fields import FactorRange, JsonNumber, ObjectiveName
 
 
 class Vectors(fields.Field):
@@ -36,7 +36,7 @@ class GradientRequestSchema(Schema):
                        "this server's values are in the description at the top).",
         "example": [[0.5, -1.0], [2.0, 0.25], [1.5, 3.0]],
     })
-    factor = fields.Integer(strict=True, validate=Range(min=1), metadata={
+    factor = fields.Integer(strict=True, validate=FactorRange(), metadata={
         "description": "Split factor F, an integer with 1 <= F <= N (booleans, floats and strings are refused); "
                        "the matrix is cut into F x F blocks, the last row and column of blocks taking the "
                        "remainder. Default ceil(N / 6). The largest block (side x side x 2D numbers) must fit "
@@ -58,6 +58,15 @@ class GradientRequestSchema(Schema):
     dtype = fields.String(load_default=DEFAULT_DTYPE, validate=OneOf(DTYPES), metadata={
         "description": "Precision of all arithmetic and of every output number (written with the shortest "
                        "digits that round-trip in it)."})
+
+    @validates_schema(skip_on_field_errors=False)
+    def check_factor(self, data, **kwargs):
+        """A factor under 1 gets the message of one over N, when the vectors (and so N) are valid;
+        a factor over N is refused by build_request, which knows N."""
+        factor, vectors = data.get("factor"), data.get("vectors")
+        if factor is not None and factor < 1:
+            at_least_one = Range(min=1).message_min.format(min=1)  # N unknown: marshmallow's own message
+            raise ValidationError(at_least_one if vectors is None else factor_out_of_range(len(vectors)), "factor")
 
     @post_load
     def make_request(self, data, **kwargs) -> GradientRequest:
@@ -102,3 +111,10 @@ class GradientResponseSchema(Schema):
     blocks = fields.List(fields.Nested(BlockSchema), metadata={
         "description": "Every block, row-block-major (r outer, c inner); streamed as computed. "
                        "Only if asked for."})
+
+
+def document_objectives(spec, objectives) -> None:
+    """The OpenAPI `objective` as an enum of this server's objectives: the validator reads them
+    per app, so apispec cannot see the names by itself."""
+    spec.components.schemas[GradientRequestSchema.__name__.removesuffix("Schema")]["properties"]["objective"][
+        "enum"] = list(objectives)

@@ -11,7 +11,8 @@ from ...core.device import ready_device
 from ...core.errors import BlockgradError
 from ...extensions import services
 from ...http.docs import OPEN_ROUTE, documents_errors
-from ...http.errors import ErrorStyle, model_not_found
+from ...http.errors import ErrorStyle
+from .errors import model_not_found
 from ...http.parsing import ApiBlueprint
 from ...http.pipeline import serve
 from .codec import BINARY_CONTENT_TYPE
