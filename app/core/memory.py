@@ -89,9 +89,8 @@ def predict_peak_bytes(sizes: Sizes, answer: AnswerCost, settings: Settings) -> 
 
 def body_parse_bytes(body_bytes: int, binary: bool) -> int:
     """Bytes a body of `body_bytes` may take while it is read and parsed, before its sizes are
-    known. Already the worst case, so no margin: a JSON body of 32 MiB parses to at most
-    ~0.95 GiB of Python objects (measured: 11.2M empty lists or 8.4M one-number rows ~930 MiB,
-    README "Configuration"), about JSON_INPUT_BYTES_PER_NUMBER per two body bytes."""
+    known. Already the worst case, so no margin: about JSON_INPUT_BYTES_PER_NUMBER of Python
+    objects per two body bytes (docs/benchmarks.md)."""
     parsed = 4 * body_bytes if binary else JSON_INPUT_BYTES_PER_NUMBER * (body_bytes // 2)
     return FIXED_BYTES + 2 * body_bytes + parsed
 

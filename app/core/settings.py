@@ -91,8 +91,7 @@ def env_int(name: str, default: int, environ: Mapping[str, Any] = os.environ) ->
 @dataclass(frozen=True)
 class Settings:
     device: str = "auto"
-    # A JSON number can take 2 bytes ("1,"): 32 MiB bounds a body at ~16M numbers, as Python
-    # objects while parsing. N=4096, D=64 at full float64 precision is ~5.5 MB.
+    # A JSON number can take 2 bytes ("1,"): the body limit bounds the Python objects parsing makes.
     max_body_bytes: int = 32 * 1024 * 1024
     max_n: int = 8192
     max_d: int = 4096
@@ -102,8 +101,7 @@ class Settings:
     max_block_elements: int = 4 * 1024 * 1024
     request_timeout_s: float = 60.0
     # Bytes the requests one worker holds may add to it at their peak (app/core/memory.py
-    # predicts each): 2 workers x (233 MB idle + 1280 MiB) = 3.2 GB fit the 4 GiB pod with
-    # ~1 GB of room (master, page cache, prediction error).
+    # predicts each): two workers and their idle memory fit a 4 GiB pod (docs/benchmarks.md).
     worker_memory_bytes: int = 1280 * 1024 * 1024
     log_level: str = "INFO"
     # Optional bearer token for every route but the probes (app/http/auth.py); None = open.
