@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import app.http.pipeline as pipeline
-from app import create_app
 from tools.reference import reference_accumulated
 
 from .test_api import assert_error, strict_json

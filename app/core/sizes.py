@@ -17,10 +17,10 @@ class Sizes:
     bytes_per_pair: int | None = None  # a model objective's activations per pair; None for built-ins
 
 
-def request_sizes(n: int, dim: int, factor: int | None, outputs: tuple[str, ...] | None, objective: object,
+def request_sizes(n: int, dim: int, factor: int | None, outputs: tuple[str, ...] | None, *, objective: object,
                   dtype: object, objectives: Mapping[str, Objective]) -> Sizes:
-    """Sizes as sent; an objective or dtype that conversion will refuse is predicted as the
-    default (the refusal is near)."""
+    """Sizes as sent; an objective or dtype left out, or one that conversion will refuse, is
+    predicted as the default (a refusal is near)."""
     dtype = dtype if isinstance(dtype, str) and dtype in DTYPES else DEFAULT_DTYPE
     objective = objective if isinstance(objective, str) and objective in objectives else DEFAULT_OBJECTIVE
     return Sizes(n, dim, factor, outputs, objective, dtype, getattr(objectives[objective], "bytes_per_pair", None))

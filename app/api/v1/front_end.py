@@ -13,13 +13,12 @@ import torch
 from flask import Request, Response
 from marshmallow import ValidationError
 
-from ...core.dtypes import DTYPES, WIDEST
+from ...core.dtypes import DEFAULT_DTYPE, DTYPES, WIDEST
 from ...core.errors import many_unknown, unknown_fields
 from ...core.memory import AnswerCost
-from ...core.objectives import DEFAULT_OBJECTIVE
-from ...core.request import DEFAULT_DTYPE, DEFAULT_OUTPUTS, OUTPUTS, GradientRequest, default_factor, ordered_outputs
+from ...core.request import DEFAULT_OUTPUTS, OUTPUTS, GradientRequest, default_factor, ordered_outputs
 from ...core.run import Result
-from ...core.sizes import request_sizes
+from ...core.sizes import Sizes, request_sizes
 from ...extensions import services
 from ...http.errors import wrong_content_type
 from ...http.parsing import decode_document, is_json_mimetype, schema_error
@@ -75,7 +74,8 @@ class V1:
         return Rendered(Response(body, mimetype="application/json"), computes=streams_computed_blocks)
 
 
-def document_sizes(document: Any):
+def document_sizes(document: Any) -> Sizes | None:
+    """The sizes from the lists' lengths; None when `vectors` is not a list of lists."""
     vectors = document.get("vectors") if isinstance(document, dict) else None
     if not (isinstance(vectors, list) and vectors and isinstance(vectors[0], list)):
         return None
@@ -86,8 +86,8 @@ def document_sizes(document: Any):
     valid_outputs = (isinstance(outputs, list) and outputs
                      and all(isinstance(name, str) and name in OUTPUTS for name in outputs))
     return request_sizes(n, dim, factor if valid_factor else None, ordered_outputs(outputs) if valid_outputs else None,
-                         document.get("objective", DEFAULT_OBJECTIVE), document.get("dtype", DEFAULT_DTYPE),
-                         services().objectives)
+                         objective=document.get("objective"), dtype=document.get("dtype"),
+                         objectives=services().objectives)
 
 
 FRONT_END = V1()

@@ -14,7 +14,6 @@ from marshmallow import ValidationError
 
 from ...core.engine import block_bounds
 from ...core.errors import BlockgradError, listed_names, many_unknown
-from ...core.objectives import DEFAULT_OBJECTIVE
 from ...core.request import GradientRequest, build_request, default_factor, ordered_outputs
 from ...core.run import Result
 from ...core.sizes import Sizes, request_sizes
@@ -111,8 +110,8 @@ def infer_sizes(decoded: DecodedInfer) -> Sizes:
     factor = typed.get("factor", default_factor(n)) if typed is not None else None
     computed = ordered_outputs({OUTPUTS[output.name] for output in decoded.outputs} - {None})
     return request_sizes(n, dim, factor if factor is not None and 1 <= factor <= n else None, computed,
-                         (typed or {}).get("objective", DEFAULT_OBJECTIVE),
-                         decoded.dtype, services().objectives)
+                         objective=(typed or {}).get("objective"), dtype=decoded.dtype,
+                         objectives=services().objectives)
 
 
 def convert_infer_request(decoded: DecodedInfer) -> InferRequest:
