@@ -4,7 +4,7 @@ Flask's `app.extensions` holds them under one key; `services()` is how request c
 them, `services_of(app)` how a test or a hook outside a request does.
 """
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flask import Flask, current_app
 
@@ -22,6 +22,8 @@ class Services:
     objectives: Mapping[str, Objective]  # built-ins, then the models of BLOCKGRAD_MODEL_DIR
     gate: Gate  # one compute slot and its queue
     ledger: MemoryLedger  # the bytes this worker's requests reserve
+    # URL prefix -> how errors under it look (app/http/errors.py's ErrorStyle), by front end.
+    error_styles: dict[str, object] = field(default_factory=dict)
 
 
 def install_services(app: Flask, services: Services) -> None:

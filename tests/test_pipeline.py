@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import app.http.pipeline as pipeline
+from app import create_app
 from tools.reference import reference_accumulated
 
 from .test_api import assert_error, strict_json
@@ -114,3 +115,17 @@ def test_a_factor_under_one_without_valid_vectors_still_names_the_bound(client):
     error = assert_error(client.post("/v1/gradients", json={"vectors": "x", "factor": 0}), 422, "validation_error")
     assert error["details"]["fields"]["factor"] == ["Must be greater than or equal to 1."]
     assert "vectors" in error["details"]["fields"]
+
+
+def test_a_refused_v2_request_logs_its_sizes_under_v2_names(caplog):
+    import logging
+
+    from .test_request_log import request_lines
+
+    caplog.set_level(logging.INFO, logger="blockgrad")
+    client = create_app({"TESTING": True, "BLOCKGRAD_MAX_BLOCK_ELEMENTS": "10"}).test_client()
+    body = dict(v2_body(sum(VECTORS, []), factor=1), outputs=[{"name": "block_gradients"}, {"name": "bounds"}])
+    assert client.post(INFER, json=body).status_code == 413
+    [line] = request_lines(caplog)
+    assert (line["n"], line["dim"], line["factor"], line["error"]) == (3, 2, 1, "limit_exceeded")
+    assert line["outputs"] == ["block_gradients", "bounds"]

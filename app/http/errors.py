@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 
 from ..core import errors as core
 from ..core.errors import BlockgradError, cut_text
+from ..extensions import services_of
 
 log = logging.getLogger("blockgrad")
 
@@ -207,13 +208,13 @@ DEFAULT_STYLE = ErrorStyle()
 
 def register_error_style(app: Flask, url_prefix: str, style: ErrorStyle) -> None:
     """Errors of requests under `url_prefix` (matched or not) take `style`."""
-    app.extensions.setdefault("blockgrad_error_styles", {})[url_prefix] = style
+    services_of(app).error_styles[url_prefix] = style
 
 
 def style_of_request() -> ErrorStyle:
     if not has_request_context():
         return DEFAULT_STYLE
-    styles = current_app.extensions.get("blockgrad_error_styles", {})
+    styles = services_of(current_app).error_styles
     path = request.path
     for prefix, style in styles.items():
         if path == prefix or path.startswith(prefix + "/"):

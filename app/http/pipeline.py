@@ -37,6 +37,7 @@ class Decoded:
     sizes: Sizes | None  # None: not even N and D are known (conversion refuses the request)
     answer: AnswerCost  # how the front end holds the input and writes the answer
     document: Any  # the front end's own, handed to its `convert`
+    logged_outputs: tuple[str, ...] | None = None  # the outputs as the front end names them; None: sizes.outputs
 
 
 class Job(Protocol):
@@ -73,7 +74,8 @@ def serve(front_end: FrontEnd) -> Response:
     sizes = decoded.sizes
     if sizes is not None:
         if sizes.factor is not None and sizes.outputs is not None:
-            g.work = RequestRecord.of(sizes.n, sizes.dim, sizes.factor, sizes.outputs)  # logged even when refused
+            logged = sizes.outputs if decoded.logged_outputs is None else decoded.logged_outputs
+            g.work = RequestRecord.of(sizes.n, sizes.dim, sizes.factor, logged, sizes.outputs)  # logged even when refused
         prediction = admit(sizes, decoded.answer, settings)
         if prediction is not None:
             reserve_for_request(prediction.bytes)  # the body's reservation, resized to the prediction

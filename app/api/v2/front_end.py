@@ -46,7 +46,7 @@ class V2:
         header_length = request.headers.get(HEADER_LENGTH)
         decoded = decode_infer_request(body, header_length)
         cost = answer_cost(decoded.dtype, decoded.outputs, len(body), binary_input=header_length is not None)
-        return Decoded(infer_sizes(decoded), cost, decoded)
+        return Decoded(infer_sizes(decoded), cost, decoded, tuple(output.name for output in decoded.outputs))
 
     def convert(self, decoded: Decoded) -> InferRequest:
         return convert_infer_request(decoded.document)
