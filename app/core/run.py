@@ -123,8 +123,8 @@ def pass_one(req: GradientRequest, device: torch.device, vectors: torch.Tensor, 
             raise non_finite_block(*first, req.dtype)
     if not bool(torch.isfinite(accumulated).all()):
         raise non_finite_accumulated(req.dtype)
-    return Result(req, device, block_bounds(req.n, f), losses, accumulated, vectors, deadline,
-                  kept if keep else None, chunk_elements)
+    return Result(req, device, bounds=block_bounds(req.n, f), losses=losses, accumulated=accumulated,
+                  vectors=vectors, deadline=deadline, kept=kept if keep else None, chunk_elements=chunk_elements)
 
 
 def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest, surely_finite: torch.Tensor,

@@ -23,4 +23,5 @@ def request_sizes(n: int, dim: int, factor: int | None, outputs: tuple[str, ...]
     predicted as the default (a refusal is near)."""
     dtype = dtype if isinstance(dtype, str) and dtype in DTYPES else DEFAULT_DTYPE
     objective = objective if isinstance(objective, str) and objective in objectives else DEFAULT_OBJECTIVE
-    return Sizes(n, dim, factor, outputs, objective, dtype, getattr(objectives[objective], "bytes_per_pair", None))
+    return Sizes(n, dim, factor, outputs, objective=objective, dtype=dtype,
+                 bytes_per_pair=getattr(objectives[objective], "bytes_per_pair", None))
