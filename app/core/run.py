@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np  # warm_up only
 import torch
 
 from .deadline import Deadline
@@ -145,18 +144,3 @@ def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest, surely_f
                     found.append((chunk.rows[i], chunk.cols[j]))
     return min(found, default=None)  # None: only sums overflowed, the accumulated check reports it
 
-
-def warm_up(settings: Settings) -> Exception | None:
-    """Run one small request (both passes) so that the worker's first real one does not pay
-    torch's lazy start-up (~10 ms on CPU, the CUDA context on a GPU). Called once per worker,
-    before it accepts connections; returns what failed instead of raising: a worker whose
-    device fails still starts, and /readyz says why."""
-    req = GradientRequest(vectors=np.arange(8.0).reshape(4, 2), factor=2, objective="sum", offset=0.0,
-                          outputs=("blocks", "accumulated", "losses"), dtype="float32")
-    try:
-        result = run(req, settings)
-        for _ in result.blocks():
-            pass
-    except Exception as exc:  # noqa: BLE001 - reported, never fatal
-        return exc
-    return None
