@@ -1,10 +1,10 @@
-"""Memory admission: a request's predicted peak, and the worker's budget for it.
+"""A request's predicted peak memory, and the worker's budget for it.
 
-`predict_peak_bytes` adds up what a request holds at its peak, from its sizes alone:
-its body and the parsed input, the engine's working set (a chunk of at most
-BLOCKGRAD_MAX_BLOCK_ELEMENTS numbers and what the objective derives from it, blocks
-kept between the passes), and the answer as it is written (whole arrays, text a block
-or a slice at a time). The coefficients are measured, not guessed: `python -m
+`predict_peak_bytes` adds up what a request holds at its peak, from its sizes and the
+front end's `AnswerCost` alone: its body and the parsed input, the engine's working set
+(a chunk of at most BLOCKGRAD_MAX_BLOCK_ELEMENTS numbers and what the objective derives
+from it, blocks kept between the passes), and the answer as the front end writes it
+(whole arrays, text a block or a slice at a time). Admission (admission.py) calls it. The coefficients are measured, not guessed: `python -m
 bench.memory` runs each case on a fresh gunicorn worker and prints the measured peak
 beside this prediction (docs/benchmarks.md, "Peak worker memory per case"); each
 coefficient is the largest measured per-unit cost, rounded up.
