@@ -1,6 +1,7 @@
 """blockgrad: per-block gradients of pairwise feature matrices, over HTTP.
 
-The application factory. Its imports are inside it, so that importing the
+The application factory: the shared HTTP glue (app/http), then the front ends (app/api)
+registered on it, then the docs and error handlers that read them. Its imports are inside it, so that importing the
 package (e.g. app.core.settings from gunicorn.conf.py) loads neither Flask nor torch.
 """
 from collections.abc import Mapping
@@ -10,6 +11,9 @@ from typing import Any
 def create_app(overrides: Mapping[str, Any] | None = None):
     """The Flask app. `overrides`: BLOCKGRAD_* values over the environment (tests), other keys
     are Flask config (e.g. TESTING)."""
-    from .http.app import build_app
+    from .api import register_front_ends
+    from .http.app import build_app, finish_app
 
-    return build_app(overrides or {})
+    app, api = build_app(overrides or {})
+    register_front_ends(app, api)
+    return finish_app(app, api)

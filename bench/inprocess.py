@@ -75,9 +75,8 @@ _app = None
 
 
 def parse_and_validate(body: bytes) -> GradientRequest:
-    """What the view gets: orjson.loads, then the marshmallow schema (vectors field and the
-    admission it runs included, which needs a request context: its memory reservation is
-    released after)."""
+    """What /v1's front end converts: orjson.loads, then the marshmallow schema (its vectors
+    field included; it reads the app's objectives, so it runs in a request context)."""
     global _app
     if _app is None:
         from app import create_app

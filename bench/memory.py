@@ -16,7 +16,13 @@ import numpy as np
 import orjson
 import requests
 
+from app.api.v1.front_end import answer_cost as v1_answer_cost
+from app.api.v2.front_end import answer_cost as v2_answer_cost
+from app.api.v2.infer import RequestedOutput
+from app.api.v2.model import OUTPUTS as V2_OUTPUTS
 from app.core.memory import predict_peak_bytes
+from app.core.request import ordered_outputs
+from app.core.sizes import Sizes
 from app.core.settings import Settings
 from blockgrad_client.infer import binary_infer_request
 from tools.server import gunicorn_server, peak_rss_kib, rss_kib, wait_until
@@ -63,13 +69,13 @@ class Case:
 
     def prediction(self, body_bytes: int, settings: Settings) -> int:
         if self.encoding == "v1_json":
-            outputs, json_outputs = self.outputs, self.outputs
+            outputs, answer = self.outputs, v1_answer_cost(body_bytes, self.dtype)
         else:
-            outputs = tuple(name.split(":")[0] for name in self.outputs)
-            json_outputs = tuple(name.split(":")[0] for name in self.outputs if not name.endswith(":binary"))
-        return predict_peak_bytes(self.n, self.dim, self.factor, self.objective, self.dtype, outputs,
-                                  encoding=self.encoding, body_bytes=body_bytes, json_outputs=json_outputs,
-                                  settings=settings)
+            requested = tuple(RequestedOutput(name.split(":")[0], name.endswith(":binary")) for name in self.outputs)
+            outputs = ordered_outputs({V2_OUTPUTS[output.name] for output in requested} - {None})
+            answer = v2_answer_cost(self.dtype, requested, body_bytes, binary_input=self.encoding == "v2_binary")
+        return predict_peak_bytes(Sizes(self.n, self.dim, self.factor, outputs, self.objective, self.dtype), answer,
+                                  settings)
 
 
 ALL = ("blocks", "accumulated", "losses")

@@ -110,7 +110,7 @@ BAD_JSON = [
     (b'{"vectors": [[-Infinity]]}', "application/json", 400, "bad_json"),
     (b'{"vectors": [[1e400]]}', "application/json", 422, "validation_error"),
     (b'{"vectors": [[1.0]]}', "text/plain", 415, "unsupported_media_type"),
-    (b'{"vectors": [[1.0]]}', None, 415, "unsupported_media_type"),
+    (b'{"vectors": [[1.0]', None, 400, "bad_json"),  # no Content-Type: read as JSON
     (b"vectors=1", "application/x-www-form-urlencoded", 415, "unsupported_media_type"),
     (b"null", "application/json", 422, "validation_error"),
     (b"[[1.0]]", "application/json", 422, "validation_error"),
@@ -256,7 +256,7 @@ def test_unknown_route_and_method_are_json(client):
 def test_internal_error_hides_internals(client, monkeypatch, caplog):
     def explode(*args, **kwargs):
         raise RuntimeError("secret internal detail")
-    monkeypatch.setattr("app.api.v1.views.run", explode)
+    monkeypatch.setattr("app.http.pipeline.run", explode)
     error = assert_error(client.post("/v1/gradients", json=GOOD), 500, "internal_error")
     assert "secret" not in json.dumps(error)
     assert "secret internal detail" in caplog.text

@@ -1,5 +1,6 @@
-"""The layout's rules, read from the source: the core is pure, front ends are independent,
-no module imports another in a loop, and gunicorn's master loads neither torch nor Flask."""
+"""The layout's rules, read from the source: the core is pure, the HTTP glue knows no front end,
+front ends are independent, no module imports another in a loop, and gunicorn's master loads
+neither torch nor Flask. Every import counts, those inside functions and `if` blocks too."""
 import ast
 import subprocess
 import sys
@@ -15,12 +16,17 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def top_level_imports(path: Path) -> set[str]:
-    """Absolute names of what `path` imports when it is loaded (function bodies excluded)."""
-    tree = ast.parse(path.read_text())
+def all_imports(path: Path) -> set[str]:
+    """Absolute names of everything `path` imports, anywhere in it (function bodies included)."""
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    return all_imports_of(path, package)
+
+
+def all_imports_of(path: Path, package: str) -> set[str]:
+    """`package`: the one relative imports start from."""
+    tree = ast.parse(path.read_text())
     names = set()
-    for node in tree.body:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -34,8 +40,8 @@ def top_level_imports(path: Path) -> set[str]:
 
 
 MODULES = {module_name(p): p for p in (ROOT / "app").rglob("*.py")}
-IMPORTS = {name: {i for i in top_level_imports(path) if i in MODULES} | {
-    i.split(".")[0] for i in top_level_imports(path) if not i.startswith("app")} for name, path in MODULES.items()}
+IMPORTS = {name: {i for i in all_imports(path) if i in MODULES} | {
+    i.split(".")[0] for i in all_imports(path) if not i.startswith("app")} for name, path in MODULES.items()}
 
 
 def test_core_imports_only_itself_and_no_web_library():
@@ -44,6 +50,20 @@ def test_core_imports_only_itself_and_no_web_library():
             outside = {i for i in imported if i.startswith("app") and not i.startswith("app.core")}
             assert not outside, f"{name} imports {outside}"
             assert not imported & WEB_OR_SERIALISATION, f"{name} imports {imported & WEB_OR_SERIALISATION}"
+
+
+def test_http_glue_imports_no_front_end():
+    """app/http is what the front ends plug into: the app factory (app/__init__.py) wires them."""
+    for name, imported in IMPORTS.items():
+        if name.startswith("app.http"):
+            assert not {i for i in imported if i.startswith("app.api")}, f"{name} imports a front end"
+
+
+def test_imports_are_read_inside_functions_too(tmp_path):
+    """The reader sees an import that only a function body makes (so the rules above can fail)."""
+    source = tmp_path / "probe.py"
+    source.write_text("def build():\n    from app.api import register_front_ends\n")
+    assert "app.api" in all_imports_of(source, "app.http")
 
 
 def test_front_ends_do_not_import_each_other():

@@ -87,7 +87,7 @@ def test_the_token_is_never_logged(locked, caplog, monkeypatch):
 
     def explode(*args, **kwargs):
         raise RuntimeError("boom")
-    monkeypatch.setattr("app.api.v1.views.run", explode)
+    monkeypatch.setattr("app.http.pipeline.run", explode)
     assert_error(locked.post("/v1/gradients", json=GOOD, headers=GOOD_AUTH), 500, "internal_error")
     assert "boom" in caplog.text and TOKEN not in caplog.text
 

@@ -9,7 +9,7 @@ import torch
 from app.core.engine import Chunk, block_bounds, elements_per_chunk, iter_blocks, pair_blocks, plan_bands
 from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest, default_factor
-from app.core.run import Deadline, load_vectors, summarize
+from app.core.run import Deadline, load_vectors, pass_one
 
 from tools.reference import reference_blocks
 
@@ -123,8 +123,8 @@ def make_request(vectors, **kwargs):
 def test_recomputed_blocks_stream_in_order_and_match_the_kept_ones(chunk_elements):
     req = make_request(np.random.default_rng(4).standard_normal((37, 3)))
     vectors = load_vectors(req, torch.device("cpu"))
-    kept = summarize(req, torch.device("cpu"), vectors, Deadline(60), 10 ** 9, chunk_elements)
-    recomputed = summarize(req, torch.device("cpu"), vectors, Deadline(60), 0, chunk_elements)
+    kept = pass_one(req, torch.device("cpu"), vectors, Deadline(60), 10 ** 9, chunk_elements)
+    recomputed = pass_one(req, torch.device("cpu"), vectors, Deadline(60), 0, chunk_elements)
     assert kept.kept is not None and recomputed.kept is None
     pairs = list(zip(kept.blocks(), recomputed.blocks(), strict=True))
     assert [(a.r, a.c) for a, _ in pairs] == [(r, c) for r in range(7) for c in range(7)]
@@ -144,7 +144,7 @@ def test_the_deadline_is_checked_between_chunks_of_pass_one():
 
     req = make_request(np.ones((37, 3)), outputs=("accumulated",))
     vectors = load_vectors(req, torch.device("cpu"))
-    summarize(req, torch.device("cpu"), vectors, Counting(60), 0, chunk_elements=1)
+    pass_one(req, torch.device("cpu"), vectors, Counting(60), 0, chunk_elements=1)
     assert len(checks) == len(plan_bands(37, 3, 7, 1)) == 49  # one block a chunk: a check a block
 
 
@@ -183,6 +183,6 @@ def test_the_first_non_finite_block_is_named_whatever_the_chunks(chunk_elements)
     vectors[22, 1] = 1e20  # squares overflow float32; row 22 is in block row 4 (base 5), so (0, 4) comes first
     req = make_request(vectors, objective="sum_of_squares", dtype="float32")
     with pytest.raises(BlockgradError) as refused:
-        summarize(req, torch.device("cpu"), load_vectors(req, torch.device("cpu")), Deadline(60), 0, chunk_elements)
+        pass_one(req, torch.device("cpu"), load_vectors(req, torch.device("cpu")), Deadline(60), 0, chunk_elements)
     assert refused.value.code == "non_finite_result"
     assert refused.value.details == {"block": {"row": 0, "col": 4}}

@@ -22,8 +22,8 @@ def must_not_run(*args, **kwargs):
 
 @pytest.fixture
 def pinned(monkeypatch):
-    monkeypatch.setattr("app.api.v1.views.run", must_not_run)
-    monkeypatch.setattr("app.api.v2.views.run", must_not_run)
+    monkeypatch.setattr("app.http.pipeline.run", must_not_run)
+    monkeypatch.setattr("app.http.pipeline.run", must_not_run)
     return create_app(PINNED).test_client()
 
 
@@ -60,7 +60,7 @@ def test_a_request_predicted_within_the_deadline_is_served():
 
 
 def test_no_suggested_factor_when_none_would_finish_in_time(monkeypatch):
-    monkeypatch.setattr("app.api.v1.views.run", must_not_run)
+    monkeypatch.setattr("app.http.pipeline.run", must_not_run)
     client = create_app({**PINNED, "BLOCKGRAD_COST_PER_BLOCK_S": 100.0}).test_client()  # even one block: 100 s
     error = assert_error(client.post("/v1/gradients", json={"vectors": [[1.0]] * 4, "factor": 2}),
                          413, "limit_exceeded")

@@ -93,9 +93,10 @@ def test_an_idle_flood_does_not_freeze_probes():
             first = flood.sockets[:1500]
             assert wait_until(lambda: len(readable(first)) == len(first), WAIT_S, 0.5)
             assert all(sock.recv(1) == b"" for sock in first)  # closed, nothing written
-        # Every flood connection reached a worker and was closed there without a request: a
-        # count, where sampling the open gauge would depend on how fast the workers accept.
-        assert closes(server, "no_request") + closes(server, "evicted") >= 1500 + 40 * 10
+        # The initial flood reached the workers and was closed there without a request: a count,
+        # where sampling the open gauge would depend on how fast the workers accept.
+        # (the flood's last connections, younger than the header timeout, close from the client's side)
+        assert closes(server, "no_request") + closes(server, "evicted") >= 1500
         # No log line per connection: only the probes' request lines and gunicorn's start-up.
         other = [line for line in server.log().splitlines() if not line.startswith('{"ts"')]
         assert len(other) < 50, other[-10:]

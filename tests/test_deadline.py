@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 import requests
 
+import app.core.deadline as deadline_module
 import app.core.run as compute
 from app import create_app
 from app.core.errors import deadline_exceeded
 from app.core.engine import DEFAULT_CHUNK_ELEMENTS, plan_bands
-from app.core.run import Deadline
+from app.core.deadline import Deadline
 from app.core.errors import BlockgradError
 
 from tools.server import gunicorn_server, wait_until
@@ -75,7 +76,7 @@ N, FACTOR, RECOMPUTED = 64, 4, {"TESTING": True, "BLOCKGRAD_MAX_BLOCK_ELEMENTS":
 def expire_after_pass_one_and_two_blocks(monkeypatch) -> None:
     """All of pass one (one check per band of chunks), then two blocks of pass two."""
     ExpiresAfter.checks_allowed = len(plan_bands(N, 2, FACTOR, 2048)) + 2
-    monkeypatch.setattr(compute, "Deadline", ExpiresAfter)
+    monkeypatch.setattr(deadline_module, "Deadline", ExpiresAfter)
 
 
 def read_until_cut(response) -> bytes:
@@ -128,7 +129,7 @@ def test_kept_blocks_are_written_whole_whatever_the_deadline(monkeypatch, n):
     client = create_app({"TESTING": True}).test_client()
     expected = client.post("/v1/gradients", json=document).get_data()
     ExpiresAfter.checks_allowed = len(plan_bands(n, 2, 4, DEFAULT_CHUNK_ELEMENTS))  # nothing after pass one
-    monkeypatch.setattr(compute, "Deadline", ExpiresAfter)
+    monkeypatch.setattr(deadline_module, "Deadline", ExpiresAfter)
     response = client.post("/v1/gradients", json=document)
     assert response.status_code == 200 and response.get_data() == expected
 

@@ -217,11 +217,3 @@ def test_l2_norm_of_tiny_values_does_not_underflow(dtype):
     assert_matches(blocks[0].gradient.flatten(), [0.5] * 4, dtype)
     assert_matches(accumulated.flatten(), [1.0, 1.0], dtype)
 
-
-def test_warm_up_runs_on_cpu_and_reports_a_device_it_cannot_use():
-    from app.core.run import warm_up
-    from app.core.settings import Settings
-
-    assert warm_up(Settings(device="cpu")) is None
-    failed = warm_up(Settings(device="tpu"))
-    assert isinstance(failed, ValueError) and "BLOCKGRAD_DEVICE" in str(failed)

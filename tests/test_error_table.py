@@ -9,7 +9,7 @@ from app import create_app
 from app.api.v2.views import ERROR_STYLE as V2_STYLE
 from app.core.errors import client_closed
 from app.core.gate import Gate
-from app.core.run import Deadline
+from app.core.deadline import Deadline
 from app.http.errors import ERROR_CODE_HEADER, ERRORS
 
 V1 = {"vectors": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]}
@@ -77,15 +77,15 @@ TRIGGERS = {
     "validation_error": ({}, post_v1(factor=4), [], None),
     "non_finite_result": ({}, lambda c: c.post("/v1/gradients", json={
         "vectors": [[0.0], [1e20]], "factor": 2, "objective": "sum_of_squares"}), [], None),
-    "internal_error": ({}, post_v1(), [("app.api.v1.views.run", fail_with(RuntimeError("boom")))], None),
-    "deadline_exceeded": ({}, post_v1(), [("app.core.run.Deadline", ExpiredDeadline)], None),
+    "internal_error": ({}, post_v1(), [("app.http.pipeline.run", fail_with(RuntimeError("boom")))], None),
+    "deadline_exceeded": ({}, post_v1(), [("app.core.deadline.Deadline", ExpiredDeadline)], None),
     "device_out_of_memory": ({}, post_v1(), [("app.core.run.load_vectors",
                                               fail_with(torch.OutOfMemoryError("out of memory")))], None),
     "not_ready": ({"BLOCKGRAD_DEVICE": "cuda"}, lambda c: c.get("/readyz"), [], None),
     "read_timeout": ({}, post_v1(), [("app.http.parsing.ReadAlarm", FiredAlarm),
                                      ("app.http.parsing.read_arriving", fail_with(ClientDisconnected()))], None),
-    "overloaded": ({}, post_v1(), [("app.http.slot.current_gate", full_gate)], None),
-    "client_closed": ({}, post_v1(), [("app.core.run.Deadline", ClientGone)], None),
+    "overloaded": ({}, post_v1(), [("app.http.pipeline.compute_slot", lambda deadline: full_gate().acquire(deadline))], None),
+    "client_closed": ({}, post_v1(), [("app.core.deadline.Deadline", ClientGone)], None),
 }
 
 

@@ -8,7 +8,7 @@ import pytest
 from app import create_app
 from app.core.cost import COMPUTE_COSTS, OUTPUT_COSTS, predict_seconds
 from app.core.errors import BlockgradError
-from app.core.limits import admit, suggested_factor
+from app.core.admission import Sizes, check_block_and_answer, suggested_factor
 from app.core.settings import Settings
 
 from .test_api import assert_error, post
@@ -35,14 +35,14 @@ def test_pinned_costs_give_the_literal_formula():
     sums = (36 * (14 + 14) + 12 * (14 + 16) + (16 + 16)) * dim
     assert sums == factor * n * 2 * dim
     compute = factor ** 2 * 1e-3 + (entries + sums) * 1e-9
-    assert predict_seconds(n, dim, factor, "logsumexp", "float64", ("accumulated",), PINNED) == pytest.approx(compute)
+    assert predict_seconds(Sizes(n, dim, factor, ("accumulated",), "logsumexp", "float64"), PINNED) == pytest.approx(compute)
     # Blocks of a dense objective past the keep budget: pass two recomputes them, and they are written.
     small_keep = Settings(cost_per_block_s=1e-3, cost_per_number_s=1e-9, max_block_elements=1000)
     written = factor ** 2 * 1e-3 + entries * 1e-9
-    assert predict_seconds(n, dim, factor, "sum_of_squares", "float32", ("blocks",), small_keep) == \
+    assert predict_seconds(Sizes(n, dim, factor, ("blocks",), "sum_of_squares", "float32"), small_keep) == \
         pytest.approx(2 * compute + written)
     # sum's gradients are kept from pass one: no recompute, only the writing.
-    assert predict_seconds(n, dim, factor, "sum", "float32", ("blocks",), small_keep) == \
+    assert predict_seconds(Sizes(n, dim, factor, ("blocks",), "sum", "float32"), small_keep) == \
         pytest.approx(compute + written)
 
 
@@ -52,10 +52,10 @@ def test_the_table_covers_every_objective_and_dtype_and_grows_with_the_work():
     assert set(OUTPUT_COSTS) == {"float32", "float64"}
     settings = Settings()
     for objective, dtype in COMPUTE_COSTS:
-        small = predict_seconds(512, 64, 8, objective, dtype, ("accumulated",), settings)
-        assert 0 < small < predict_seconds(1024, 64, 8, objective, dtype, ("accumulated",), settings)
-        assert small < predict_seconds(512, 64, 86, objective, dtype, ("accumulated",), settings)
-        assert small < predict_seconds(512, 64, 8, objective, dtype, ("blocks", "accumulated"), settings)
+        small = predict_seconds(Sizes(512, 64, 8, ("accumulated",), objective, dtype), settings)
+        assert 0 < small < predict_seconds(Sizes(1024, 64, 8, ("accumulated",), objective, dtype), settings)
+        assert small < predict_seconds(Sizes(512, 64, 86, ("accumulated",), objective, dtype), settings)
+        assert small < predict_seconds(Sizes(512, 64, 8, ("blocks", "accumulated"), objective, dtype), settings)
 
 
 def test_cost_settings_come_from_the_environment():
@@ -81,7 +81,7 @@ def test_suggested_factor_fits_every_limit_and_has_the_fewest_blocks(pinned):
         costs = dict(cost_per_block_s=1e-3, cost_per_number_s=1e-9) if pinned else {}
         settings = Settings(max_block_elements=max_block, max_output_elements=max_output, **costs)
         fitting = [f for f in range(1, n + 1) if fits(n, dim, f, outputs, max_block, max_output)]
-        suggested = suggested_factor(n, dim, outputs, settings, "logsumexp", "float64")
+        suggested = suggested_factor(Sizes(n, dim, None, outputs, "logsumexp", "float64"), settings)
         case = (n, dim, outputs, max_block, max_output)
         if not fitting:
             assert suggested is None, case
@@ -96,7 +96,7 @@ def test_suggested_factor_fits_every_limit_and_has_the_fewest_blocks(pinned):
 def test_the_advice_is_the_factor_with_the_fewest_blocks_not_the_next_larger():
     # Issue 10: N=1000, factor 334 used to be told "factor 499" (249,001 blocks, past the deadline).
     with pytest.raises(BlockgradError) as refused:
-        admit(1000, 64, 334, ("accumulated",), Settings())
+        check_block_and_answer(Sizes(1000, 64, 334, ("accumulated",)), Settings())
     details = refused.value.details
     assert details["limit"] == "BLOCKGRAD_MAX_BLOCK_ELEMENTS"
     # Side at most 181 (181^2 x 128 <= 4M) fits from factor 6, but blocks over a chunk (1M numbers:

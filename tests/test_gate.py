@@ -6,10 +6,9 @@ import threading
 import pytest
 
 from app.core.errors import BlockgradError
-from app.core.gate import Cost, Gate, GateListener
-from app.core.run import Deadline
+from app.core.gate import Gate, GateListener
+from app.core.deadline import Deadline
 
-COST = Cost(n=3, dim=2, factor=2)
 FAR = 60.0
 JOIN_S = 30
 
@@ -40,7 +39,7 @@ def wait_for(predicate, limit=JOIN_S):
 def waiter(gate, outcomes, name, deadline=None):
     def run():
         try:
-            ticket = gate.acquire(COST, deadline or Deadline(FAR))
+            ticket = gate.acquire(deadline or Deadline(FAR))
             outcomes.append(name)
             ticket.release()
         except BlockgradError as exc:
@@ -53,7 +52,7 @@ def waiter(gate, outcomes, name, deadline=None):
 def test_free_slot_is_taken_at_once_and_released_once():
     recorder = Recorder()
     gate = Gate(queue_depth=2, listener=recorder)
-    ticket = gate.acquire(COST, Deadline(FAR))
+    ticket = gate.acquire(Deadline(FAR))
     assert gate.busy == 1 and recorder.waits == [0.0]
     ticket.release()
     ticket.release()  # idempotent: a stream's end and its close both release
@@ -63,12 +62,12 @@ def test_free_slot_is_taken_at_once_and_released_once():
 def test_full_queue_sheds_at_once_with_retry_after():
     recorder = Recorder()
     gate = Gate(queue_depth=2, listener=recorder)
-    holder = gate.acquire(COST, Deadline(FAR))
+    holder = gate.acquire(Deadline(FAR))
     outcomes = []
     threads = [waiter(gate, outcomes, k) for k in range(2)]
     assert wait_for(lambda: gate.depth == 2)
     with pytest.raises(BlockgradError) as refused:
-        gate.acquire(COST, Deadline(FAR))
+        gate.acquire(Deadline(FAR))
     assert refused.value.code == "overloaded" and refused.value.retry_after_s >= 1
     assert recorder.sheds == 1
     holder.release()
@@ -80,7 +79,7 @@ def test_full_queue_sheds_at_once_with_retry_after():
 
 def test_deadline_passing_in_the_queue_is_deadline_exceeded_queued():
     gate = Gate(queue_depth=2)
-    holder = gate.acquire(COST, Deadline(FAR))
+    holder = gate.acquire(Deadline(FAR))
     outcomes = []
     waiter(gate, outcomes, "late", Deadline(FAR, started=-1e9)).join(JOIN_S)  # arrived long ago
     assert outcomes == [("late", "deadline_exceeded", {"timeout_s": FAR, "queued": True})]
@@ -90,7 +89,7 @@ def test_deadline_passing_in_the_queue_is_deadline_exceeded_queued():
 
 def test_a_waiter_whose_client_left_gives_up_its_place():
     gate = Gate(queue_depth=2)
-    holder = gate.acquire(COST, Deadline(FAR))
+    holder = gate.acquire(Deadline(FAR))
     gone = threading.Event()
     outcomes = []
     thread = waiter(gate, outcomes, "gone", Deadline(FAR, cancelled=gone.is_set))
@@ -101,7 +100,7 @@ def test_a_waiter_whose_client_left_gives_up_its_place():
     assert gate.depth == 0
     holder.release()
     # The slot is free at once: a deadline already past would fail any acquire that had to wait.
-    ticket = gate.acquire(COST, Deadline(0.0))
+    ticket = gate.acquire(Deadline(0.0))
     assert gate.busy == 1 and gate.depth == 0
     ticket.release()
     assert gate.busy == 0

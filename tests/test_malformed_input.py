@@ -184,7 +184,7 @@ def test_every_error_body_fits_even_with_many_long_details(monkeypatch):
 
     def refuse(*args, **kwargs):
         raise validation_error({f"f{i}" * 100: ["y" * 5000] * 16 for i in range(16)})
-    monkeypatch.setattr("app.api.v1.views.run", refuse)
+    monkeypatch.setattr("app.http.pipeline.run", refuse)
     response = client.post("/v1/gradients", json={"vectors": [[1.0]]})
     assert_error(response, 422, "validation_error")
     assert len(response.get_data()) <= MAX_ERROR_BODY_BYTES

@@ -6,9 +6,13 @@ import orjson
 import pytest
 
 from app import create_app
+from app.api.v1.front_end import answer_cost as v1_answer_cost
+from app.api.v2.front_end import answer_cost as v2_answer_cost
+from app.api.v2.infer import RequestedOutput
 from app.core.memory import MemoryLedger, predict_peak_bytes
 from app.core.settings import Settings
-from app.http.memory import EXTENSION
+from app.core.sizes import Sizes
+from app.extensions import services_of
 from blockgrad_client.infer import binary_infer_request, read_infer_response
 
 from .test_api import GOOD, assert_error
@@ -50,19 +54,21 @@ def test_ledger_reserves_resizes_and_releases_once():
 
 def test_prediction_grows_with_what_the_request_holds():
     settings = Settings()
-    base = dict(objective="sum", dtype="float32", encoding="v1_json", body_bytes=0, settings=settings)
-    accumulated = predict_peak_bytes(512, 64, 16, outputs=("accumulated",), json_outputs=("accumulated",), **base)
-    blocks = predict_peak_bytes(512, 64, 16, outputs=("blocks", "accumulated"),
-                                json_outputs=("blocks", "accumulated"), **base)
-    f64 = predict_peak_bytes(512, 64, 16, outputs=("accumulated",), json_outputs=("accumulated",),
-                             **{**base, "dtype": "float64"})
+    v1 = v1_answer_cost(0, "float32")
+    accumulated = predict_peak_bytes(Sizes(512, 64, 16, ("accumulated",), "sum", "float32"), v1, settings)
+    blocks = predict_peak_bytes(Sizes(512, 64, 16, ("blocks", "accumulated"), "sum", "float32"), v1, settings)
+    f64 = predict_peak_bytes(Sizes(512, 64, 16, ("accumulated",), "sum", "float64"), v1_answer_cost(0, "float64"),
+                             settings)
     assert accumulated < blocks and accumulated < f64
-    grid = dict(settings=settings, objective="sum", dtype="float64", body_bytes=0, encoding="v2_binary")
-    binary = predict_peak_bytes(1024, 32, 8, outputs=("block_gradients", "bounds"), json_outputs=(), **grid)
-    all_json = predict_peak_bytes(1024, 32, 8, outputs=("block_gradients", "bounds"),
-                                  json_outputs=("block_gradients", "bounds"), **grid)
-    mixed = predict_peak_bytes(1024, 32, 8, outputs=("block_gradients", "bounds"),
-                               json_outputs=("block_gradients",), **grid)
+    grid = Sizes(1024, 32, 8, ("blocks",), "sum", "float64")  # block_gradients and bounds
+
+    def v2(grid_binary: bool, bounds_binary: bool):
+        outputs = (RequestedOutput("block_gradients", grid_binary), RequestedOutput("bounds", bounds_binary))
+        return v2_answer_cost("float64", outputs, 0, binary_input=True)
+
+    binary = predict_peak_bytes(grid, v2(True, True), settings)
+    all_json = predict_peak_bytes(grid, v2(False, False), settings)
+    mixed = predict_peak_bytes(grid, v2(False, True), settings)
     whole_grid = 1024 * 1024 * 64 * 8
     # Made a block row (128 of 1024 rows) at a time, except as JSON beside binary outputs: held whole.
     assert mixed - binary >= whole_grid and mixed - all_json >= whole_grid - 4 * 1024 * 1024
@@ -73,7 +79,7 @@ def test_prediction_grows_with_what_the_request_holds():
 
 def test_v1_over_the_budget_is_413_before_computing(monkeypatch):
     client = create_app({"TESTING": True, "BLOCKGRAD_WORKER_MEMORY_BYTES": str(120 * MIB)}).test_client()
-    monkeypatch.setattr("app.api.v1.views.run", must_not_run)
+    monkeypatch.setattr("app.http.pipeline.run", must_not_run)
     vectors = np.zeros((700, 64)).tolist()
     response = client.post("/v1/gradients", json={"vectors": vectors, "factor": 4, "dtype": "float64",
                                                  "objective": "logsumexp", "outputs": ["blocks", "accumulated"]})
@@ -85,7 +91,7 @@ def test_v1_over_the_budget_is_413_before_computing(monkeypatch):
 
 def test_v2_grid_over_the_budget_is_413_before_computing(monkeypatch):
     client = create_app({"TESTING": True, "BLOCKGRAD_WORKER_MEMORY_BYTES": str(300 * MIB)}).test_client()
-    monkeypatch.setattr("app.api.v2.views.run", must_not_run)
+    monkeypatch.setattr("app.http.pipeline.run", must_not_run)
     body, headers = binary_infer_request(np.zeros((1024, 32)), {"factor": 8, "objective": "logsumexp"},
                                          ["block_gradients", "bounds"])
     response = client.post(INFER, data=body, headers=headers)
@@ -105,7 +111,7 @@ def test_a_body_that_cannot_fit_is_refused_before_it_is_read():
 def test_only_the_current_load_in_the_way_is_503_overloaded_then_served():
     app = create_app({"TESTING": True})
     client = app.test_client()
-    ledger = app.extensions[EXTENSION]
+    ledger = services_of(app).ledger
     held = ledger.reserve(ledger.budget - 1024)  # another request's reservation
     response = client.post("/v1/gradients", json=GOOD)
     assert_error(response, 503, "overloaded")
@@ -120,7 +126,7 @@ def test_only_the_current_load_in_the_way_is_503_overloaded_then_served():
 
 def test_a_streamed_answer_holds_its_reservation_until_written():
     app = create_app({"TESTING": True})
-    ledger = app.extensions[EXTENSION]
+    ledger = services_of(app).ledger
     streamed = dict(GOOD, vectors=np.ones((64, 2)).tolist())  # over WHOLE_ANSWER_NUMBERS: blocks stream
     response = app.test_client().post("/v1/gradients", json=streamed, buffered=False)
     assert response.status_code == 200 and response.is_streamed
@@ -132,7 +138,7 @@ def test_a_streamed_answer_holds_its_reservation_until_written():
 
 def test_errors_release_the_reservation(client, app):
     assert_error(client.post("/v1/gradients", json={"vectors": [[1.0]], "factor": 2}), 422, "validation_error")
-    assert app.extensions[EXTENSION].reserved == 0
+    assert services_of(app).ledger.reserved == 0
 
 
 # --- /v2 computes only what its outputs need
@@ -140,7 +146,7 @@ def test_errors_release_the_reservation(client, app):
 
 def test_v2_bounds_alone_computes_no_block(monkeypatch):
     client = create_app({"TESTING": True}).test_client()
-    monkeypatch.setattr("app.api.v2.views.run", must_not_run)
+    monkeypatch.setattr("app.http.pipeline.run", must_not_run)
     body, headers = binary_infer_request(np.zeros((8192, 2), dtype=np.float32), {"factor": 8192}, ["bounds"])
     response = client.post(INFER, data=body, headers=headers)
     assert response.status_code == 200

@@ -173,7 +173,7 @@ def test_v2_matches_the_literal_per_block_reference(served, library, name, n, fa
 
 def test_losses_of_stacked_blocks_are_each_blocks_own(served, library):
     """The batched interface: losses((k, h, w, 2D)) is each block's loss alone, and differentiable."""
-    objective = served.application.extensions["blockgrad_objectives"]["pairmlp"]
+    objective = served.application.extensions["blockgrad"].objectives["pairmlp"]
     assert isinstance(objective, ModelObjective)
     blocks = torch.randn(3, 2, 4, 6, generator=torch.Generator().manual_seed(3))  # (k, h, w, 2D)
     leaf = blocks.clone().requires_grad_(True)
@@ -248,7 +248,7 @@ def test_a_block_whose_activations_are_over_the_budget_is_refused(tmp_path, libr
     """At once: the refusal never queues for the compute slot."""
     def must_not_queue(*args, **kwargs):
         raise AssertionError("a request over a limit queued for the compute slot")
-    monkeypatch.setattr("app.api.v1.views.compute_slot", must_not_queue)
+    monkeypatch.setattr("app.http.pipeline.compute_slot", must_not_queue)
     directory = model_dir(tmp_path, library, "pairmlp")
     app = create_app({"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(directory), "BLOCKGRAD_MAX_ACTIVATION_BYTES": "1"})
     response = app.test_client().post("/v1/gradients", json={"vectors": [[1.0, 2.0, 3.0]] * 4, "objective": "pairmlp",
@@ -256,14 +256,14 @@ def test_a_block_whose_activations_are_over_the_budget_is_refused(tmp_path, libr
     assert response.status_code == 413
     error = response.get_json()["error"]
     assert error["code"] == "limit_exceeded" and error["details"]["limit"] == "BLOCKGRAD_MAX_ACTIVATION_BYTES"
-    per_pair = app.extensions["blockgrad_objectives"]["pairmlp"].bytes_per_pair
+    per_pair = app.extensions["blockgrad"].objectives["pairmlp"].bytes_per_pair
     assert error["details"]["value"] == 1 * 1 * per_pair
 
 
 def test_the_activation_budget_names_the_smallest_factor_that_fits(tmp_path, library):
     directory = model_dir(tmp_path, library, "pairmlp")
     probe = create_app({"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(directory)})
-    per_pair = probe.extensions["blockgrad_objectives"]["pairmlp"].bytes_per_pair
+    per_pair = probe.extensions["blockgrad"].objectives["pairmlp"].bytes_per_pair
     budget = 4 * 4 * per_pair  # blocks of 4 x 4 pairs fit, 8 x 8 do not
     app = create_app({"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(directory),
                       "BLOCKGRAD_MAX_ACTIVATION_BYTES": str(budget)})

@@ -52,7 +52,7 @@ def test_error_body_that_cannot_be_serialised_keeps_status_and_code(monkeypatch,
 
     def refuse(*args, **kwargs):
         raise validation_error({"x\ud800": ["Unknown field."]}, "bad field x\ud800")
-    monkeypatch.setattr("app.api.v1.views.run", refuse)
+    monkeypatch.setattr("app.http.pipeline.run", refuse)
     error = assert_error(client.post("/v1/gradients", json=GOOD), 422, "validation_error")
     assert "could not be written as JSON" in error["message"]
     assert "could not be serialised" in caplog.text

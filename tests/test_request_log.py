@@ -59,7 +59,7 @@ def test_cpu_ms_is_the_serving_threads_cpu_time_not_its_wall_time(client, caplog
 
     caplog.set_level(logging.INFO, logger="blockgrad")
     for fake in (waits, burns):
-        monkeypatch.setattr("app.api.v1.views.run", fake)
+        monkeypatch.setattr("app.http.pipeline.run", fake)
         assert client.post("/v1/gradients", json=PAYLOAD).status_code == 200
     waited, burned = request_lines(caplog)
     assert waited["duration_ms"] >= 300 and waited["cpu_ms"] < waited["duration_ms"] - 250

@@ -9,12 +9,12 @@ import torch
 from app import create_app
 from app.api.v1.render import stream_with_blocks
 from app.core.engine import iter_blocks
+from app.core.admission import Sizes, check_block_and_answer
 from app.core.errors import BlockgradError
-from app.core.limits import admit
 from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest
 import app.core.run as compute
-from app.core.run import Deadline, first_non_finite_block, load_vectors, summarize
+from app.core.run import Deadline, first_non_finite_block, load_vectors, pass_one
 from app.core.settings import Settings
 from app.http.streaming import to_numpy
 
@@ -33,7 +33,7 @@ def make_request(vectors, **kwargs):
 
 def run_summary(req, keep_bytes=0):
     cpu = torch.device("cpu")
-    return summarize(req, cpu, load_vectors(req, cpu), Deadline(60), keep_bytes=keep_bytes)
+    return pass_one(req, cpu, load_vectors(req, cpu), Deadline(60), keep_bytes=keep_bytes)
 
 
 def test_kept_blocks_match_the_seed_loops():
@@ -102,13 +102,13 @@ def test_stream_is_one_json_document_whatever_the_chunking(monkeypatch, chunk_by
 def test_kept_and_recomputed_answers_are_the_same_bytes(monkeypatch):
     body = {"vectors": np.random.default_rng(2).standard_normal((11, 3)).tolist(), "factor": 3,
             "objective": "l2_norm", "outputs": ["blocks", "accumulated", "losses"]}
-    real, kept_by_pass_one, keep_nothing = compute.summarize, [], []
+    real, kept_by_pass_one, keep_nothing = compute.pass_one, [], []
 
     def summarize(req, device, vectors, deadline, keep_bytes, *rest):
         result = real(req, device, vectors, deadline, 0 if keep_nothing else keep_bytes, *rest)
         kept_by_pass_one.append(result.kept is not None)
         return result
-    monkeypatch.setattr(compute, "summarize", summarize)
+    monkeypatch.setattr(compute, "pass_one", summarize)
     kept = create_app().test_client().post("/v1/gradients", json=body)
     # The same limits (so the same chunks and the same order of additions in the accumulated
     # gradient), but nothing may be kept: pass two recomputes.
@@ -129,9 +129,9 @@ def test_big_accumulated_only_request_is_admitted_by_default():
     the same shape asking for its blocks (4096 * 4096 * 128 numbers) is over them: only the
     outputs asked for are counted."""
     settings = Settings()
-    assert admit(4096, 64, 64, ("accumulated",), settings) is None
+    assert check_block_and_answer(Sizes(4096, 64, 64, ("accumulated",)), settings) is None
     with pytest.raises(BlockgradError) as refused:
-        admit(4096, 64, 64, ("blocks", "accumulated"), settings)
+        check_block_and_answer(Sizes(4096, 64, 64, ("blocks", "accumulated")), settings)
     assert refused.value.code == "limit_exceeded"
     assert refused.value.details["limit"] == "BLOCKGRAD_MAX_OUTPUT_ELEMENTS"
     assert refused.value.details["value"] == 4096 * 4096 * 128 + 4096 * 64

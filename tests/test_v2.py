@@ -521,9 +521,9 @@ def nothing_built(monkeypatch):
     """Declared shapes are refused before any row is built or any binary data decoded."""
     def must_not_run(*args, **kwargs):
         raise AssertionError("built rows or decoded data for a shape that should have been refused")
-    monkeypatch.setattr("app.api.v2.infer.json_rows", must_not_run)
+    monkeypatch.setattr("app.api.v2.infer.data_matrix", must_not_run)
     monkeypatch.setattr("app.api.v2.infer.decode_tensor", must_not_run)
-    monkeypatch.setattr("app.api.v2.views.run", must_not_run)
+    monkeypatch.setattr("app.http.pipeline.run", must_not_run)
 
 
 @pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
@@ -598,7 +598,7 @@ def test_deadline_is_503_with_retry_after():
 def test_internal_error_hides_internals(client, monkeypatch, caplog):
     def explode(*args, **kwargs):
         raise RuntimeError("secret internal detail")
-    monkeypatch.setattr("app.api.v2.views.run", explode)
+    monkeypatch.setattr("app.http.pipeline.run", explode)
     message = assert_protocol_error(client.post(INFER, json=GOOD), 500)
     assert "secret" not in message and "secret internal detail" in caplog.text
     monkeypatch.undo()
@@ -651,7 +651,7 @@ def test_limits_are_refused_before_queueing_for_the_slot(monkeypatch, config, do
     """A request over a limit is 413 at once, never after waiting behind another computation."""
     def must_not_queue(*args, **kwargs):
         raise AssertionError("a request over a limit queued for the compute slot")
-    monkeypatch.setattr("app.api.v2.views.compute_slot", must_not_queue)
+    monkeypatch.setattr("app.http.pipeline.compute_slot", must_not_queue)
     client = create_app(config).test_client()
     assert limit in assert_protocol_error(client.post(INFER, json=document), 413)
 
@@ -696,7 +696,7 @@ def test_a_grid_holds_the_slot_while_written_only_when_its_blocks_are_recomputed
     """Dense gradients over one block's memory are recomputed as written, so the computation
     (and its slot) lasts until the body ends; kept blocks are only copied: the slot is free."""
     app = create_app({"TESTING": True, "BLOCKGRAD_MAX_BLOCK_ELEMENTS": 1000})  # keeps <= 1000 numbers of gradients
-    gate = app.extensions["blockgrad_gate"]
+    gate = app.extensions["blockgrad"].gate
     vectors = torch.randn(40, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     body, headers = binary_request(vectors.numpy(), "FP64", {"factor": 4, "objective": objective},
                                    [{"name": "block_gradients"}])

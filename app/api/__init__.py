@@ -2,10 +2,11 @@
 from flask import Flask
 from flask_smorest import Api
 
+from ..extensions import services_of
 from ..http.errors import register_error_style
 from . import health, metrics, objectives
-from .v1 import views as v1_views
-from .v2 import views as v2_views
+from .v1 import schemas as v1_schemas, views as v1_views
+from .v2 import schemas as v2_schemas, views as v2_views
 
 
 def register_front_ends(app: Flask, api: Api) -> None:
@@ -15,3 +16,6 @@ def register_front_ends(app: Flask, api: Api) -> None:
     api.register_blueprint(v2_views.blp)
     api.register_blueprint(metrics.blp)
     register_error_style(app, v2_views.blp.url_prefix, v2_views.ERROR_STYLE)
+    served = services_of(app).objectives
+    v1_schemas.document_objectives(api.spec, served)
+    v2_schemas.document_objectives(api.spec, served)

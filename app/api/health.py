@@ -4,7 +4,7 @@ from marshmallow import Schema, fields
 from ..core.device import ready_device
 from ..http.docs import OPEN_ROUTE, documents_errors
 from ..http.parsing import ApiBlueprint
-from ..http.settings import current_settings
+from ..extensions import services
 from flask import g
 
 blp = ApiBlueprint("health", __name__, description="Liveness and readiness probes.")
@@ -37,6 +37,6 @@ def healthz():
 @documents_errors(blp, "not_ready", "internal_error")
 def readyz():
     """torch is loaded and the configured device runs a small computation."""
-    device = ready_device(current_settings().device)  # not_ready if it cannot
-    g.device = str(device)  # for the device metric (app/http/observe.py)
+    device = ready_device(services().settings.device)  # not_ready if it cannot
+    g.device = str(device)  # for the device metric (app/http/request_record.py)
     return {"status": "ready", "device": str(device)}

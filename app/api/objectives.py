@@ -1,10 +1,10 @@
 """GET /v1/objectives: the objectives this server has, built-ins and models."""
 from marshmallow import Schema, fields
 
-from ..core.registry import describe
+from ..core.served_objectives import describe
 from ..http.docs import documents_errors
 from ..http.parsing import ApiBlueprint
-from ..http.settings import current_objectives
+from ..extensions import services
 
 blp = ApiBlueprint("objectives", __name__, url_prefix="/v1",
                    description="The block objectives this server has: built-in formulas and the operator's models.")
@@ -39,4 +39,4 @@ class ObjectivesSchema(Schema):
 @documents_errors(blp, "unauthorized", "internal_error")
 def list_objectives():
     """The objectives `objective` may name, with the D and dtypes each takes."""
-    return {"objectives": [describe(name, objective) for name, objective in current_objectives().items()]}
+    return {"objectives": [describe(name, objective) for name, objective in services().objectives.items()]}

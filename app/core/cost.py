@@ -12,32 +12,30 @@ gradients cannot be kept from pass one (dense gradients over the keep budget,
 app/core/run.py), and the output terms (taking each block apart and writing it as JSON,
 /v1's slower encoding).
 
-The constants were measured with `python -m bench.costs` (least squares on relative
-error over eight requests from 36 to 1M blocks, D from 2 to 64, 40 ms to 1 s; one torch
-thread, the 2-core machine of docs/benchmarks.md while other work ran on it): the model
-is off by 21% to 70% at worst over those requests, depending on the objective (the
-comments). They are
-this machine's CPU; a faster CPU (or a GPU) is overpredicted. BLOCKGRAD_COST_PER_BLOCK_S
+The constants come from `python -m bench.costs` (least squares on relative error; how and
+how far off they are: docs/benchmarks.md). They are one machine's CPU; a faster CPU (or a
+GPU) is overpredicted. BLOCKGRAD_COST_PER_BLOCK_S
 and BLOCKGRAD_COST_PER_NUMBER_S, when set, replace every constant (compute and output) so
 that a test's verdict never depends on the machine.
 
-Used for the 413's suggested factor (app/core/limits.py) and for compute admission.
+Used by admission (app/core/admission.py): the deadline check and the 413's suggested factor.
 """
-from .engine import DEFAULT_CHUNK_ELEMENTS
+from .engine import DEFAULT_CHUNK_ELEMENTS, shape_groups
 from .settings import Settings
+from .sizes import Sizes
 
 # (objective, dtype) -> (seconds per block, seconds per number) of pass one.
 COMPUTE_COSTS: dict[tuple[str, str], tuple[float, float]] = {
-    ("sum", "float32"): (5.74e-09, 8.46e-10),  # worst case off by 24%
-    ("sum", "float64"): (1.61e-09, 1.44e-09),  # worst case off by 21%
-    ("mean", "float32"): (2.42e-08, 1.14e-09),  # worst case off by 70%
-    ("mean", "float64"): (1.93e-08, 2.28e-09),  # worst case off by 66%
-    ("sum_of_squares", "float32"): (2.33e-08, 2.30e-09),  # worst case off by 50%
-    ("sum_of_squares", "float64"): (4.33e-09, 5.32e-09),  # worst case off by 44%
-    ("l2_norm", "float32"): (1.77e-08, 1.85e-09),  # worst case off by 63%
-    ("l2_norm", "float64"): (2.07e-09, 4.49e-09),  # worst case off by 48%
-    ("logsumexp", "float32"): (1.25e-08, 2.39e-09),  # worst case off by 63%
-    ("logsumexp", "float64"): (0.00e+00, 5.49e-09),  # worst case off by 55%
+    ("sum", "float32"): (5.74e-09, 8.46e-10),
+    ("sum", "float64"): (1.61e-09, 1.44e-09),
+    ("mean", "float32"): (2.42e-08, 1.14e-09),
+    ("mean", "float64"): (1.93e-08, 2.28e-09),
+    ("sum_of_squares", "float32"): (2.33e-08, 2.30e-09),
+    ("sum_of_squares", "float64"): (4.33e-09, 5.32e-09),
+    ("l2_norm", "float32"): (1.77e-08, 1.85e-09),
+    ("l2_norm", "float64"): (2.07e-09, 4.49e-09),
+    ("logsumexp", "float32"): (1.25e-08, 2.39e-09),
+    ("logsumexp", "float64"): (0.00e+00, 5.49e-09),
 }
 # An objective not in the table (a model-backed one) is charged as the dearest built-in.
 UNKNOWN_OBJECTIVE = (max(c[0] for c in COMPUTE_COSTS.values()), max(c[1] for c in COMPUTE_COSTS.values()))
@@ -67,26 +65,24 @@ def recomputes_blocks(n: int, dim: int, objective_name: str, settings: Settings)
 def engine_work(n: int, dim: int, factor: int) -> tuple[int, int]:
     """(blocks, numbers) of one engine pass: numbers are the blocks' entries plus their
     row and column sums, plus once more the entries of blocks larger than a chunk (such a
-    block is a chunk alone and its tensors fall out of cache: about 2x per number here)."""
-    base = n // factor
-    last = n - (factor - 1) * base
+    block is a chunk alone and its tensors fall out of cache)."""
     pair = 2 * dim
+    groups = [(len(indices), side) for indices, side in shape_groups(n, factor)]
     oversized = sum(count_h * count_w * h * w * pair
-                    for h, count_h in ((base, factor - 1), (last, 1))
-                    for w, count_w in ((base, factor - 1), (last, 1))
+                    for count_h, h in groups for count_w, w in groups
                     if h * w * pair > DEFAULT_CHUNK_ELEMENTS)
     return factor * factor, n * n * pair + factor * n * pair + oversized
 
 
-def predict_seconds(n: int, dim: int, factor: int, objective_name: str, dtype: str,
-                    outputs: tuple[str, ...], settings: Settings) -> float:
+def predict_seconds(sizes: Sizes, settings: Settings) -> float:
     """Predicted seconds of computing (and, for blocks, writing) the answer on this machine's CPU."""
-    blocks, numbers = engine_work(n, dim, factor)
-    per_block, per_number = compute_costs(objective_name, dtype, settings)
+    n, dim, objective, dtype = sizes.n, sizes.dim, sizes.objective, sizes.dtype
+    blocks, numbers = engine_work(n, dim, sizes.factor)
+    per_block, per_number = compute_costs(objective, dtype, settings)
     stages = 1
     seconds = 0.0
-    if "blocks" in outputs:
-        stages += recomputes_blocks(n, dim, objective_name, settings)
+    if "blocks" in sizes.outputs:
+        stages += recomputes_blocks(n, dim, objective, settings)
         out_block, out_number = output_costs(dtype, settings)
         seconds += blocks * out_block + n * n * 2 * dim * out_number
     return seconds + stages * (blocks * per_block + numbers * per_number)

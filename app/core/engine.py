@@ -22,10 +22,8 @@ CPU with one torch thread (a worker's) the block gradients and losses are the
 same bits as one block at a time, and for sum, mean and sum_of_squares the
 gradients are the literal seed loops' bits (tests/test_batched_engine.py; with
 several threads torch may split one large reduction, changing a loss's last bit).
-Batching pays because the cost of a block was Python and autograd dispatch, not
-arithmetic: at the default factor
-ceil(N / 6) one at a time spent ~0.2 ms per block on 6 x 6 blocks
-(docs/benchmarks.md, "Choosing a factor" in the README).
+Batching pays because the cost of a small block is Python and autograd dispatch,
+not arithmetic (docs/benchmarks.md).
 
 The accumulated gradient on V is the chain rule from each block's gradient
 back to the rows and columns it came from, which equals calling
@@ -45,10 +43,9 @@ import torch
 
 from .objectives import Objective
 
-# Numbers per chunk when blocks are smaller: 1M (4 MiB of float32) measured 1.3x to 2x
-# faster than 4M on this CPU (a chunk's tensors stay in cache), and no slower than 256K at
-# the default factor (docs/benchmarks.md, issue 10). A chunk always holds one whole block,
-# so blocks up to BLOCKGRAD_MAX_BLOCK_ELEMENTS still go one per chunk.
+# Numbers per chunk when blocks are smaller: small enough that a chunk's tensors stay in
+# cache (docs/benchmarks.md). A chunk always holds one whole block, so blocks up to
+# BLOCKGRAD_MAX_BLOCK_ELEMENTS still go one per chunk.
 DEFAULT_CHUNK_ELEMENTS = 1024 * 1024
 
 
@@ -163,7 +160,7 @@ def iter_bands(vectors: torch.Tensor, factor: int, objective: Objective, offset:
 
 def band_blocks(results: list[ChunkResult]) -> Iterator[Block]:
     """A band's chunk results taken apart into blocks, row-block-major."""
-    # unbind makes every block's views in one call: indexing block by block cost ~10 us each.
+    # unbind makes every block's views in one call, not one indexing call per block.
     parts = [(result.chunk, result.losses.unbind(0), result.gradient.unbind(0)) for result in results]
     for i, r in enumerate(results[0].chunk.rows):
         for chunk, losses, gradients in parts:

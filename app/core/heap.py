@@ -3,14 +3,12 @@
 Pass one allocates and frees a few temporaries of up to a chunk each (megabytes) per chunk,
 and when it keeps blocks it also keeps a few small tensors per chunk. glibc serves those
 small allocations from the holes the temporaries left, so the holes can be neither merged
-nor returned: the heap grew by 300 MB to 1 GB over requests that hold a few MB (N=2048,
-D=8, F=32, float64, blocks kept; N=512, D=64, F=86). `malloc_trim(0)` returns the free
-pages inside the heap, but costs a walk of it and the pages' faults when reused (trimming
-every band made N=512, F=16 six times slower), so it runs only once the process's
-resident memory has grown by TRIM_SLACK_BYTES since the last mark: ordinary requests never
-pay for it, and the growth stays within the slack (app/core/memory.py counts it for requests
-that keep blocks). With 64 MB, N=512, D=64, F=86 (115 MB of growth) trimmed on every request
-and took 1.6x as long; with 256 MB it never trims.
+nor returned and the heap grows far past what the request holds. `malloc_trim(0)` returns
+the free pages inside the heap, but costs a walk of it and the pages' faults when reused,
+so it runs only once the process's resident memory has grown by TRIM_SLACK_BYTES since the
+last mark: ordinary requests never pay for it, and the growth stays within the slack
+(app/core/memory.py counts it for requests that keep blocks). docs/benchmarks.md has the
+measurements behind the slack.
 """
 import ctypes
 import os
@@ -52,8 +50,8 @@ class HeapWatch:
 
 
 def untrimmed_growth(pass_bytes: int) -> int:
-    """The most a pass over `pass_bytes` of block entries grows the heap before any trim (measured
-    up to ~1.85x: about one chunk of temporaries left in a hole per chunk)."""
+    """The most a pass over `pass_bytes` of block entries grows the heap before any trim: about
+    one chunk of temporaries left in a hole per chunk."""
     return 2 * pass_bytes
 
 

@@ -1,10 +1,10 @@
-"""Memory admission: a request's predicted peak, and the worker's budget for it.
+"""A request's predicted peak memory, and the worker's budget for it.
 
-`predict_peak_bytes` adds up what a request holds at its peak, from its sizes alone:
-its body and the parsed input, the engine's working set (a chunk of at most
-BLOCKGRAD_MAX_BLOCK_ELEMENTS numbers and what the objective derives from it, blocks
-kept between the passes), and the answer as it is written (whole arrays, text a block
-or a slice at a time). The coefficients are measured, not guessed: `python -m
+`predict_peak_bytes` adds up what a request holds at its peak, from its sizes and the
+front end's `AnswerCost` alone: its body and the parsed input, the engine's working set
+(a chunk of at most BLOCKGRAD_MAX_BLOCK_ELEMENTS numbers and what the objective derives
+from it, blocks kept between the passes), and the answer as the front end writes it
+(whole arrays, text a block or a slice at a time). Admission (admission.py) calls it. The coefficients are measured, not guessed: `python -m
 bench.memory` runs each case on a fresh gunicorn worker and prints the measured peak
 beside this prediction (docs/benchmarks.md, "Peak worker memory per case"); each
 coefficient is the largest measured per-unit cost, rounded up.
@@ -13,7 +13,7 @@ coefficient is the largest measured per-unit cost, rounded up.
 (computing, queued, bodies being parsed). A request is admitted when its prediction
 plus what is reserved fits BLOCKGRAD_WORKER_MEMORY_BYTES; a prediction over the budget
 alone is `limit_exceeded` (413), one that only the current load keeps out is
-`memory_busy` (503, Retry-After). Standard library only.
+`memory_busy` (503, Retry-After).
 
 A body is reserved for as it arrives, never for what its Content-Length declares:
 `upload_bytes` of what has arrived while it is still arriving, `body_parse_bytes` once it is
@@ -24,87 +24,79 @@ whose body has arrived.
 import threading
 from dataclasses import dataclass
 
+from .dtypes import DTYPES, WIDEST
+from .engine import largest_block_side
 from .errors import BlockgradError, limit_exceeded
 from .heap import TRIM_SLACK_BYTES, untrimmed_growth
 from .settings import Settings
+from .sizes import Sizes
 
-ITEM_BYTES = {"float32": 4, "float64": 8}
 # Parsed JSON input per number: a Python float (24 B), its list slot (8 B), the float64
 # matrix it becomes (8 B), and the rows' lists.
 JSON_INPUT_BYTES_PER_NUMBER = 56
-# JSON text of one output number, the longest float64 (-1.2345678901234567e-308,) or float32.
-TEXT_BYTES_PER_NUMBER = {"float32": 16, "float64": 25}
 # The engine's working set, in chunks of its numbers: the pair stack, its gradient, the
 # objective's intermediates, the chain-rule sums; a band holds at most two chunks' results.
 CHUNKS_IN_FLIGHT = {"sum": 3, "mean": 3, "sum_of_squares": 4, "l2_norm": 5, "logsumexp": 6}
 DEFAULT_CHUNKS_IN_FLIGHT = 6
-V2_JSON_SLICE_BYTES = 2 * 1024 * 1024  # a 1 MiB slice of text and orjson's buffer for it
 FIXED_BYTES = 24 * 1024 * 1024  # allocator and interpreter overhead of any computing request
-MARGIN = 1.5  # run-to-run noise (the same case measured 285 and 503 MB) and cases between the measured ones
+MARGIN = 1.5  # run-to-run noise, and cases between the measured ones
 
 
-def block_side(n: int, factor: int) -> int:
-    """engine.largest_block_side, restated here so that this module needs no torch."""
-    base = n // factor
-    return max(base, n - (factor - 1) * base)
+@dataclass(frozen=True)
+class AnswerCost:
+    """How a front end reads its request and writes its answer, in bytes held per number,
+    for the prediction. Each front end describes its own (e.g. /v1: JSON text a block at a
+    time; /v2: tensors made a block row at a time)."""
+    body_bytes: int = 0
+    input_per_number: int = JSON_INPUT_BYTES_PER_NUMBER  # the parsed or decoded input, per input number
+    block_per_number: int = 0  # per number of the largest block, while it is written
+    block_row_per_number: int = 0  # per number of one block row of the N x N x 2D grid
+    grid_per_number: int = 0  # per number of the whole grid, when it is held whole
+    head_per_number: int = 0  # per number of accumulated and losses
+    head_fixed: int = 0  # e.g. a buffer of text
 
 
 def chunk_numbers(n: int, dim: int, factor: int, settings: Settings) -> int:
     """Numbers in a chunk as predicted: at most max_block_elements, at least one block,
     never more than the whole pair matrix."""
-    side = block_side(n, factor)
+    side = largest_block_side(n, factor)
     return max(side * side * 2 * dim, min(settings.max_block_elements, n * n * 2 * dim))
 
 
-def predict_peak_bytes(n: int, dim: int, factor: int, objective: str, dtype: str, outputs: tuple[str, ...], *,
-                       encoding: str, body_bytes: int, json_outputs: tuple[str, ...] = (),
-                       settings: Settings) -> int:
-    """Bytes a request adds to its worker at its peak.
-
-    outputs: the /v1 names (blocks, accumulated, losses) or the /v2 names (block_gradients,
-    accumulated, bounds, losses); json_outputs: those written as JSON text (all of /v1's).
-    encoding: v1_json, v2_json or v2_binary (the request body's)."""
-    item = ITEM_BYTES.get(dtype, 8)
+def predict_peak_bytes(sizes: Sizes, answer: AnswerCost, settings: Settings) -> int:
+    """Bytes a request adds to its worker at its peak: its body (and werkzeug's copy while
+    reading it), the input, the engine's working set, and the answer as `answer` writes it."""
+    n, dim, factor, outputs = sizes.n, sizes.dim, sizes.factor, sizes.outputs
+    item = DTYPES.get(sizes.dtype, WIDEST).item_bytes
     numbers = n * dim
-    text = TEXT_BYTES_PER_NUMBER.get(dtype, 25)
-    total = FIXED_BYTES + 2 * body_bytes  # the body, and werkzeug's copy while reading it
-    if encoding == "v2_binary":
-        total += 2 * numbers * 8  # decoded and checked copies
-    else:
-        total += JSON_INPUT_BYTES_PER_NUMBER * numbers
+    grid = n * n * 2 * dim
+    total = FIXED_BYTES + 2 * answer.body_bytes + answer.input_per_number * numbers
     total += 3 * numbers * item  # vectors, accumulated, the chain-rule sums onto them
     heap_slack = 0
-    computes_blocks = any(name in outputs for name in ("blocks", "block_gradients", "accumulated", "losses"))
-    if computes_blocks:
+    if outputs:
         chunk = chunk_numbers(n, dim, factor, settings)
         chunk_bytes = chunk * item
-        total += CHUNKS_IN_FLIGHT.get(objective, DEFAULT_CHUNKS_IN_FLIGHT) * chunk_bytes
-        total += min(settings.max_block_elements, n * n * 2 * dim) * item  # blocks kept between the passes
-        if "blocks" in outputs or "block_gradients" in outputs:
+        total += CHUNKS_IN_FLIGHT.get(sizes.objective, DEFAULT_CHUNKS_IN_FLIGHT) * chunk_bytes
+        total += min(settings.max_block_elements, grid) * item  # blocks kept between the passes
+        if "blocks" in outputs:
             # Keeping blocks fragments the heap by up to a chunk's temporaries per chunk, until
             # app/core/heap.py trims it at TRIM_SLACK_BYTES of growth.
-            chunks = -(-n * n * 2 * dim // max(1, chunk))
+            chunks = -(-grid // max(1, chunk))
             heap_slack = min(TRIM_SLACK_BYTES, untrimmed_growth(chunks * chunk_bytes))  # a bound: no margin
-    if "blocks" in outputs:  # /v1: one block's text at a time, after the head
-        side = block_side(n, factor)
-        total += 2 * text * side * side * 2 * dim
-    if "block_gradients" in outputs:  # /v2: the (N, N, 2D) grid, made a block row at a time as written
-        total += block_side(n, factor) * n * 2 * dim * item
-        if "block_gradients" in json_outputs and len(json_outputs) < len(outputs):
-            total += n * n * 2 * dim * item  # as JSON beside binary outputs it is held whole (counted first)
+    if "blocks" in outputs:
+        side = largest_block_side(n, factor)
+        total += answer.block_per_number * side * side * 2 * dim
+        total += answer.block_row_per_number * side * n * 2 * dim
+        total += answer.grid_per_number * grid
     head_numbers = (numbers if "accumulated" in outputs else 0) + (factor * factor if "losses" in outputs else 0)
-    if encoding == "v1_json":
-        total += 2 * text * head_numbers  # the head (accumulated, losses) as one document
-    elif json_outputs:
-        total += V2_JSON_SLICE_BYTES + 2 * head_numbers * item  # streamed a slice at a time
+    total += answer.head_per_number * head_numbers + answer.head_fixed
     return int(total * MARGIN) + heap_slack
 
 
 def body_parse_bytes(body_bytes: int, binary: bool) -> int:
     """Bytes a body of `body_bytes` may take while it is read and parsed, before its sizes are
-    known. Already the worst case, so no margin: a JSON body of 32 MiB parses to at most
-    ~0.95 GiB of Python objects (measured: 11.2M empty lists or 8.4M one-number rows ~930 MiB,
-    README "Configuration"), about JSON_INPUT_BYTES_PER_NUMBER per two body bytes."""
+    known. Already the worst case, so no margin: about JSON_INPUT_BYTES_PER_NUMBER of Python
+    objects per two body bytes (docs/benchmarks.md)."""
     parsed = 4 * body_bytes if binary else JSON_INPUT_BYTES_PER_NUMBER * (body_bytes // 2)
     return FIXED_BYTES + 2 * body_bytes + parsed
 

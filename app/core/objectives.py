@@ -1,4 +1,4 @@
-"""The fixed registry of block objectives: name -> Objective.
+"""The built-in block objectives: name -> Objective.
 
 An objective maps a stack of equal-shaped blocks (k, h, w, 2D) to one loss per
 block (k,), differentiably, each block's loss depending on its own block only

@@ -10,15 +10,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .dtypes import DEFAULT_DTYPE, DTYPES
 from .errors import validation_error
 from .objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET, OBJECTIVES, Objective
-from .registry import objective_dim, objective_dtypes
+from .served_objectives import objective_dim, objective_dtypes
 from .vectors import fits_dtype
 
 OUTPUTS = ("blocks", "accumulated", "losses")
 DEFAULT_OUTPUTS = ("blocks", "accumulated")
-DTYPES = {"float32": np.float32, "float64": np.float64}
-DEFAULT_DTYPE = "float32"
 BLOCK_CAP = 6  # default factor ceil(N / 6): blocks of about six rows
 
 
@@ -34,7 +33,7 @@ class GradientRequest:
     offset: float
     outputs: tuple[str, ...]  # in OUTPUTS order, no repeats
     dtype: str
-    # What `objective` names in the server's registry (build_request resolves it); left out,
+    # What `objective` names among the server's objectives (build_request resolves it); left out,
     # the built-in of that name.
     objective_fn: Objective | None = field(default=None, repr=False, compare=False)
 
@@ -53,6 +52,10 @@ class GradientRequest:
 
 def ordered_outputs(names) -> tuple[str, ...]:
     return tuple(name for name in OUTPUTS if name in names)
+
+
+def factor_out_of_range(n: int) -> str:
+    return f"Must be between 1 and N = {n}."
 
 
 def unknown_objective(objectives: Mapping[str, Objective]) -> str:
@@ -77,11 +80,11 @@ def build_request(vectors: np.ndarray, *, objectives: Mapping[str, Objective] = 
                   offset: float = DEFAULT_OFFSET, outputs=DEFAULT_OUTPUTS,
                   dtype: str = DEFAULT_DTYPE) -> GradientRequest:
     """A checked GradientRequest from values of the right types (the front ends check types);
-    `objectives`: this server's registry (app/core/registry.py)."""
+    `objectives`: this server's (app/core/served_objectives.py)."""
     n = vectors.shape[0]
     errors: dict[str, list[str]] = {}
     if factor is not None and not 1 <= factor <= n:
-        errors["factor"] = [f"Must be between 1 and N = {n}."]
+        errors["factor"] = [factor_out_of_range(n)]
     if objective not in objectives:
         errors["objective"] = [unknown_objective(objectives)]
     else:
@@ -89,11 +92,11 @@ def build_request(vectors: np.ndarray, *, objectives: Mapping[str, Objective] = 
     if dtype not in DTYPES:
         errors["dtype"] = [f"Must be one of: {', '.join(DTYPES)}."]
     elif not errors:
-        cell = fits_dtype(vectors, DTYPES[dtype])
+        cell = fits_dtype(vectors, np.dtype(dtype))
         if cell is not None:
             advice = "send smaller values or use dtype float64" if dtype == "float32" else "send smaller values"
             errors["vectors"] = [f"Row {cell[0]}, column {cell[1]} overflows {dtype}; {advice}."]
-        elif fits_dtype(np.array([[offset]]), DTYPES[dtype]) is not None:
+        elif fits_dtype(np.array([[offset]]), np.dtype(dtype)) is not None:
             errors["offset"] = [f"Overflows {dtype}."]
     if errors:
         raise validation_error(errors)

@@ -1,4 +1,5 @@
-"""The one run function both front ends call: admit, place, compute, check.
+"""The one run function both front ends call (through app/http/pipeline.py, which has
+admitted the request): place, compute, check.
 
 Pass one computes every block's loss and its share of the accumulated gradient
 and proves every block finite, so that an error is known before the first byte
@@ -9,55 +10,20 @@ e.g. for `sum`), else recomputed a band of chunks at a time as they are
 consumed (app/core/engine.py), so that memory stays bounded by a chunk, not by
 N x N x 2D.
 """
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from .deadline import Deadline
 from .device import release_device_memory, resolve_device
 from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, add_to_vectors, band_blocks, block_bounds, chunk_gradients,
                      elements_per_chunk, iter_bands, plan_bands)
-from .errors import client_closed, deadline_exceeded, device_out_of_memory, non_finite_accumulated, non_finite_block
+from .errors import device_out_of_memory, non_finite_accumulated, non_finite_block
 from .heap import watch_for
-from .limits import admit_request
 from .request import GradientRequest
 from .settings import Settings
-
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-
-
-class Deadline:
-    """Checked between blocks; past it, or once the client has gone, the request stops and
-    frees its tensors.
-
-    `started`: time.monotonic() at the request's arrival (default now), so that time spent
-    reading the body and waiting for the compute slot counts. `cancelled`: asks whether the
-    client has gone (the HTTP layer peeks at the connection); polled at most every
-    CANCEL_POLL_S, so that tiny blocks do not each cost a system call.
-    """
-    CANCEL_POLL_S = 0.02
-
-    def __init__(self, timeout_s: float, started: float | None = None,
-                 cancelled: Callable[[], bool] | None = None):
-        self.timeout_s = timeout_s
-        self.expires = (time.monotonic() if started is None else started) + timeout_s
-        self.cancelled = cancelled
-        self.next_poll = 0.0
-
-    def remaining(self) -> float:
-        return self.expires - time.monotonic()
-
-    def check(self) -> None:
-        now = time.monotonic()
-        if now > self.expires:
-            raise deadline_exceeded(self.timeout_s)
-        if self.cancelled is not None and now >= self.next_poll:
-            self.next_poll = now + self.CANCEL_POLL_S
-            if self.cancelled():
-                raise client_closed()
 
 
 @contextmanager
@@ -71,7 +37,7 @@ def device_memory_guard() -> Iterator[None]:
 
 
 def load_vectors(req: GradientRequest, device: torch.device) -> torch.Tensor:
-    return torch.as_tensor(req.vectors, dtype=TORCH_DTYPES[req.dtype], device=device)  # (N, D)
+    return torch.as_tensor(req.vectors, dtype=getattr(torch, req.dtype), device=device)  # (N, D)
 
 
 @dataclass
@@ -103,8 +69,7 @@ class Result:
 
 
 def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = None) -> Result:
-    """Admit (limit_exceeded before any tensor), then compute on this worker's device."""
-    admit_request(req, settings)
+    """Compute an admitted request on this worker's device (app/core/admission.py admits)."""
     device = resolve_device(settings.device)
     deadline = deadline or Deadline(settings.request_timeout_s)
     with device_memory_guard():
@@ -112,10 +77,10 @@ def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = No
         keep_bytes = settings.max_block_elements * vectors.element_size()
         chunk = elements_per_chunk(settings.max_block_elements, req.objective_fn, req.dim,
                                    vectors.element_size())
-        return summarize(req, device, vectors, deadline, keep_bytes, chunk)
+        return pass_one(req, device, vectors, deadline, keep_bytes, chunk)
 
 
-def summarize(req: GradientRequest, device: torch.device, vectors: torch.Tensor, deadline: Deadline,
+def pass_one(req: GradientRequest, device: torch.device, vectors: torch.Tensor, deadline: Deadline,
               keep_bytes: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Result:
     """Pass one: losses (F, F) and accumulated (N, D); non_finite_result if anything is not finite.
 
@@ -157,8 +122,8 @@ def summarize(req: GradientRequest, device: torch.device, vectors: torch.Tensor,
             raise non_finite_block(*first, req.dtype)
     if not bool(torch.isfinite(accumulated).all()):
         raise non_finite_accumulated(req.dtype)
-    return Result(req, device, block_bounds(req.n, f), losses, accumulated, vectors, deadline,
-                  kept if keep else None, chunk_elements)
+    return Result(req, device, bounds=block_bounds(req.n, f), losses=losses, accumulated=accumulated,
+                  vectors=vectors, deadline=deadline, kept=kept if keep else None, chunk_elements=chunk_elements)
 
 
 def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest, surely_finite: torch.Tensor,
@@ -179,18 +144,3 @@ def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest, surely_f
                     found.append((chunk.rows[i], chunk.cols[j]))
     return min(found, default=None)  # None: only sums overflowed, the accumulated check reports it
 
-
-def warm_up(settings: Settings) -> Exception | None:
-    """Run one small request (both passes) so that the worker's first real one does not pay
-    torch's lazy start-up (~10 ms on CPU, the CUDA context on a GPU). Called once per worker,
-    before it accepts connections; returns what failed instead of raising: a worker whose
-    device fails still starts, and /readyz says why."""
-    req = GradientRequest(vectors=np.arange(8.0).reshape(4, 2), factor=2, objective="sum", offset=0.0,
-                          outputs=("blocks", "accumulated", "losses"), dtype="float32")
-    try:
-        result = run(req, settings)
-        for _ in result.blocks():
-            pass
-    except Exception as exc:  # noqa: BLE001 - reported, never fatal
-        return exc
-    return None

@@ -96,8 +96,7 @@ def default_workers() -> int:
 @dataclass(frozen=True)
 class Settings:
     device: str = "auto"
-    # A JSON number can take 2 bytes ("1,"): 32 MiB bounds a body at ~16M numbers, as Python
-    # objects while parsing. N=4096, D=64 at full float64 precision is ~5.5 MB.
+    # A JSON number can take 2 bytes ("1,"): the body limit bounds the Python objects parsing makes.
     max_body_bytes: int = 32 * 1024 * 1024
     max_n: int = 8192
     max_d: int = 4096
@@ -107,8 +106,7 @@ class Settings:
     max_block_elements: int = 4 * 1024 * 1024
     request_timeout_s: float = 60.0
     # Bytes the requests one worker holds may add to it at their peak (app/core/memory.py
-    # predicts each): 2 workers x (233 MB idle + 1280 MiB) = 3.2 GB fit the 4 GiB pod with
-    # ~1 GB of room (master, page cache, prediction error).
+    # predicts each): two workers and their idle memory fit a 4 GiB pod (docs/benchmarks.md).
     worker_memory_bytes: int = 1280 * 1024 * 1024
     # The part of it that bodies still arriving may hold together (app/core/memory.py): the
     # rest stays for requests whose bodies have arrived. Above 1 counts as 1.
@@ -151,7 +149,7 @@ class Settings:
         names; a bad value raises naming the variable."""
         values: dict[str, Any] = {}
         for item in fields(cls):
-            name = item.metadata.get("env") or env_name(item.name)
+            name = variable_of(item)
             raw = environ.get(name)
             default = item.default if item.default_factory is MISSING else item.default_factory()
             if item.type is int:
@@ -169,3 +167,8 @@ class Settings:
 
 def env_name(field: str) -> str:
     return f"BLOCKGRAD_{field.upper()}"
+
+
+def variable_of(item) -> str:
+    """The environment variable a Settings field is read from."""
+    return item.metadata.get("env") or env_name(item.name)

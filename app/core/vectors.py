@@ -81,3 +81,17 @@ def float_or_inf(x: int | float) -> float:
 
 def json_type(x: object) -> str:
     return JSON_TYPE_NAMES.get(type(x), "a number")
+
+
+def parse_flat(values: list, n: int, dim: int) -> np.ndarray:
+    """N x D JSON numbers, flat and row-major, as one (N, D) float64 array (no row lists);
+    the same rules and messages as parse_matrix. `values` holds exactly N x D items."""
+    if not set(map(type, values)) <= NUMBER_TYPES:
+        k = next(k for k, x in enumerate(values) if type(x) not in NUMBER_TYPES)
+        raise MatrixError(f"Row {k // dim}, column {k % dim} is {json_type(values[k])}; only numbers are allowed.")
+    try:
+        flat = np.array(values, dtype=np.float64)  # (N * D,)
+    except OverflowError:  # an integer beyond float64
+        k = next(k for k, x in enumerate(values) if not np.isfinite(float_or_inf(x)))
+        raise MatrixError(f"Row {k // dim}, column {k % dim} is too large for a 64-bit float.") from None
+    return check_finite(flat.reshape(n, dim))  # a view: no copy

@@ -1,4 +1,5 @@
-"""The Flask app: settings, shared HTTP glue, then each front end's blueprints."""
+"""The Flask app's shared HTTP glue: settings, per-worker services, hooks; the front ends are
+registered on it by the app factory (app/__init__.py), between `build_app` and `finish_app`."""
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -6,16 +7,17 @@ from typing import Any
 from flask import Flask
 from flask_smorest import Api
 
-from ..core.registry import build_registry
-from ..core.settings import Settings
-from . import observe
+from ..core.gate import Gate
+from ..core.memory import MemoryLedger
+from ..core.served_objectives import served_objectives
+from ..core.settings import COMPUTE_SLOTS, Settings
+from ..extensions import Services, install_services, services_of
+from . import request_record
 from .auth import install_auth
 from .docs import ErrorSchema, register_docs, spec_options
 from .errors import register_error_handlers
-from .memory import install_memory_ledger
 from .request_log import configure_logging
-from .settings import install_objectives, install_settings
-from .slot import install_gate
+from .slot import MetricsListener
 
 FLASK_CONFIG = {
     "API_TITLE": "blockgrad",
@@ -33,11 +35,12 @@ class BlockgradApi(Api):
     ERROR_SCHEMA = ErrorSchema  # the OpenAPI document shows our error object
 
 
-def build_app(overrides: Mapping[str, Any]) -> Flask:
+def build_app(overrides: Mapping[str, Any]) -> tuple[Flask, Api]:
+    """The app with its glue, and the Api its front ends register their blueprints on."""
     settings = Settings.from_env({**os.environ, **{k: v for k, v in overrides.items() if k.startswith("BLOCKGRAD_")}})
     # Models are loaded and checked here, once per process (in each worker: no preload_app);
     # a file that fails raises ModelError and the service does not start.
-    objectives = build_registry(settings)
+    objectives = served_objectives(settings)
     app = Flask("app")
     # werkzeug would answer `/v2//health/live` with a 308 to an absolute URL built from the
     # Host header; without merging such paths are plain 404s.
@@ -46,18 +49,18 @@ def build_app(overrides: Mapping[str, Any]) -> Flask:
     app.config.update({k: v for k, v in overrides.items() if not k.startswith("BLOCKGRAD_")})
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config.setdefault("API_SPEC_OPTIONS", spec_options(settings, objectives))
-    install_settings(app, settings)
-    install_gate(app, settings)  # one compute slot and its queue per worker
-    install_memory_ledger(app, settings)  # the bytes this worker's requests reserve (app/http/memory.py)
-    install_objectives(app, objectives)
+    install_services(app, Services(
+        settings, objectives, Gate(settings.queue_depth, slots=COMPUTE_SLOTS, listener=MetricsListener()),
+        MemoryLedger(settings.worker_memory_bytes, settings.upload_memory_share)))
     configure_logging(settings.log_level)
-    observe.init_app(app)  # first, so that its hooks see every request
+    request_record.init_app(app)  # first, so that its hooks see every request
 
     install_auth(app, settings.api_token, settings.docs_public)  # one app-level hook: every route, present or future, is behind it
-    api = BlockgradApi(app)
-    from ..api import register_front_ends  # the front ends import this package's glue
+    return app, BlockgradApi(app)
 
-    register_front_ends(app, api)
-    register_docs(app, api, objectives)
+
+def finish_app(app: Flask, api: Api) -> Flask:
+    """After the front ends: the docs (which read their routes) and the error handlers."""
+    register_docs(app, api, services_of(app).objectives)
     register_error_handlers(app)  # after Api, which installs its own HTTP error handler
     return app

@@ -6,7 +6,7 @@ What only the socket can tell or do, used by the request path:
   recv, not a body a client sends a byte at a time, so one watchdog thread per process
   shuts the socket's read side at the deadline: the blocked read returns at once;
 - `set_send_timeout`: a socket timeout on writes. The server writes pieces of at most
-  PIECE_BYTES (observe.py), so a write that times out made no progress for about that long;
+  PIECE_BYTES (sending.py), so a write that times out made no progress for about that long;
 - `drop_connection`: close without writing, for a client that has gone (client_closed).
 Outside gunicorn (Flask's test client) there is no socket and these do nothing.
 """

@@ -12,10 +12,10 @@ from flask_smorest import Api
 from marshmallow import Schema, fields
 from swagger_ui_bundle import swagger_ui_path
 
-from ..core.registry import describe
+from ..core.served_objectives import describe
 from ..core.settings import Settings
+from ..extensions import services_of
 from .errors import DEFAULT_STYLE, ERRORS, ErrorStyle
-from .settings import EXTENSION as SETTINGS
 
 HEADER_DESCRIPTIONS = {
     "Allow": ("The methods this path accepts.", "string"),
@@ -142,19 +142,8 @@ def spec_options(settings: Settings, objectives) -> dict:
     return options
 
 
-def list_objectives_in_schemas(api: Api, objectives) -> None:
-    """The request schemas' `objective` as an enum of this server's objectives (the validator
-    reads the registry per request, so apispec cannot see the names by itself)."""
-    names = list(objectives)
-    schemas = api.spec.components.schemas
-    schemas["GradientRequest"]["properties"]["objective"]["enum"] = names
-    parameters = schemas["InferRequest"]["properties"]["parameters"]
-    parameters["description"] += f" objective is one of: {', '.join(names)}."
-
-
 def register_docs(app: Flask, api: Api, objectives) -> None:
     """Serve Swagger UI's files under /docs/assets/ and describe /openapi.json and /docs."""
-    list_objectives_in_schemas(api, objectives)
     api.spec.components.security_scheme(BEARER_SCHEME, {
         "type": "http", "scheme": "bearer",
         "description": "Required on every route but the probes and /metrics when BLOCKGRAD_API_TOKEN is set."})
@@ -172,7 +161,7 @@ def register_docs(app: Flask, api: Api, objectives) -> None:
     api.spec.tag({"name": "docs", "description": "This document and its interactive page."})
     rules = {rule.rule: rule for rule in app.url_map.iter_rules()}  # flask-smorest documents a path by its rule
     # With a token set, the documentation stays open unless BLOCKGRAD_DOCS_PUBLIC=false (app/http/auth.py).
-    settings = app.extensions[SETTINGS]
+    settings = services_of(app).settings
     open_docs = OPEN_ROUTE if settings.docs_public else {}
     api.spec.path(rule=rules["/openapi.json"], operations={"get": {
         "tags": ["docs"], "summary": "This OpenAPI 3 document.", **open_docs,

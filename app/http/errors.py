@@ -9,7 +9,7 @@ carries its code in the X-Blockgrad-Error-Code header.
 """
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 from typing import Any
 
@@ -19,6 +19,7 @@ from werkzeug.exceptions import HTTPException
 
 from ..core import errors as core
 from ..core.errors import BlockgradError, cut_text
+from ..extensions import services_of
 from .connection import drop_connection
 
 log = logging.getLogger("blockgrad")
@@ -109,10 +110,6 @@ def compressed_body(encoding: str) -> HttpError:
     return unsupported_media_type(f"Send the body uncompressed: Content-Encoding {encoding!r} is not supported.")
 
 
-def model_not_found(message: str) -> HttpError:
-    return HttpError("model_not_found", message)
-
-
 def read_timeout(seconds: float) -> HttpError:
     return HttpError("read_timeout", f"The request body did not arrive within BLOCKGRAD_READ_TIMEOUT_S = {seconds:g} s; "
                                      "send it faster, or through a proxy that buffers it.",
@@ -127,7 +124,9 @@ def internal_error() -> HttpError:
 class ErrorCode:
     status: int
     when: str
-    example: Callable[[], BlockgradError]  # the constructor that raises it, with example arguments
+    # The constructor that raises it, with example arguments; None until the front end that
+    # raises it supplies one (`supply_example`).
+    example: Callable[[], BlockgradError] | None
     headers: tuple[str, ...] = ()  # response headers this code carries (documented in OpenAPI)
 
 
@@ -148,8 +147,7 @@ ERRORS: dict[str, ErrorCode] = {
     "not_found": ErrorCode(404, "no such route (any path not in this document); the message and "
                                 "`details.routes` list the routes", lambda: not_found("/v1/gradient", [
                                     "POST /v1/gradients", "GET /healthz", "GET /docs"])),
-    "model_not_found": ErrorCode(404, "/v2: no such model or version",
-                                 lambda: model_not_found("Unknown model 'other'; this server serves 'blockgrad'.")),
+    "model_not_found": ErrorCode(404, "/v2: no such model or version", None),  # app/api/v2/errors.py
     "method_not_allowed": ErrorCode(405, "the path exists but not with this method; the message, "
                                          "`details.allowed` and the Allow header list the right ones",
                                     lambda: method_not_allowed("POST", "/healthz", ["GET", "HEAD", "OPTIONS"]),
@@ -179,9 +177,10 @@ ERRORS: dict[str, ErrorCode] = {
                                       core.device_out_of_memory, RETRY_AFTER),
     "not_ready": ErrorCode(503, "the compute device is not usable",
                            lambda: core.not_ready("BLOCKGRAD_DEVICE=cuda but CUDA is not available in this process")),
-    # Serving (issue 9): the worker model's refusals; README, "Worker model".
+    # The worker model's refusals.
     "read_timeout": ErrorCode(408, "a partial head did not arrive within BLOCKGRAD_HEADER_TIMEOUT_S, or head "
-                                   "and body within BLOCKGRAD_READ_TIMEOUT_S; the connection is closed after the answer", lambda: read_timeout(30.0)),
+                                   "and body within BLOCKGRAD_READ_TIMEOUT_S; the connection is closed after the answer",
+                              lambda: read_timeout(30.0)),
     "overloaded": ErrorCode(503, "the worker's compute slot is taken and BLOCKGRAD_QUEUE_DEPTH requests already "
                                  "wait for it, or the memory its requests hold plus this one's predicted peak "
                                  "is over BLOCKGRAD_WORKER_MEMORY_BYTES, or a body still arriving (over 64 KiB) "
@@ -194,6 +193,11 @@ ERRORS: dict[str, ErrorCode] = {
                                     "without a byte more (logged and counted under this code)",
                                core.client_closed),
 }
+
+
+def supply_example(code: str, example: Callable[[], BlockgradError]) -> None:
+    """A front end's constructor for a code of the table that only it raises."""
+    ERRORS[code] = replace(ERRORS[code], example=example)
 
 
 def error_body(error: BlockgradError) -> dict[str, Any]:
@@ -220,13 +224,13 @@ DEFAULT_STYLE = ErrorStyle()
 
 def register_error_style(app: Flask, url_prefix: str, style: ErrorStyle) -> None:
     """Errors of requests under `url_prefix` (matched or not) take `style`."""
-    app.extensions.setdefault("blockgrad_error_styles", {})[url_prefix] = style
+    services_of(app).error_styles[url_prefix] = style
 
 
 def style_of_request() -> ErrorStyle:
     if not has_request_context():
         return DEFAULT_STYLE
-    styles = current_app.extensions.get("blockgrad_error_styles", {})
+    styles = services_of(current_app).error_styles
     path = request.path
     for prefix, style in styles.items():
         if path == prefix or path.startswith(prefix + "/"):
@@ -298,7 +302,7 @@ def error_response(error: BlockgradError) -> Response:
     style = style_of_request()
     status = style.status(status_of(error))
     if has_request_context():
-        g.error_code = error.code  # for the errors metric and the log line (app/http/observe.py)
+        g.error_code = error.code  # for the errors metric and the log line (app/http/request_record.py)
     if error.code == "client_closed" and has_request_context():
         drop_connection(request.environ)  # no status line reaches the wire; the log line still has the code
     payload = render_error_body(style, error)

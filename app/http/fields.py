@@ -1,9 +1,9 @@
 """marshmallow field types shared by the front ends' schemas."""
 from marshmallow import ValidationError, fields
-from marshmallow.validate import Validator
+from marshmallow.validate import Range, Validator
 
 from ..core.request import unknown_objective
-from .settings import current_objectives
+from ..extensions import services
 
 
 class JsonNumber(fields.Float):
@@ -15,12 +15,23 @@ class JsonNumber(fields.Float):
         return super()._deserialize(value, attr, data, **kwargs)
 
 
+class FactorRange(Range):
+    """Documents `minimum: 1` and checks nothing: a factor is checked where N is known (the
+    core's build_request: "Must be between 1 and N = <n>.")."""
+
+    def __init__(self):
+        super().__init__(min=1)
+
+    def __call__(self, value):
+        return value
+
+
 class ObjectiveName(Validator):
     """One of this server's objectives (built-ins and models), read from the app at load time:
-    the registry is built per app, so a fixed OneOf at import time cannot know it."""
+    the objectives are built per app, so a fixed OneOf at import time cannot know it."""
 
     def __call__(self, value: str) -> str:
-        objectives = current_objectives()
+        objectives = services().objectives
         if value not in objectives:
             raise ValidationError(unknown_objective(objectives))
         return value

@@ -1,25 +1,14 @@
 """The worker's memory ledger as the front ends use it: one reservation per request, grown
 with its body as it arrives (within the uploads' share while it is still arriving), resized to
 the request's predicted peak once its sizes are known, and released when its answer has been
-written (observe.py's finish).
+written (request_record.py's finish).
 
 Under gthread the ledger is what lets a worker hold several requests (computing, queued,
 bodies being parsed) without their sum passing BLOCKGRAD_WORKER_MEMORY_BYTES.
 """
-from flask import Flask, current_app, g
+from flask import g
 
-from ..core.memory import MemoryLedger
-from ..core.settings import Settings
-
-EXTENSION = "blockgrad_memory"
-
-
-def install_memory_ledger(app: Flask, settings: Settings) -> None:
-    app.extensions[EXTENSION] = MemoryLedger(settings.worker_memory_bytes, settings.upload_memory_share)
-
-
-def current_ledger() -> MemoryLedger:
-    return current_app.extensions[EXTENSION]
+from ..extensions import services
 
 
 def reserve_for_request(nbytes: int) -> None:
@@ -27,7 +16,7 @@ def reserve_for_request(nbytes: int) -> None:
     budget alone, overloaded (503, Retry-After) when only the other requests are in the way."""
     held = g.get("memory_reservation")
     if held is None:
-        g.memory_reservation = current_ledger().reserve(nbytes)
+        g.memory_reservation = services().ledger.reserve(nbytes)
     else:
         held.resize(nbytes)
 
@@ -37,7 +26,7 @@ def hold_for_upload(nbytes: int) -> None:
     the uploads' share (overloaded when other bodies still arriving fill it)."""
     held = g.get("memory_reservation")
     if held is None:
-        g.memory_reservation = current_ledger().reserve_upload(nbytes)
+        g.memory_reservation = services().ledger.reserve_upload(nbytes)
     else:
         held.resize(nbytes)
 

@@ -1,8 +1,8 @@
-"""Request parsing for flask-smorest views: orjson in, our error codes out.
+"""Reading and decoding request bodies: orjson in, our error codes out (415, 400, 422).
 
-flask-smorest validates with webargs; this parser swaps its JSON decoding for
-orjson and turns its failures into our errors (415, 400, 422) instead of aborts.
-`read_body` is the one way a front end reads a request body (/v1 and /v2).
+`read_body` is the one way the pipeline reads a request body (/v1 and /v2); `decode_json`
+and `decode_document` turn it into a document; `schema_error` is how a schema's refusal
+reads.
 """
 import json
 from typing import Any
@@ -10,16 +10,15 @@ from typing import Any
 import orjson
 from flask import Request, g
 from flask_smorest import Blueprint
-from webargs.flaskparser import FlaskParser
+from marshmallow import ValidationError
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from ..core.errors import validation_error
+from ..core.errors import BlockgradError, validation_error
 from ..core.memory import body_parse_bytes, upload_bytes
+from ..extensions import services
 from .connection import ReadAlarm
-from .errors import (BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, incomplete_body, read_timeout,
-                     wrong_content_type)
-from .memory import current_ledger, hold_for_upload, reserve_for_body
-from .settings import current_settings
+from .errors import BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, incomplete_body, read_timeout
+from .memory import hold_for_upload, reserve_for_body
 from .slices import loads_sliced
 
 
@@ -43,8 +42,8 @@ def read_body(request: Request) -> bytes:
     declared = request.content_length
     limit = request.max_content_length
     if declared:  # the request's own size alone: what others hold plays no part
-        current_ledger().check_budget(body_parse_bytes(min(declared, limit) if limit else declared, binary=binary))
-    seconds = current_settings().read_timeout_s
+        services().ledger.check_budget(body_parse_bytes(min(declared, limit) if limit else declared, binary=binary))
+    seconds = services().settings.read_timeout_s
     with ReadAlarm(request.environ, seconds) as alarm:
         try:
             data, more = read_arriving(request)
@@ -61,7 +60,6 @@ def read_body(request: Request) -> bytes:
     if declared is not None and len(data) < declared:  # gunicorn hands a body cut by EOF over as it is
         raise incomplete_body(len(data), declared)
     reserve_for_body(body_parse_bytes(len(data), binary=binary))
-    g.body_bytes = len(data)  # for the memory prediction (app/core/memory.py)
     return data
 
 
@@ -140,21 +138,20 @@ def holds_lone_surrogate(document: Any) -> bool:
     return False
 
 
-class OrjsonParser(FlaskParser):
-    def _raw_load_json(self, req):
-        if not is_json_mimetype(req.mimetype):
-            raise wrong_content_type(req.mimetype)
-        body = read_body(req)
-        document = loads_sliced(body)  # large bodies a slice at a time (slices.py)
-        return document if document is not None else decode_json(body)
+def decode_document(body: bytes):
+    """A JSON document; a large one parsed a slice at a time (slices.py)."""
+    document = loads_sliced(body)
+    return document if document is not None else decode_json(body)
 
-    def handle_error(self, error, req, schema, *, error_status_code, error_headers):
-        messages = error.messages.get("json", error.messages) if isinstance(error.messages, dict) else error.messages
-        if not isinstance(messages, dict) or set(messages) == {"_schema"}:
-            raise validation_error({"_schema": messages.get("_schema", messages) if isinstance(messages, dict)
-                                    else messages}, "The body must be a JSON object with at least `vectors`.")
-        raise validation_error(messages)
+
+def schema_error(error: ValidationError, message: str) -> BlockgradError:
+    """A schema's refusal as validation_error; `message` for a body that is not an object at all."""
+    messages = error.messages
+    if not isinstance(messages, dict) or set(messages) == {"_schema"}:
+        return validation_error({"_schema": messages.get("_schema", messages) if isinstance(messages, dict)
+                                 else messages}, message)
+    return validation_error(messages)
 
 
 class ApiBlueprint(Blueprint):
-    ARGUMENTS_PARSER = OrjsonParser()
+    """Every route's blueprint: request bodies are read by the pipeline, never by webargs."""

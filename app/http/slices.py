@@ -1,7 +1,7 @@
 """Parse a large /v1 body in slices, so that no single call holds the GIL for long.
 
-orjson parses about 100 MB/s and holds the GIL throughout: a 32 MiB body would stop every
-other thread of the worker (probes included) for about a third of a second. A valid body's
+orjson holds the GIL throughout a parse: a body near the size limit would stop every other
+thread of the worker (probes included) for a noticeable time. A valid body's
 `vectors` is an array of arrays of numbers, so its rows end at the first `]`: the array is
 cut into slices of about SLICE_BYTES at row ends (`],`), each parsed on its own, and the
 rest of the document is parsed with a placeholder in its place. Between two slices other
@@ -17,7 +17,7 @@ import secrets
 import orjson
 
 SLICE_BYTES = 1024 * 1024
-SLICED_ABOVE = 4 * SLICE_BYTES  # smaller bodies parse in well under 50 ms at once
+SLICED_ABOVE = 4 * SLICE_BYTES  # smaller bodies parse at once, quickly enough
 VECTORS_KEY = re.compile(rb'"vectors"\s*:\s*\[')
 ROW_END = re.compile(rb'\]\s*,')
 # A string no client can guess stands for the array while the rest is parsed.

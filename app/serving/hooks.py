@@ -104,10 +104,10 @@ def worker_abort(worker):
     it exits): log each request it still held as worker_timeout, not as the client_closed its
     body's close would otherwise report."""
     try:
-        from app.http import observe
+        from app.http import request_record
     except Exception:  # the app never loaded in this worker: nothing in flight to log
         return
-    observe.abort_in_flight(observe.WORKER_TIMEOUT)
+    request_record.abort_in_flight(request_record.WORKER_TIMEOUT)
 
 
 def child_exit(server, worker):

@@ -5,20 +5,20 @@ is serialised as it is taken from the result and flushed in chunks of about
 CHUNK_BYTES, so a worker holds roughly one block of output at a time whatever N is.
 A small answer (WHOLE_ANSWER_NUMBERS) whose blocks are all computed is sent whole instead.
 """
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import orjson
 
+from ...core.admission import output_elements
 from ...core.engine import Block
 from ...core.run import Result
-from ...http.observe import Work
 from ...http.streaming import NUMPY, gather, to_numpy
 
 CHUNK_BYTES = 256 * 1024
 # An answer of at most this many numbers whose blocks were kept from pass one (computed and
 # proven finite) goes out whole, with a Content-Length, in one write instead of a chunk per
-# piece (issue 9's small requests: ~0.1 ms less per request). Under 1 MiB of JSON even for
-# 1 x 1 blocks (~75 bytes per number with the keys), inside the memory prediction's FIXED_BYTES.
+# piece. Under 1 MiB of JSON even for 1 x 1 blocks (~75 bytes per number with the keys),
+# inside the memory prediction's FIXED_BYTES.
 WHOLE_ANSWER_NUMBERS = 8192
 
 
@@ -35,9 +35,9 @@ def head_json(head: dict) -> bytes:
     return orjson.dumps(head, option=NUMPY)
 
 
-def render_result(result: Result, work: Work) -> bytes | Iterator[bytes]:
+def render_result(result: Result, timed: Callable[[Iterable], Iterator] = iter) -> bytes | Iterator[bytes]:
     """The whole document; streamed (an iterator) when it holds blocks, unless it is small
-    and they are all computed."""
+    and they are all computed. `timed` wraps the blocks as they are taken (compute time)."""
     req = result.request
     head = {"n": req.n, "dim": req.dim, "factor": req.factor, "bounds": result.bounds,
             "objective": req.objective, "dtype": req.dtype, "device": str(result.device)}
@@ -47,8 +47,9 @@ def render_result(result: Result, work: Work) -> bytes | Iterator[bytes]:
         head["losses"] = to_numpy(result.losses)
     if "blocks" not in req.outputs:
         return head_json(head)
-    body = stream_with_blocks(head, work.timed(result.blocks()))
-    if result.kept is not None and work.output_numbers <= WHOLE_ANSWER_NUMBERS:
+    body = stream_with_blocks(head, timed(result.blocks()))
+    numbers = output_elements(req.n, req.dim, req.factor, req.outputs)
+    if result.kept is not None and numbers <= WHOLE_ANSWER_NUMBERS:
         return b"".join(body)
     return body
 

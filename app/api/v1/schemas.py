@@ -1,21 +1,20 @@
 """/v1's request and response shapes.
 
 The same schemas validate requests and produce the OpenAPI document. Loading a
-request admits its sizes first (pre_load, before any number is converted), checks
-the JSON types field by field, and hands the view the core's typed
-`GradientRequest` (post_load, through `build_request`), never a dict.
+request (after the pipeline has admitted its sizes) checks the JSON types field by
+field and gives the core's typed `GradientRequest` (post_load, through
+`build_request`), never a dict.
 """
 import numpy as np
-from marshmallow import Schema, ValidationError, fields, post_load, pre_load
+from marshmallow import Schema, ValidationError, fields, post_load, validates_schema
 from marshmallow.validate import Length, OneOf, Range
 
-from ...core.errors import many_unknown, unknown_fields
+from ...core.dtypes import DEFAULT_DTYPE, DTYPES
 from ...core.objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET
-from ...core.request import DEFAULT_DTYPE, DEFAULT_OUTPUTS, DTYPES, OUTPUTS, GradientRequest, build_request
+from ...core.request import DEFAULT_OUTPUTS, OUTPUTS, GradientRequest, build_request, factor_out_of_range
 from ...core.vectors import MatrixError, parse_matrix
-from ...http.fields import JsonNumber, ObjectiveName
-from ...http.settings import current_objectives
-from .admission import admit_document
+from ...extensions import services
+from ...http.fields import FactorRange, JsonNumber, ObjectiveName
 
 
 class Vectors(fields.Field):
@@ -37,7 +36,7 @@ class GradientRequestSchema(Schema):
                        "this server's values are in the description at the top).",
         "example": [[0.5, -1.0], [2.0, 0.25], [1.5, 3.0]],
     })
-    factor = fields.Integer(strict=True, validate=Range(min=1), metadata={
+    factor = fields.Integer(strict=True, validate=FactorRange(), metadata={
         "description": "Split factor F, an integer with 1 <= F <= N (booleans, floats and strings are refused); "
                        "the matrix is cut into F x F blocks, the last row and column of blocks taking the "
                        "remainder. Default ceil(N / 6). The largest block (side x side x 2D numbers) must fit "
@@ -60,18 +59,19 @@ class GradientRequestSchema(Schema):
         "description": "Precision of all arithmetic and of every output number (written with the shortest "
                        "digits that round-trip in it)."})
 
-    @pre_load
-    def admit_sizes(self, data, **kwargs):
-        unknown = many_unknown(data, self.fields)
-        if unknown:
-            raise unknown_fields(unknown, self.fields)
-        admit_document(data)  # limit_exceeded from the list lengths alone
-        return data
+    @validates_schema(skip_on_field_errors=False)
+    def check_factor(self, data, **kwargs):
+        """A factor under 1 gets the message of one over N, when the vectors (and so N) are valid;
+        a factor over N is refused by build_request, which knows N."""
+        factor, vectors = data.get("factor"), data.get("vectors")
+        if factor is not None and factor < 1:
+            at_least_one = Range(min=1).message_min.format(min=1)  # N unknown: marshmallow's own message
+            raise ValidationError(at_least_one if vectors is None else factor_out_of_range(len(vectors)), "factor")
 
     @post_load
     def make_request(self, data, **kwargs) -> GradientRequest:
         # the core's rules that need the numbers, against this server's objectives; validation_error
-        return build_request(**data, objectives=current_objectives())
+        return build_request(**data, objectives=services().objectives)
 
 
 # A misspelt field gets the valid names, not just "Unknown field.".
@@ -111,3 +111,10 @@ class GradientResponseSchema(Schema):
     blocks = fields.List(fields.Nested(BlockSchema), metadata={
         "description": "Every block, row-block-major (r outer, c inner); streamed as computed. "
                        "Only if asked for."})
+
+
+def document_objectives(spec, objectives) -> None:
+    """The OpenAPI `objective` as an enum of this server's objectives: the validator reads them
+    per app, so apispec cannot see the names by itself."""
+    spec.components.schemas[GradientRequestSchema.__name__.removesuffix("Schema")]["properties"]["objective"][
+        "enum"] = list(objectives)

@@ -1,8 +1,9 @@
 """One inference request: protocol document -> the core's GradientRequest -> output tensors.
 
-The envelope (inputs, outputs, parameters) is the protocol's; the vectors and the
-model's parameters become the core's request through `build_request`, so the
-rules, defaults and limits are the core's, as for /v1.
+`decode_infer_request` reads the envelope (inputs, outputs, parameters) and the input's
+declared shape without converting a number; the pipeline admits those sizes; then
+`convert_infer_request` turns the data into the core's request through `build_request`,
+so the rules, defaults and limits are the core's, as for /v1.
 """
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -11,15 +12,14 @@ import numpy as np
 import torch
 from marshmallow import ValidationError
 
-from ...core.errors import BlockgradError, listed_names, many_unknown
 from ...core.engine import block_bounds
-from ...core.limits import admit_shape
-from ...core.request import GradientRequest, build_request, ordered_outputs
+from ...core.errors import BlockgradError, listed_names, many_unknown
+from ...core.request import GradientRequest, build_request, default_factor, ordered_outputs
 from ...core.run import Result
-from ...core.settings import Settings
-from ...core.vectors import MatrixError, check_matrix, parse_matrix
+from ...core.sizes import Sizes, request_sizes
+from ...core.vectors import MatrixError, check_matrix, parse_flat, parse_matrix
+from ...extensions import services
 from ...http.parsing import decode_json
-from ...http.settings import current_objectives
 from ...http.streaming import to_numpy
 from .codec import CodecError, OutputTensor, RowSlabs, decode_tensor, split_body
 from .model import DATATYPE_OF_DTYPE, FLOAT_DATATYPES, GRADIENT_PARAMETERS, INPUT_NAME, MODEL_NAME, MODEL_VERSION, OUTPUTS
@@ -48,10 +48,35 @@ class InferRequest:
     outputs: tuple[RequestedOutput, ...]  # in the order they are answered
     id: str | None
 
+    @property
+    def logged_outputs(self) -> tuple[str, ...]:
+        return tuple(output.name for output in self.outputs)
 
-def parse_infer_request(body: bytes, header_length: str | None, settings: Settings) -> InferRequest:
-    """The protocol document -> InferRequest; the declared shape is admitted (the
-    N and D limits) before any row is built or any binary data decoded."""
+
+@dataclass(frozen=True)
+class DeclaredInput:
+    """The `vectors` input as declared: its datatype and shape, and its data not yet converted."""
+    datatype: str
+    shape: tuple[int, int]
+    data: object | None  # the JSON `data`, or None when binary
+    binary: memoryview
+
+
+@dataclass(frozen=True)
+class DecodedInfer:
+    declared: DeclaredInput
+    parameters: dict | None  # the model's parameters, JSON types checked; None: refused by `error`
+    error: BlockgradError | None  # a parameter error, raised in convert (after the shape is admitted)
+    outputs: tuple[RequestedOutput, ...]
+    id: str | None
+
+    @property
+    def dtype(self) -> str:
+        return FLOAT_DATATYPES[self.declared.datatype][1]
+
+
+def decode_infer_request(body: bytes, header_length: str | None) -> DecodedInfer:
+    """The protocol document, read up to the numbers: nothing is converted here."""
     try:
         header, binary = split_body(body, header_length)
     except CodecError as exc:
@@ -62,7 +87,7 @@ def parse_infer_request(body: bytes, header_length: str | None, settings: Settin
         envelope = INFER_REQUEST_SCHEMA.load(document)
     except ValidationError as exc:
         raise invalid(f"The inference request is not valid: {flatten(exc.messages)}") from None
-    matrix, datatype = input_matrix(envelope["inputs"], binary, settings)
+    declared = declared_input(envelope["inputs"], binary)
     parameters = dict(envelope["parameters"])
     binary_output = parameters.pop("binary_data_output", False)
     if not isinstance(binary_output, bool):
@@ -73,16 +98,36 @@ def parse_infer_request(body: bytes, header_length: str | None, settings: Settin
                       "and binary_data_output.")
     outputs = requested_outputs(envelope.get("outputs"), binary_output)
     try:
-        typed = PARAMETERS_SCHEMA.load(parameters)  # JSON types, as /v1 checks its fields
-        gradient = build_request(matrix, objectives=current_objectives(), dtype=FLOAT_DATATYPES[datatype][1], **typed,
-                                 outputs=ordered_outputs({OUTPUTS[output.name] for output in outputs}))
+        typed, error = PARAMETERS_SCHEMA.load(parameters), None  # JSON types, as /v1 checks its fields
     except ValidationError as exc:
-        raise invalid(field_messages(exc.messages)) from None
+        typed, error = None, invalid(field_messages(exc.messages))
+    return DecodedInfer(declared, typed, error, outputs, envelope.get("id"))
+
+
+def infer_sizes(decoded: DecodedInfer) -> Sizes:
+    """What admission reads: the declared shape and the parameters as sent."""
+    (n, dim), typed = decoded.declared.shape, decoded.parameters
+    factor = typed.get("factor", default_factor(n)) if typed is not None else None
+    computed = ordered_outputs({OUTPUTS[output.name] for output in decoded.outputs} - {None})
+    return request_sizes(n, dim, factor if factor is not None and 1 <= factor <= n else None, computed,
+                         objective=(typed or {}).get("objective"), dtype=decoded.dtype,
+                         objectives=services().objectives)
+
+
+def convert_infer_request(decoded: DecodedInfer) -> InferRequest:
+    """The input's numbers converted and the core's request built (validation_error as 400)."""
+    if decoded.error is not None:
+        raise decoded.error
+    declared = decoded.declared
+    matrix = input_matrix(declared)
+    try:
+        gradient = build_request(matrix, objectives=services().objectives, dtype=decoded.dtype, **decoded.parameters,
+                                 outputs=ordered_outputs({OUTPUTS[output.name] for output in decoded.outputs}))
     except BlockgradError as exc:
         if exc.code != "validation_error":
             raise
         raise invalid(field_messages(exc.details["fields"])) from None
-    return InferRequest(gradient, outputs, envelope.get("id"))
+    return InferRequest(gradient, decoded.outputs, decoded.id)
 
 
 def refuse_many_unknown(mapping: object, known, where: str) -> None:
@@ -116,8 +161,8 @@ def field_messages(fields: dict) -> str:
                     for name, messages in sorted(fields.items()))
 
 
-def input_matrix(inputs: list[dict], binary: memoryview, settings: Settings) -> tuple[np.ndarray, str]:
-    """The `vectors` input as a checked (N, D) array, and its datatype."""
+def declared_input(inputs: list[dict], binary: memoryview) -> DeclaredInput:
+    """The `vectors` input's datatype, shape and data, checked without reading a number."""
     names = [tensor["name"] for tensor in inputs]
     if names != [INPUT_NAME]:
         raise invalid(f"The model takes exactly one input, '{INPUT_NAME}'; got {names}.")
@@ -128,14 +173,13 @@ def input_matrix(inputs: list[dict], binary: memoryview, settings: Settings) -> 
     if len(shape) != 2:
         raise invalid(f"Input '{INPUT_NAME}' must have shape [N, D], got {shape}.")
     n, d = shape
-    # The declared shape, checked before anything is built from it: a small body may declare a huge one.
+    # A small body may declare a huge shape: nothing is built from it before it is admitted.
     if n < 1:
         raise invalid(f"Input '{INPUT_NAME}' must be non-empty: shape {shape} declares no vectors "
                       "(N must be at least 1).")
     if d < 1:
         raise invalid(f"Input '{INPUT_NAME}' must have non-empty rows: shape {shape} declares vectors of length 0 "
                       "(D must be at least 1).")
-    admit_shape(n, d, settings)  # 413 limit_exceeded
     size = parameters.pop("binary_data_size", None)
     if parameters:
         raise invalid(f"Unknown parameters {sorted(parameters)} on input '{INPUT_NAME}'.")
@@ -144,7 +188,7 @@ def input_matrix(inputs: list[dict], binary: memoryview, settings: Settings) -> 
             raise invalid(f"Input '{INPUT_NAME}' has neither data nor binary_data_size.")
         if len(binary):
             raise invalid(f"{len(binary)} bytes follow the JSON header but no input has binary_data_size.")
-        return checked_matrix(parse_matrix, json_rows(tensor["data"], shape)), datatype
+        return DeclaredInput(datatype, (n, d), tensor["data"], binary)
     if "data" in tensor:
         raise invalid(f"Input '{INPUT_NAME}' has both data and binary_data_size; send one.")
     if type(size) is not int or size < 0:
@@ -152,33 +196,41 @@ def input_matrix(inputs: list[dict], binary: memoryview, settings: Settings) -> 
     if size != len(binary):
         raise invalid(f"binary_data_size of input '{INPUT_NAME}' is {size} but {len(binary)} bytes "
                       "follow the JSON header.")
+    return DeclaredInput(datatype, (n, d), None, binary)
+
+
+def input_matrix(declared: DeclaredInput) -> np.ndarray:
+    """The `vectors` input as a checked (N, D) array."""
+    if declared.data is not None:
+        return checked_matrix(data_matrix, declared.data, declared.shape)
     try:
-        matrix = decode_tensor(binary, FLOAT_DATATYPES[datatype][0], shape)
+        matrix = decode_tensor(declared.binary, FLOAT_DATATYPES[declared.datatype][0], list(declared.shape))
     except CodecError as exc:
         raise invalid(f"Input '{INPUT_NAME}': {exc}") from None
-    return checked_matrix(check_matrix, matrix), datatype
+    return checked_matrix(check_matrix, matrix)
 
 
-def checked_matrix(check, value) -> np.ndarray:
+def checked_matrix(check, *args) -> np.ndarray:
     try:
-        return check(value)
+        return check(*args)
     except MatrixError as exc:
         raise invalid(f"{field_label('vectors')}: {exc}") from None
 
 
-def json_rows(data: object, shape: list[int]) -> list:
-    """Tensor data, nested [[...], ...] or flat [...], as N rows of D values for the /v1 parser."""
+def data_matrix(data: object, shape: tuple[int, int]) -> np.ndarray:
+    """Tensor data, nested [[...], ...] or flat [...], as an (N, D) array; flat data goes to
+    one array at once, never through row lists."""
     n, d = shape
     if not isinstance(data, list):
-        raise invalid(f"Input '{INPUT_NAME}': data must be a list of numbers, flat or nested.")
+        raise MatrixError("data must be a list of numbers, flat or nested.")
     if data and isinstance(data[0], list):  # nested: must be exactly the declared shape
         lengths = {len(row) if isinstance(row, list) else -1 for row in data}
         if len(data) != n or lengths != {d}:
-            raise invalid(f"Input '{INPUT_NAME}': nested data does not have the declared shape {shape}.")
-        return data
+            raise MatrixError(f"nested data does not have the declared shape {list(shape)}.")
+        return parse_matrix(data)
     if len(data) != n * d:
-        raise invalid(f"Input '{INPUT_NAME}': shape {shape} takes {n * d} numbers, data has {len(data)}.")
-    return [data[i * d:(i + 1) * d] for i in range(n)]
+        raise MatrixError(f"shape {list(shape)} takes {n * d} numbers, data has {len(data)}.")
+    return parse_flat(data, n, d)
 
 
 def requested_outputs(outputs: list[dict] | None, binary_default: bool) -> tuple[RequestedOutput, ...]:

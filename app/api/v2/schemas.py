@@ -7,7 +7,7 @@ rules that need the numbers. The response schemas document the routes.
 from marshmallow import Schema, fields
 from marshmallow.validate import Length, Range
 
-from ...http.fields import JsonNumber, ObjectiveName
+from ...http.fields import FactorRange, JsonNumber, ObjectiveName
 
 Parameters = fields.Dict  # $parameters: {name: $string | $number | $boolean}
 
@@ -24,7 +24,7 @@ class RequestInputSchema(Schema):
 
 class ParametersSchema(Schema):
     """The model's parameters (factor, objective, offset): JSON types as /v1 takes them."""
-    factor = fields.Integer(strict=True, validate=Range(min=1))
+    factor = fields.Integer(strict=True, validate=FactorRange())  # build_request checks it against N
     objective = fields.String(validate=ObjectiveName())
     offset = JsonNumber()
 
@@ -94,3 +94,9 @@ class InferResponseSchema(Schema):
 
 class ProtocolErrorSchema(Schema):
     error = fields.String(metadata={"description": "What went wrong and what to change."})
+
+
+def document_objectives(spec, objectives) -> None:
+    """The names `objective` takes, in the parameters' description (read per app, see /v1's)."""
+    parameters = spec.components.schemas[InferRequestSchema.__name__.removesuffix("Schema")]["properties"]["parameters"]
+    parameters["description"] += f" objective is one of: {', '.join(objectives)}."

@@ -4,27 +4,19 @@ Health answers are a status with an empty body (200 true, 400 false); failures
 are the protocol's {"error": "<message>"} (ERROR_STYLE, registered for /v2).
 """
 import logging
-from collections.abc import Callable, Iterable
 
-from flask import Response, current_app, g, request
+from flask import Response, current_app, g
 
-from ...core.device import ready_device, resolve_device
+from ...core.device import ready_device
 from ...core.errors import BlockgradError
-from ...core.run import run
+from ...extensions import services
 from ...http.docs import OPEN_ROUTE, documents_errors
-from ...http.errors import ErrorStyle, model_not_found, unsupported_media_type
-from ...core.compute_budget import admit_compute
-from ...core.limits import admit_request
-from ...core.memory import predict_peak_bytes
-from ...http.memory import reserve_for_request
-from ...http.observe import Work
-from ...http.parsing import ApiBlueprint, is_json_mimetype, read_body
-from ...http.settings import current_settings
-from ...http.slot import compute_slot, held_until_written, request_deadline
-from ...http.streaming import gather
-from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, body_length, encode_response, has_binary,
-                    has_slabs, iter_body, iter_json)
-from .infer import output_tensors, parse_infer_request
+from ...http.errors import ErrorStyle
+from .errors import model_not_found
+from ...http.parsing import ApiBlueprint
+from ...http.pipeline import serve
+from .codec import BINARY_CONTENT_TYPE
+from .front_end import FRONT_END
 from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, model_metadata
 from .schemas import InferRequestSchema, InferResponseSchema, ModelMetadataSchema, ProtocolErrorSchema, ServerMetadataSchema
 
@@ -64,7 +56,7 @@ def health(ok: bool) -> Response:
 
 def device_ready() -> bool:
     try:
-        g.device = str(ready_device(current_settings().device))  # for the device metric
+        g.device = str(ready_device(services().settings.device))  # for the device metric
     except BlockgradError as exc:
         log.warning("not ready: %s", exc.message)
         return False
@@ -140,57 +132,4 @@ def model_ready(model: str, version: str | None = None):
 def infer(model: str, version: str | None = None):
     """Per-block gradients as output tensors; JSON or binary tensor data both ways."""
     check_model(model, version)
-    mimetype = request.mimetype
-    if mimetype and not is_json_mimetype(mimetype) and mimetype != BINARY_CONTENT_TYPE:
-        raise unsupported_media_type(
-            f"Send the body as application/json or {BINARY_CONTENT_TYPE} (got {mimetype!r}).")
-    settings = current_settings()
-    body = read_body(request)
-    header_length = request.headers.get(HEADER_LENGTH)
-    parsed = parse_infer_request(body, header_length, settings)
-    req = parsed.gradient
-    output_names = tuple(output.name for output in parsed.outputs)
-    g.work = work = Work.of(req.n, req.dim, req.factor, output_names, req.outputs)  # for the log line and metrics
-    # Admitted before the slot: a refusal never waits, and a queued request holds its memory
-    # reservation while it waits. `bounds` alone computes no block: no block limit applies.
-    if req.outputs:
-        admit_request(req, settings)
-    admit_compute(req.n, req.dim, req.factor, req.objective, req.dtype, req.outputs, settings)
-    reserve_for_request(predict_peak_bytes(
-        req.n, req.dim, req.factor, req.objective, req.dtype, output_names,
-        encoding="v2_binary" if header_length is not None else "v2_json",
-        body_bytes=len(body), json_outputs=tuple(output.name for output in parsed.outputs if not output.binary),
-        settings=settings))
-    if not req.outputs:  # only what the outputs need: `bounds` alone computes no block, takes no slot
-        device = resolve_device(settings.device)
-        head, tensors = output_tensors(parsed, None, device)
-        g.device = str(device)
-        return infer_response(head, tensors)
-    deadline = request_deadline()
-    ticket = compute_slot(req, deadline)  # one computation at a time
-    try:
-        with work.computing():
-            result = run(req, settings, deadline)
-        head, tensors = output_tensors(parsed, result, timed=work.timed)
-        g.device = str(result.device)
-        # block_gradients is made as it is written: blocks recomputed then keep the slot until
-        # the body ends; kept blocks are only copied, and the slot goes to the next request now.
-        recomputes = result.kept is None and has_slabs(tensors)
-        return infer_response(head, tensors, lambda body: held_until_written(body, ticket, computes=recomputes))
-    except BaseException:
-        ticket.release()
-        raise
-
-
-def infer_response(head: dict, tensors: list, hold: Callable[[Iterable[bytes]], Iterable[bytes]] = iter) -> Response:
-    """JSON only: streamed (the worker holds the output arrays, a block row of block_gradients
-    and about one chunk of text). With binary outputs, the JSON header's length is sent first:
-    counted, then streamed. `hold`: wraps the body (the compute slot held while it is written)."""
-    if not has_binary(tensors):
-        return Response(hold(gather(iter_json(head, tensors), CHUNK_BYTES)), mimetype="application/json")
-    header_length, payload = encode_response(head, tensors)
-    response = Response(hold(iter_body(gather(iter_json(head, tensors), CHUNK_BYTES), payload)),
-                        content_type=BINARY_CONTENT_TYPE)
-    response.headers[HEADER_LENGTH] = str(header_length)
-    response.content_length = body_length(header_length, payload)
-    return response
+    return serve(FRONT_END)

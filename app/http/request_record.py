@@ -1,16 +1,14 @@
-"""Per-request bookkeeping: request id, timing, and when the answer is complete,
-one metrics update (metrics.py) and one JSON log line (request_log.py).
+"""Per-request bookkeeping: request id, timing, and when the answer is complete, one
+metrics update (metrics.py) and one JSON log line (request_log.py).
 
-"Complete" means after the last body byte for a streamed answer (the
-/v1/gradients blocks), so its latency, outputs and compute time include the
-stream; for any other answer it is right after the view. Views describe their
-work by setting `g.work` (a `Work`) and `g.device`; the error handler sets
-`g.error_code` (errors.py).
+"Complete" means after the last body byte for a streamed answer (cut_short.py watches it),
+so its latency, outputs and compute time include the stream; for any other answer it is
+right after the view. The pipeline describes a computing request by setting `g.work` (a
+`RequestRecord`) and `g.device`; the error handler sets `g.error_code` (errors.py).
 
-Codes that only the log line and the errors metric carry (never an answer's body):
-`client_closed` (the server closed a streamed body early because the client went away)
-and `worker_timeout` (gunicorn killed the worker past its timeout: gunicorn.conf.py's
-worker_abort hook logs every request still in flight with it, before the worker exits).
+`worker_timeout` is a code only the log line and the errors metric carry: gunicorn killed
+the worker past its timeout, and its worker_abort hook calls `abort_in_flight` to log every
+request still in flight with it, before the worker exits.
 """
 import threading
 import time
@@ -21,29 +19,28 @@ from typing import Any
 
 from flask import Flask, Response, g, request
 
-from ..core.errors import BlockgradError
-from ..core.limits import output_elements
+from ..core.admission import output_elements
+from ..extensions import services
 from . import metrics
-from .connection import set_send_timeout
+from .cut_short import WatchedBody
 from .memory import release_held
 from .request_log import REQUEST_ID_HEADER, log_request, request_id_from
-from .settings import current_settings
-from .streaming import close_body
+from .sending import PIECE_BYTES, start_sending
 
 
 @dataclass
-class Work:
-    """What one computing request did; the view fills it, the log line and metrics read it."""
+class RequestRecord:
+    """What one computing request did, for its log line and metrics; the pipeline fills it."""
     n: int
     dim: int
     factor: int
     outputs: tuple[str, ...]
-    output_numbers: int  # numbers in the full answer (see limits.output_elements)
+    output_numbers: int  # numbers in the full answer (see admission.output_elements)
     compute_s: float = 0.0
 
     @classmethod
     def of(cls, n: int, dim: int, factor: int, outputs: tuple[str, ...],
-           computed: tuple[str, ...] | None = None) -> "Work":
+           computed: tuple[str, ...] | None = None) -> "RequestRecord":
         """`outputs` as logged; `computed` (default the same): the core's outputs they need."""
         return cls(n, dim, factor, outputs, output_elements(n, dim, factor, outputs if computed is None else computed))
 
@@ -81,7 +78,7 @@ UNFINISHED: dict[int, Callable[[str | None], None]] = {}
 def before_request() -> None:
     g.started = time.perf_counter()
     g.cpu_started = (threading.get_ident(), time.thread_time())  # cpu_ms: this thread's CPU time
-    g.arrived = time.monotonic()  # the request's deadline counts from here (slot.request_deadline)
+    g.arrived = time.monotonic()  # the request's deadline counts from here (pipeline.request_deadline)
     g.request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
     metrics.IN_FLIGHT.inc()
     g.in_flight = True
@@ -96,8 +93,8 @@ def after_request(response: Response) -> Response:
     if "request_id" not in g:  # an earlier before_request hook refused the request
         g.request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
     response.headers[REQUEST_ID_HEADER] = g.request_id
-    send_timeout_s = current_settings().send_timeout_s
-    set_send_timeout(request.environ, send_timeout_s)  # from here on the socket only writes
+    send_timeout_s = services().settings.send_timeout_s
+    start_sending(request.environ, send_timeout_s)
     finish = finisher(response.status_code, g._get_current_object(), route_of_request(), request.method)
     large = response.content_length is not None and response.content_length > PIECE_BYTES
     if (response.is_streamed or large) and not response.direct_passthrough:
@@ -105,7 +102,7 @@ def after_request(response: Response) -> Response:
             UNFINISHED[g.unfinished_key] = finish  # a kill while streaming: logged with the status sent
         # Finished when the body ends or the server closes it: after its last byte, when a
         # write fails, or without a byte at all (HEAD): PEP 3333 servers always call close().
-        response.response = ObservedBody(response.response, finish, send_timeout_s)
+        response.response = WatchedBody(response.response, finish, send_timeout_s)
     else:
         # Answered in full now, HEAD and 304 included; a file (the docs' assets, sent as it
         # is) needs no computing, so its request is complete too.
@@ -139,7 +136,7 @@ def finisher(status: int, state, route: str, method: str, answered: bool = True)
     cpu_started = getattr(state, "cpu_started", None)
     in_flight = getattr(state, "in_flight", False)
     request_id = getattr(state, "request_id", None) or request_id_from(None)
-    work: Work | None = getattr(state, "work", None)
+    work: RequestRecord | None = getattr(state, "work", None)
     device: str | None = getattr(state, "device", None)
     error_code: str | None = getattr(state, "error_code", None)
     key = getattr(state, "unfinished_key", None)
@@ -179,62 +176,6 @@ def finisher(status: int, state, route: str, method: str, answered: bool = True)
         log_request(fields)
 
     return finish
-
-
-# The most handed to the server in one write: with a socket timeout on writes, a write
-# that times out has then made no progress for about BLOCKGRAD_SEND_TIMEOUT_S.
-PIECE_BYTES = 1024 * 1024
-SEND_TIMEOUT_SHARE = 0.9  # a write that failed this late into the timeout was the timeout
-
-
-def pieces(item: bytes) -> Iterator[bytes]:
-    if len(item) <= PIECE_BYTES:
-        yield item
-        return
-    view = memoryview(item)
-    for start in range(0, len(item), PIECE_BYTES):
-        yield bytes(view[start:start + PIECE_BYTES])
-
-
-class ObservedBody:
-    """The answer's body as the server iterates it, in pieces of at most PIECE_BYTES; calls
-    `finish` once, from `close`, with what cut it short: the inner body's error (e.g.
-    deadline_exceeded or client_closed between two blocks), or a write that failed
-    (`send_timeout` if it had waited for most of the send timeout, else `client_closed`)."""
-
-    def __init__(self, body: Iterable[bytes], finish: Callable[[str | None], None], send_timeout_s: float):
-        self.body, self.finish, self.send_timeout_s = body, finish, send_timeout_s
-        self.started = self.complete = False
-        self.error: str | None = None
-        self.handed_at = 0.0
-
-    def __iter__(self) -> Iterator[bytes]:
-        self.started = True
-        try:
-            for item in self.body:
-                for piece in pieces(item):
-                    self.handed_at = time.monotonic()
-                    yield piece
-        except BlockgradError as exc:
-            self.error = exc.code
-            self.finish(self.error)
-            raise
-        except Exception:
-            self.error = "internal_error"
-            self.finish(self.error)
-            raise
-        self.complete = True
-        self.finish(None)  # now, not at close: the count and log line follow the last byte
-
-    def close(self) -> None:
-        try:
-            close_body(self.body)
-        finally:
-            error = self.error
-            if error is None and self.started and not self.complete:  # the server stopped writing
-                late = time.monotonic() - self.handed_at >= SEND_TIMEOUT_SHARE * self.send_timeout_s
-                error = "send_timeout" if late else "client_closed"
-            self.finish(error)
 
 
 def init_app(app: Flask) -> None:

@@ -1,18 +1,20 @@
-"""The objectives this server has: the built-ins, then the models of BLOCKGRAD_MODEL_DIR.
+"""The objectives this server serves: the built-ins (objectives.py), then the models of
+BLOCKGRAD_MODEL_DIR (models.py), and what a request or GET /v1/objectives reads of each.
 
 Built once per app (create_app) and passed explicitly to `build_request`; the
-request then carries the resolved objective, so `run` needs no registry.
+request then carries the resolved objective, so `run` needs no lookup.
 """
 from typing import Any
 
+from .dtypes import DTYPES
 from .models import ModelObjective, load_models
 from .objectives import OBJECTIVES, Objective
 from .settings import Settings
 
-ALL_DTYPES = ("float32", "float64")
+ALL_DTYPES = tuple(DTYPES)
 
 
-def build_registry(settings: Settings) -> dict[str, Objective]:
+def served_objectives(settings: Settings) -> dict[str, Objective]:
     """Built-ins first, then models by name; raises ModelError for a file that cannot be served."""
     return {**OBJECTIVES, **load_models(settings.model_dir, OBJECTIVES)}
 

@@ -1,0 +1,39 @@
+"""The per-worker services, built once per app by the factory and kept on it in one place.
+
+Flask's `app.extensions` holds them under one key; `services()` is how request code reads
+them, `services_of(app)` how a test or a hook outside a request does.
+"""
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from flask import Flask, current_app
+
+from .core.gate import Gate
+from .core.memory import MemoryLedger
+from .core.objectives import Objective
+from .core.settings import Settings
+
+KEY = "blockgrad"
+
+
+@dataclass(frozen=True)
+class Services:
+    settings: Settings
+    objectives: Mapping[str, Objective]  # built-ins, then the models of BLOCKGRAD_MODEL_DIR
+    gate: Gate  # one compute slot and its queue
+    ledger: MemoryLedger  # the bytes this worker's requests reserve
+    # URL prefix -> how errors under it look (app/http/errors.py's ErrorStyle), by front end.
+    error_styles: dict[str, object] = field(default_factory=dict)
+
+
+def install_services(app: Flask, services: Services) -> None:
+    app.extensions[KEY] = services
+
+
+def services_of(app: Flask) -> Services:
+    return app.extensions[KEY]
+
+
+def services() -> Services:
+    """The current app's services (inside a request or an app context)."""
+    return current_app.extensions[KEY]
