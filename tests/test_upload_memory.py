@@ -11,7 +11,7 @@ from app import create_app
 from app.core.errors import BlockgradError
 from app.core.memory import MemoryLedger, body_parse_bytes, upload_bytes
 from app.http import memory as http_memory
-from app.http.memory import EXTENSION
+from app.extensions import services_of
 from app.http.parsing import BODY_PIECE_BYTES
 
 GOOD = {"vectors": [[float(i + j) for j in range(5)] for i in range(10)], "factor": 5}
@@ -58,7 +58,7 @@ def test_a_share_above_one_counts_as_one():
 
 def test_the_reservation_grows_with_the_body_from_nothing(monkeypatch):
     app = create_app({"TESTING": True})
-    ledger = app.extensions[EXTENSION]
+    ledger = services_of(app).ledger
     seen = []
     original = http_memory.hold_for_upload
 
@@ -86,7 +86,7 @@ def test_a_small_body_is_never_an_upload(monkeypatch):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_uploads_filling_their_share_hold_back_uploads_not_small_requests(chunked):
     app = create_app({"TESTING": True})
-    ledger = app.extensions[EXTENSION]
+    ledger = services_of(app).ledger
     others = ledger.reserve_upload(ledger.upload_budget)  # slow uploads hold the whole share
     client = app.test_client()
 
