@@ -11,6 +11,7 @@ verdict depends on the machine's speed: requests get timeouts many times what th
 and verdicts count answers, not time. Raw sockets where a library would not send the bytes.
 """
 import http.client
+import io
 import json
 import re
 import select
@@ -76,11 +77,35 @@ def read_all(sock: socket.socket, limit: int = 4_000_000) -> bytes:
     return received
 
 
-def responses(sock: socket.socket, count: int, method: str = "POST") -> list[http.client.HTTPResponse]:
-    """`count` responses read in order off one connection, each read whole."""
+class KeptOpen(io.BufferedReader):
+    """The connection's one buffered reader: HTTPResponse closes its file after each body, and
+    bytes it read ahead belong to the next answer."""
+
+    def close(self) -> None:
+        pass
+
+
+class SharedReader:
+    """What HTTPResponse takes for a socket, handing every answer the same reader."""
+
+    def __init__(self, file):
+        self.file = file
+
+    def makefile(self, mode: str):
+        return self.file
+
+
+def connection_reader(sock: socket.socket) -> KeptOpen:
+    return KeptOpen(socket.SocketIO(sock, "rb"))
+
+
+def responses(sock: socket.socket, count: int, method: str = "POST", reader=None) -> list[http.client.HTTPResponse]:
+    """`count` responses read in order off one connection, each read whole, through one
+    buffered `reader` (bytes read ahead belong to the next answer)."""
     answers = []
+    shared = SharedReader(reader or connection_reader(sock))
     for _ in range(count):
-        response = http.client.HTTPResponse(sock, method=method)
+        response = http.client.HTTPResponse(shared, method=method)
         response.begin()
         response.body = response.read()
         answers.append(response)
@@ -393,8 +418,9 @@ def test_pipelined_requests_are_answered_in_order(server):
                  + head("/v1/gradients", {"Content-Type": "application/json", "Transfer-Encoding": "chunked",
                                           "X-Request-ID": "pipe-3"}) + chunked(SMALL_BODY)
                  + head("/readyz", {"X-Request-ID": "pipe-4", "Connection": "close"}, method="GET"))
-    answers = responses(sock, 4)
-    assert read_all(sock) == b""  # nothing after the last
+    reader = connection_reader(sock)
+    answers = responses(sock, 4, reader=reader)
+    assert reader.read() == b""  # nothing after the last (the server then closes)
     sock.close()
     assert [a.getheader("X-Request-ID") for a in answers] == ["pipe-1", "pipe-2", "pipe-3", "pipe-4"]
     assert [a.status for a in answers] == [200] * 4
