@@ -127,26 +127,24 @@ class Stopwatch:
 
 def instrument(service: flask.Flask) -> Stopwatch:
     """The service's request path for POST /v1/gradients, stage by stage, in the order it runs."""
-    from app.api.v1 import schemas, views
-    from app.http import observe, parsing
+    from app.api.v1 import front_end
+    from app.http import parsing, pipeline, request_record
 
     watch = Stopwatch()
-    watch.patch_hooks("before_request hooks (observe: ids, timing, in-flight; auth)",
+    watch.patch_hooks("before_request hooks (request record: ids, timing, in-flight; auth)",
                       service.before_request_funcs.setdefault(None, []))
-    watch.patch("body read + JSON decode (webargs' json loader: http.parsing)", parsing.OrjsonParser, "_raw_load_json")
-    watch.patch("  of which the body read (read_body: memory reservation, werkzeug get_data)", parsing, "read_body",
-                top_level=False)
-    watch.patch("/v1 schema load (marshmallow fields, pre_load admission, vectors conversion)",
-                schemas.GradientRequestSchema, "load")
-    watch.patch("  of which admission in the schema (admit_document)", schemas, "admit_document", top_level=False)
-    watch.patch("  of which vectors conversion (core.vectors.parse_matrix)", schemas, "parse_matrix", top_level=False)
-    for attribute in ("admit_request", "compute_slot", "request_deadline"):
-        watch.patch("view: admit_request + compute_slot + request_deadline", views, attribute)
-    watch.patch("engine (core.run: both passes)", views, "run")
-    watch.patch("render (render_result: head, blocks, join)", views, "render_result")
-    watch.patch_hooks("after_request hook (observe: finisher, send timeout, log line, metrics)",
-                      service.after_request_funcs.setdefault(None, []), only=observe.after_request)
-    watch.patch("  of which the request log line (log_request)", observe, "log_request", top_level=False)
+    watch.patch("body read (parsing.read_body: memory reservation, werkzeug stream)", parsing, "read_body")
+    watch.patch("/v1 decode (JSON decode, unknown fields, sizes)", front_end.V1, "decode")
+    watch.patch("admission (core.admission.admit + reservation resize)", pipeline, "admit")
+    watch.patch("admission (core.admission.admit + reservation resize)", pipeline, "reserve_for_request")
+    watch.patch("/v1 convert (marshmallow schema load, vectors conversion, build_request)", front_end.V1, "convert")
+    for attribute in ("compute_slot", "request_deadline"):
+        watch.patch("compute_slot + request_deadline", pipeline, attribute)
+    watch.patch("engine (core.run: pass one)", pipeline, "run")
+    watch.patch("render (V1.render: render_result, Response)", front_end.V1, "render")
+    watch.patch_hooks("after_request hook (finisher, send timeout, log line, metrics)",
+                      service.after_request_funcs.setdefault(None, []), only=request_record.after_request)
+    watch.patch("  of which the request log line (log_request)", request_record, "log_request", top_level=False)
     for attribute in ("observe_request", "observe_work", "observe_device"):
         watch.patch("  of which metrics (observe_request, observe_work, observe_device)", metrics, attribute,
                     top_level=False)
