@@ -58,14 +58,25 @@ def error_responses_spec(*codes: str, style: ErrorStyle = DEFAULT_STYLE) -> dict
             for status, group in by_status.items()}
 
 
-def documents_errors(blp, *codes: str, style: ErrorStyle = DEFAULT_STYLE, schema=None) -> Callable:
-    """Decorator: one documented error response (schema, examples) per status of `codes`."""
+def documented(*decorators: Callable) -> Callable:
+    """Decorator: the documentation flask-smorest's `decorators` (listed outermost first, as
+    they would be stacked) write on a view, without their wrappers in its call path. Only for
+    decorators that document and pass a view's Response through (doc, alt_response, and
+    response on a view that always returns a Response): each wrapper is a call per request."""
     def decorate(view):
-        for status, spec in error_responses_spec(*codes, style=style).items():
-            view = blp.alt_response(status, schema=schema or ErrorSchema,
-                                    **{k: v for k, v in spec.items() if v})(view)
+        wrapped = view
+        for decorator in reversed(decorators):
+            wrapped = decorator(wrapped)
+        view._apidoc = wrapped._apidoc
         return view
     return decorate
+
+
+def documents_errors(blp, *codes: str, style: ErrorStyle = DEFAULT_STYLE, schema=None) -> Callable:
+    """Decorator: one documented error response (schema, examples) per status of `codes`;
+    documentation only, the view itself is not wrapped."""
+    return documented(*(blp.alt_response(status, schema=schema or ErrorSchema, **{k: v for k, v in spec.items() if v})
+                        for status, spec in reversed(error_responses_spec(*codes, style=style).items())))
 
 
 def objectives_table(objectives) -> str:
