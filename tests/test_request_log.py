@@ -147,3 +147,64 @@ def test_protocol_requests_log_their_sizes_too(client, caplog):
     assert (line["route"], line["n"], line["dim"], line["factor"]) == ("/v2/models/<model>/infer", 4, 2, 2)
     assert line["outputs"] == ["accumulated", "losses"]
     assert line["output_numbers"] == 4 * 2 + 2 * 2
+
+
+def json_handler():
+    from app.http.request_log import JsonStderrHandler
+    [handler] = [h for h in logging.getLogger("blockgrad").handlers if isinstance(h, JsonStderrHandler)]
+    return handler
+
+
+def test_the_line_written_without_logging_is_the_line_logging_writes(client, monkeypatch):
+    """With the JSON handler the only listener (as under gunicorn) the line skips `logging`;
+    with anything else listening it goes through `logging`: the same keys in the same order,
+    the same values but the times."""
+    import io
+
+    from app.http import request_log
+
+    handler = json_handler()
+    monkeypatch.setattr(logging.root, "handlers", [])  # pytest's own capture handlers, away for this test
+    monkeypatch.setattr(handler, "stream", io.StringIO())
+    through_logging = []
+    monkeypatch.setattr(request_log.request_log, "handle", through_logging.append)
+    headers = {"X-Request-ID": "same-id"}
+    assert client.post("/v1/gradients", json=PAYLOAD, headers=headers).status_code == 200
+    assert through_logging == []  # written straight to the handler's stream
+    [direct] = [json.loads(line) for line in handler.stream.getvalue().splitlines()]
+
+    listener = logging.Handler()
+    monkeypatch.setattr(logging.root, "handlers", [listener])
+    assert request_log.sole_json_handler(request_log.request_log) is None
+    assert client.post("/v1/gradients", json=PAYLOAD, headers=headers).status_code == 200
+    [record] = through_logging
+    via_logging = json.loads(JsonFormatter().format(record))
+    assert list(direct) == list(via_logging)
+    assert list(direct)[:5] == ["ts", "level", "logger", "message", "request_id"]
+    timed = {"ts", "duration_ms", "cpu_ms", "compute_ms"}
+    assert {k: v for k, v in direct.items() if k not in timed} == {k: v for k, v in via_logging.items() if k not in timed}
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", direct["ts"])
+    assert (direct["level"], direct["logger"], direct["message"], direct["n"]) == ("info", "blockgrad.request", "request", 3)
+
+
+@pytest.mark.parametrize("change", ["logger filter", "handler filter", "logger level", "another handler"])
+def test_anything_else_listening_sends_the_line_through_logging(monkeypatch, change):
+    from app.http import request_log
+
+    logger, handler = request_log.request_log, json_handler()
+    monkeypatch.setattr(logging.root, "handlers", [])
+    assert request_log.sole_json_handler(logger) is handler
+    if change == "logger filter":
+        monkeypatch.setattr(logger, "filters", [logging.Filter("x")])
+    elif change == "handler filter":
+        monkeypatch.setattr(handler, "filters", [logging.Filter("x")])
+    elif change == "logger level":
+        monkeypatch.setattr(logging.getLogger("blockgrad"), "level", logging.WARNING)
+        logger.manager._clear_cache()
+    else:
+        monkeypatch.setattr(logger, "handlers", [logging.NullHandler()])
+    try:
+        assert request_log.sole_json_handler(logger) is None
+    finally:
+        monkeypatch.undo()
+        logger.manager._clear_cache()

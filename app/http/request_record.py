@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from flask import Flask, Response, g, request
+from flask import Flask, Request, Response, g, request
 
 from ..core.admission import output_elements
 from ..extensions import services
@@ -76,30 +76,31 @@ UNFINISHED: dict[int, Callable[[str | None], None]] = {}
 
 
 def before_request() -> None:
-    g.started = time.perf_counter()
-    g.cpu_started = (threading.get_ident(), time.thread_time())  # cpu_ms: this thread's CPU time
-    g.arrived = time.monotonic()  # the request's deadline counts from here (pipeline.request_deadline)
-    g.request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
+    state, req = g._get_current_object(), request._get_current_object()  # one proxy lookup each
+    state.started = time.perf_counter()
+    state.cpu_started = (threading.get_ident(), time.thread_time())  # cpu_ms: this thread's CPU time
+    state.arrived = time.monotonic()  # the request's deadline counts from here (pipeline.request_deadline)
+    state.request_id = request_id_from(req.headers.get(REQUEST_ID_HEADER))
     metrics.IN_FLIGHT.inc()
-    g.in_flight = True
-    state, key = g._get_current_object(), id(g._get_current_object())
-    route, method = route_of_request(), request.method
-    g.unfinished_key = key
+    state.in_flight = True
+    key = state.unfinished_key = id(state)
+    route, method = route_of(req), req.method
     # Until the view answers: what the request knows when (and if) its worker is killed.
     UNFINISHED[key] = lambda code: finisher(NO_ANSWER_STATUS, state, route, method, answered=False)(code)
 
 
 def after_request(response: Response) -> Response:
-    if "request_id" not in g:  # an earlier before_request hook refused the request
-        g.request_id = request_id_from(request.headers.get(REQUEST_ID_HEADER))
-    response.headers[REQUEST_ID_HEADER] = g.request_id
+    state, req = g._get_current_object(), request._get_current_object()
+    if "request_id" not in state:  # an earlier before_request hook refused the request
+        state.request_id = request_id_from(req.headers.get(REQUEST_ID_HEADER))
+    response.headers[REQUEST_ID_HEADER] = state.request_id
     send_timeout_s = services().settings.send_timeout_s
-    start_sending(request.environ, send_timeout_s)
-    finish = finisher(response.status_code, g._get_current_object(), route_of_request(), request.method)
+    start_sending(req.environ, send_timeout_s)
+    finish = finisher(response.status_code, state, route_of(req), req.method)
     large = response.content_length is not None and response.content_length > PIECE_BYTES
     if (response.is_streamed or large) and not response.direct_passthrough:
-        if "unfinished_key" in g:
-            UNFINISHED[g.unfinished_key] = finish  # a kill while streaming: logged with the status sent
+        if "unfinished_key" in state:
+            UNFINISHED[state.unfinished_key] = finish  # a kill while streaming: logged with the status sent
         # Finished when the body ends or the server closes it: after its last byte, when a
         # write fails, or without a byte at all (HEAD): PEP 3333 servers always call close().
         response.response = WatchedBody(response.response, finish, send_timeout_s)
@@ -112,9 +113,10 @@ def after_request(response: Response) -> Response:
 
 def teardown_request(exc: BaseException | None) -> None:
     """A request whose after_request never ran (its hooks failed) is no longer in flight here."""
-    if not g.get("finisher_made", False):
-        UNFINISHED.pop(g.get("unfinished_key"), None)
-        release_held(g)  # its memory reservation, which finish would have given back
+    state = g._get_current_object()
+    if not state.get("finisher_made", False):
+        UNFINISHED.pop(state.get("unfinished_key"), None)
+        release_held(state)  # its memory reservation, which finish would have given back
 
 
 def abort_in_flight(code: str = WORKER_TIMEOUT) -> None:
@@ -123,8 +125,9 @@ def abort_in_flight(code: str = WORKER_TIMEOUT) -> None:
         finish(code)
 
 
-def route_of_request() -> str:
-    return request.url_rule.rule if request.url_rule else "unmatched"
+def route_of(req: Request) -> str:
+    rule = req.url_rule
+    return rule.rule if rule else "unmatched"
 
 
 def finisher(status: int, state, route: str, method: str, answered: bool = True) -> Callable[[str | None], None]:
