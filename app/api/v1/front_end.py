@@ -24,7 +24,7 @@ from ...http.errors import wrong_content_type
 from ...http.parsing import decode_document, is_json_mimetype, schema_error
 from ...http.pipeline import Decoded, Rendered
 from .render import render_result
-from .schemas import GradientRequestSchema
+from .schemas import GradientRequestSchema, load_plain
 
 SCHEMA = GradientRequestSchema()  # one instance: not rebuilt (deep-copied fields) per request
 NOT_AN_OBJECT = "The body must be a JSON object with at least `vectors`."
@@ -61,6 +61,9 @@ class V1:
         return Decoded(sizes, answer_cost(len(body), sizes.dtype if sizes else DEFAULT_DTYPE), document)
 
     def convert(self, decoded: Decoded) -> V1Job:
+        plain = load_plain(decoded.document, services().objectives)
+        if plain is not None:
+            return V1Job(plain)
         try:
             return V1Job(SCHEMA.load(decoded.document))  # post_load builds the core's request
         except ValidationError as exc:

@@ -5,6 +5,8 @@ request (after the pipeline has admitted its sizes) checks the JSON types field 
 field and gives the core's typed `GradientRequest` (post_load, through
 `build_request`), never a dict.
 """
+import math
+
 import numpy as np
 from marshmallow import Schema, ValidationError, fields, post_load, validates_schema
 from marshmallow.validate import Length, OneOf, Range
@@ -72,6 +74,40 @@ class GradientRequestSchema(Schema):
     def make_request(self, data, **kwargs) -> GradientRequest:
         # the core's rules that need the numbers, against this server's objectives; validation_error
         return build_request(**data, objectives=services().objectives)
+
+
+# Integers the schema's Float (offset) turns into the same float without rounding.
+EXACT_INT = 2 ** 53
+
+
+def load_plain(document: object, objectives) -> GradientRequest | None:
+    """What GradientRequestSchema().load(document) returns, without marshmallow, for a document
+    whose every field is of a type and value the schema takes as sent (vectors a valid matrix,
+    factor an int in 1..N, names among the allowed ones, offset a finite number); None for any
+    other document, which the schema then loads (and refuses with its own messages). Rules
+    that need the numbers are build_request's on both paths."""
+    if type(document) is not dict or not document.keys() <= GradientRequestSchema._declared_fields.keys():
+        return None
+    factor = document.get("factor")
+    objective = document.get("objective", DEFAULT_OBJECTIVE)
+    offset = document.get("offset", DEFAULT_OFFSET)
+    outputs = document.get("outputs", DEFAULT_OUTPUTS)
+    dtype = document.get("dtype", DEFAULT_DTYPE)
+    if not ((factor is None and "factor" not in document) or type(factor) is int) \
+            or type(objective) is not str or objective not in objectives \
+            or type(dtype) is not str or dtype not in DTYPES \
+            or not ((type(offset) is float and math.isfinite(offset)) or (type(offset) is int and -EXACT_INT <= offset <= EXACT_INT)) \
+            or not (outputs is DEFAULT_OUTPUTS or (type(outputs) is list and outputs
+                                                   and all(type(name) is str and name in OUTPUTS for name in outputs))):
+        return None
+    try:
+        vectors = parse_matrix(document.get("vectors"))
+    except MatrixError:
+        return None
+    if factor is not None and not 1 <= factor <= len(vectors):
+        return None
+    return build_request(vectors, factor=factor, objective=objective, offset=float(offset), outputs=outputs,
+                         dtype=dtype, objectives=objectives)
 
 
 # A misspelt field gets the valid names, not just "Unknown field.".
