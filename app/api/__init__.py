@@ -4,12 +4,14 @@ from flask_smorest import Api
 
 from ..http.errors import register_error_style
 from . import health, metrics, objectives
+from .v1 import jobs as v1_jobs
 from .v1 import views as v1_views
 from .v2 import views as v2_views
 
 
 def register_front_ends(app: Flask, api: Api) -> None:
     api.register_blueprint(v1_views.blp)
+    api.register_blueprint(v1_jobs.blp)
     api.register_blueprint(objectives.blp)
     api.register_blueprint(health.blp)
     api.register_blueprint(v2_views.blp)

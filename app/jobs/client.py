@@ -4,8 +4,6 @@ a few seconds, never a hung request."""
 import os
 import threading
 
-from distributed import Client
-
 from .errors import cluster_unavailable
 
 CONNECT_TIMEOUT_S = 3.0  # connecting, then each call: a job route answers within 5 s
@@ -13,10 +11,14 @@ CALL_TIMEOUT_S = 3.0
 DASK_ERRORS = (OSError, TimeoutError)  # distributed's CommClosedError is an OSError
 
 _lock = threading.Lock()
-_clients: dict[tuple[int, str], Client] = {}  # (pid, address): a forked copy is never reused
+_clients: dict[tuple[int, str], object] = {}  # (pid, address): a forked copy is never reused
 
 
-def cluster_client(address: str) -> Client:
+def cluster_client(address: str):
+    """distributed is imported here, on first use: gunicorn's master, which imports the app
+    before forking, never loads it."""
+    from distributed import Client
+
     key = (os.getpid(), address)
     with _lock:
         client = _clients.get(key)
@@ -30,7 +32,7 @@ def cluster_client(address: str) -> Client:
         return client
 
 
-def call(client: Client, coroutine_function, *args, timeout_s: float = CALL_TIMEOUT_S, **kwargs):
+def call(client, coroutine_function, *args, timeout_s: float = CALL_TIMEOUT_S, **kwargs):
     """client.<async method>(*args, **kwargs), cancelled after timeout_s: cluster_unavailable."""
     try:
         return client.sync(coroutine_function, *args, callback_timeout=timeout_s, **kwargs)

@@ -13,6 +13,13 @@ def cluster_unavailable(address: str) -> BlockgradError:
         {"scheduler": address}, retry_after_s=CLUSTER_RETRY_AFTER_S)
 
 
+def no_cluster() -> BlockgradError:
+    return BlockgradError(
+        "cluster_unavailable",
+        "This server has no Dask cluster: set BLOCKGRAD_DASK_SCHEDULER, or start it with gunicorn -c "
+        "gunicorn.conf.py, which starts an embedded one.", {"scheduler": None}, retry_after_s=CLUSTER_RETRY_AFTER_S)
+
+
 def job_not_found(job_id: str) -> BlockgradError:
     return BlockgradError(
         "job_not_found",

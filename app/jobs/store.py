@@ -17,7 +17,7 @@ from ..core.job_tasks import JobOutcome, JobSpec
 from ..core.request import GradientRequest
 from ..core.settings import Settings
 from .client import call, cluster_client
-from .errors import cluster_unavailable, job_not_done, job_not_found, too_many_jobs
+from .errors import job_not_done, job_not_found, no_cluster, too_many_jobs
 from .graph import dataset_name, plan, submit
 from .on_scheduler import IDEMPOTENCY, JOBS, forget_records, snapshots, workers_count
 
@@ -93,7 +93,7 @@ class JobStore:
 
     def client(self):
         if not self.address:
-            raise cluster_unavailable("(none: BLOCKGRAD_DASK_SCHEDULER unset and no embedded cluster)")
+            raise no_cluster()
         return cluster_client(self.address)
 
     def states(self, client, job_ids: list[str] | None) -> dict[str, JobState]:
