@@ -15,6 +15,7 @@ import sys
 import tempfile
 
 from app.core.settings import COMPUTE_SLOTS, Settings, available_cores, env_int  # standard library only: no torch here
+from app.jobs.cluster import start_for_gunicorn, stop_embedded  # subprocesses only: no Dask object in the master
 
 cores = available_cores()
 settings = Settings.from_env()  # raises at start-up, with the variable's name, on a bad value
@@ -70,6 +71,7 @@ accesslog = None  # the app writes one JSON line per request instead (app/http/r
 errorlog = "-"  # stderr, like the app's log
 created_metrics_dir = None  # set when on_starting made a temporary PROMETHEUS_MULTIPROC_DIR
 recycle_lock_path = None  # set by on_starting; the lock a draining or loading worker holds
+embedded_cluster = None  # set by on_starting when BLOCKGRAD_DASK_SCHEDULER is unset (docs/jobs.md)
 
 
 def on_starting(server):
@@ -89,6 +91,9 @@ def on_starting(server):
     enforce_recycling_floor(server.cfg, server.log)
     global recycle_lock_path
     recycle_lock_path = os.path.join(path, "recycle.lock")
+    global embedded_cluster
+    # Before the app is imported: its settings (and the workers') carry the cluster's address.
+    embedded_cluster = start_for_gunicorn(settings.dask_workers)
     if warm_start:
         # PROMETHEUS_MULTIPROC_DIR is set above, before the app (and prometheus-client) is
         # imported; workers find `wsgi` in sys.modules after fork. No torch op runs here.
@@ -132,6 +137,7 @@ def worker_abort(worker):
 
 
 def on_exit(server):
+    stop_embedded(embedded_cluster)
     path = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
     if created_metrics_dir:
         shutil.rmtree(created_metrics_dir, ignore_errors=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository: tasks import app.core there
 SCHEDULER_ENV = "BLOCKGRAD_DASK_SCHEDULER"
+OFF = "off"  # BLOCKGRAD_DASK_SCHEDULER=off: no cluster at all, job routes answer 503
 WORKER_NICE = 19
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10
@@ -98,7 +99,7 @@ def stop_embedded(cluster: EmbeddedCluster | None, timeout_s: float = STOP_TIMEO
 
 def start_for_gunicorn(workers: int) -> EmbeddedCluster | None:
     """on_starting: with BLOCKGRAD_DASK_SCHEDULER unset, start the embedded cluster and
-    export its address to the workers gunicorn forks; set, start nothing."""
+    export its address to the workers gunicorn forks; set (or `off`), start nothing."""
     if os.environ.get(SCHEDULER_ENV, "").strip():
         return None
     cluster = start_embedded(workers)

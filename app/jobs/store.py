@@ -18,6 +18,7 @@ from ..core.request import GradientRequest
 from ..core.settings import Settings
 from .client import call, cluster_client
 from .errors import job_not_done, job_not_found, no_cluster, too_many_jobs
+from .cluster import OFF
 from .graph import dataset_name, plan, submit
 from .on_scheduler import IDEMPOTENCY, JOBS, forget_records, snapshots, workers_count
 
@@ -92,7 +93,7 @@ class JobStore:
         self.address = settings.dask_scheduler
 
     def client(self):
-        if not self.address:
+        if not self.address or self.address == OFF:
             raise no_cluster()
         return cluster_client(self.address)
 
