@@ -10,7 +10,7 @@ from app.core.errors import client_closed
 from app.core.gate import Gate
 from app.core.run import Deadline
 from app.http.docs import error_example
-from app.http.errors import ERROR_CODE_HEADER, ERRORS, not_found, service_routes
+from app.http.errors import ERROR_CODE_HEADER, ERRORS, bounded, not_found, service_routes
 
 V1 = {"vectors": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]}
 
@@ -61,6 +61,18 @@ class FiredAlarm:
         pass
 
 
+class RunningJobs:
+    """A job store whose every job is still running."""
+
+    def __init__(self, settings):
+        pass
+
+    def result(self, job_id):
+        from app.jobs.errors import job_not_done
+
+        raise job_not_done(job_id, "running")
+
+
 # code -> (settings, the request that triggers it, patches (target, value), error style)
 TRIGGERS = {
     "bad_request": ({}, post_v1(), [("app.http.parsing.read_body",
@@ -86,6 +98,11 @@ TRIGGERS = {
                                      ("app.http.parsing.Request.get_data", fail_with(ClientDisconnected()))], None),
     "overloaded": ({}, post_v1(), [("app.http.slot.current_gate", full_gate)], None),
     "client_closed": ({}, post_v1(), [("app.core.run.Deadline", ClientGone)], None),
+    "job_not_found": ({}, lambda c: c.get("/v1/jobs/nope"), [], None),
+    "job_not_done": ({}, lambda c: c.get(f"/v1/jobs/{'0' * 32}/result"), [("app.api.v1.jobs.JobStore", RunningJobs)],
+                     None),
+    "cluster_unavailable": ({"BLOCKGRAD_DASK_SCHEDULER": "tcp://127.0.0.1:1"}, lambda c: c.get(f"/v1/jobs/{'0' * 32}"),
+                            [], None),
 }
 
 
@@ -106,7 +123,7 @@ def test_documented_example_is_what_the_service_sends(code, monkeypatch):
     if code == "not_found":  # the example lists a few routes; a live answer lists this app's
         expected = {"value": {"error": {"code": "not_found", "message": not_found(
             "/v1/gradient", service_routes(client.application)).message,
-            "details": {"routes": service_routes(client.application)}}}}
+            "details": bounded({"routes": service_routes(client.application)})}}}  # a long list is cut
         assert expected["value"]["error"]["message"].startswith(
             error_example(code)["value"]["error"]["message"].split(";")[0])
     assert response.status_code == (style.status(ERRORS[code].status) if style else ERRORS[code].status)

@@ -178,7 +178,7 @@ ERRORS: dict[str, ErrorCode] = {
                             lambda: core.overloaded(4), RETRY_AFTER),
     # Jobs (docs/jobs.md).
     "job_not_found": ErrorCode(404, "/v1/jobs: no such job (unknown, or forgotten after BLOCKGRAD_JOB_TTL_S, a DELETE "
-                                    "or a scheduler restart)", lambda: jobs.job_not_found("0" * 32)),
+                                    "or a scheduler restart)", lambda: jobs.job_not_found("nope")),
     "job_not_done": ErrorCode(409, "/v1/jobs/{id}/result before the job succeeded; `details.status` says where it is "
                                    "(with Retry-After while queued or running)",
                               lambda: jobs.job_not_done("0" * 32, "running"), RETRY_AFTER),
