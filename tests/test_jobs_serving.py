@@ -7,8 +7,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import requests
 import torch
+from blockgrad_client import BlockgradError, Client
 
 from tools.reference import reference_accumulated
 from tools.server import children, gunicorn_server, wait_until
@@ -56,5 +58,27 @@ def test_gunicorn_runs_jobs_on_its_embedded_cluster_which_dies_with_the_master()
         accumulated = requests.get(location + "/result", timeout=30).json()["accumulated"]
         expected = reference_accumulated(torch.tensor(vectors), 4, "sum").numpy()
         assert np.abs(np.array(accumulated) - expected).max() <= 1e-12 * np.abs(expected).max()
+        check_the_client_package(server.url, vectors, expected)
         os.kill(server.pid, signal.SIGKILL)
         assert wait_until(lambda: not any(alive(pid) for pid in dask), 30, 0.2)
+
+
+def check_the_client_package(url: str, vectors: np.ndarray, expected: np.ndarray) -> None:
+    with Client(url) as client:
+        job = client.submit_job(vectors, factor=4, dtype="float64", idempotency_key="client-once")
+        assert client.submit_job(vectors, factor=4, dtype="float64", idempotency_key="client-once").id == job.id
+        assert job.status() in ("queued", "running", "succeeded")
+        record = job.wait(timeout=JOB_S, progress=True)
+        assert record["status"] == "succeeded" and record["progress"]["blocks_done"] == 16
+        result = job.result()
+        assert set(result) == {"accumulated", "losses", "bounds"} and result["accumulated"].dtype == np.float64
+        assert np.abs(result["accumulated"] - expected).max() <= 1e-12 * np.abs(expected).max()
+        assert job.cancel() is None  # finished: forgotten
+        with pytest.raises(BlockgradError) as missing:
+            job.status()
+        assert missing.value.code == "job_not_found"
+        long = client.submit_job(np.ones((4096, 16)), factor=32, objective="sum_of_squares", outputs=["losses"])
+        with pytest.raises(BlockgradError) as early:
+            long.result()
+        assert early.value.code == "job_not_done"
+        assert long.cancel()["status"] == "cancelled"
