@@ -112,6 +112,7 @@ class JobStore:
             found.record["started_at"] = time.time()  # first seen running: kept for every worker
             call(client, client.scheduler.set_metadata, keys=[JOBS, job_id, "started_at"],
                  value=found.record["started_at"])
+            log.info(json.dumps({"event": "job_started", "job": job_id, "blocks_done": found.progress["done"]}))
         return client, found
 
     def view(self, job_id: str) -> dict[str, Any]:
