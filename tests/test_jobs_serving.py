@@ -59,6 +59,11 @@ def test_gunicorn_runs_jobs_on_its_embedded_cluster_which_dies_with_the_master()
         expected = reference_accumulated(torch.tensor(vectors), 4, "sum").numpy()
         assert np.abs(np.array(accumulated) - expected).max() <= 1e-12 * np.abs(expected).max()
         check_the_client_package(server.url, vectors, expected)
+        log = server.log()
+        for event in ("job_submitted", "job_cancelled"):  # the gunicorn workers' JSON lines
+            assert f'"message":"{event}"' in log, event
+        finished = [line for line in log.splitlines() if '"event": "job_finished"' in line]  # a Dask worker's
+        assert finished and '"pairs_per_s"' in finished[0] and '"bytes_moved"' in finished[0]
         os.kill(server.pid, signal.SIGKILL)
         assert wait_until(lambda: not any(alive(pid) for pid in dask), 30, 0.2)
 

@@ -2,7 +2,6 @@
 graph's final tasks published under the job's name, its end written by the graph itself.
 Any gunicorn worker, of any pod sharing the scheduler, sees the same job; a scheduler
 that restarts forgets its jobs (they are then 404)."""
-import json
 import logging
 import re
 import secrets
@@ -112,7 +111,7 @@ class JobStore:
             found.record["started_at"] = time.time()  # first seen running: kept for every worker
             call(client, client.scheduler.set_metadata, keys=[JOBS, job_id, "started_at"],
                  value=found.record["started_at"])
-            log.info(json.dumps({"event": "job_started", "job": job_id, "blocks_done": found.progress["done"]}))
+            log.info("job_started", extra={"fields": {"job": job_id, "blocks_done": found.progress["done"]}})
         return client, found
 
     def view(self, job_id: str) -> dict[str, Any]:
@@ -154,9 +153,9 @@ class JobStore:
         except BaseException:
             self.forget(client, job_id, quiet=True)
             raise
-        log.info(json.dumps({"event": "job_submitted", "job": job_id, "n": req.n, "dim": req.dim,
-                             "factor": req.factor, "objective": req.objective, "dtype": req.dtype,
-                             "tiles": len(tiles), "vector_bytes": vectors.nbytes, "workers": workers}))
+        log.info("job_submitted", extra={"fields": {
+            "job": job_id, "n": req.n, "dim": req.dim, "factor": req.factor, "objective": req.objective,
+            "dtype": req.dtype, "tiles": len(tiles), "vector_bytes": vectors.nbytes, "workers": workers}})
         record["submitted"] = True
         return JobState(job_id, record, None, {"done": 0, "processing": False, "finish": "waiting",
                                                "outcome": "waiting"}).public(), True
@@ -183,7 +182,7 @@ class JobStore:
              value=found.record["cancelled_at"])
         call(client, client._cancel, futures, force=True, reason="job cancelled")
         call(client, client._unpublish_dataset, dataset_name(job_id))
-        log.info(json.dumps({"event": "job_cancelled", "job": job_id, "was": found.status}))
+        log.info("job_cancelled", extra={"fields": {"job": job_id, "was": found.status}})
         return found.public()
 
     def forget(self, client, job_id: str, quiet: bool = False) -> None:

@@ -13,6 +13,16 @@ from .on_scheduler import JOBS, OUTCOMES
 log = logging.getLogger("blockgrad.jobs")
 
 
+def worker_log() -> logging.Logger:
+    """The job log on a Dask worker, whose logging configures only distributed's loggers: to
+    its stderr (the service's, for the embedded cluster)."""
+    if not log.handlers:
+        log.addHandler(logging.StreamHandler())
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
 def tile_task(vectors, spec: dict, rows: tuple[int, int], cols: tuple[int, int]):
     from ..core.job_tasks import JobSpec, Tile, run_tile
 
@@ -44,7 +54,7 @@ def outcome_task(job_id: str, spec: dict, outcome) -> dict:
         return summary
     client.set_metadata([OUTCOMES, job_id], summary)
     seconds = max(1e-9, outcome.finished_at - outcome.started_at)
-    log.info(json.dumps({"event": "job_finished", "job": job_id, "status": summary["status"],
+    worker_log().info(json.dumps({"event": "job_finished", "job": job_id, "status": summary["status"],
                          "duration_s": round(seconds, 3), "pairs_per_s": round(spec["n"] ** 2 / seconds),
                          "bytes_moved": outcome.bytes_moved, "error": (outcome.error or {}).get("code")}))
     return summary
