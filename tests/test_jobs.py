@@ -170,6 +170,16 @@ def test_idempotency_key_returns_the_same_job(client):
         assert wait_for_job(client, job_id)["status"] == "succeeded"
 
 
+def test_readyz_and_metrics_report_the_cluster(client):
+    submit(client, vectors=[[1.0], [2.0]], factor=2)  # connects this process and refreshes the gauges
+    cluster = client.get("/readyz").get_json()["cluster"]
+    assert cluster["connected"] is True and cluster["workers"] == 2
+    metrics = client.get("/metrics").get_data(as_text=True)
+    assert "blockgrad_cluster_workers 2.0" in metrics
+    assert 'blockgrad_job_events_total{event="submitted"}' in metrics
+    assert 'blockgrad_jobs{status="succeeded"}' in metrics
+
+
 def test_a_non_finite_job_fails_with_v1s_error(client):
     body = {"vectors": [[0.0], [1e20]], "factor": 2, "objective": "sum_of_squares"}
     done = wait_for_job(client, submit(client, **body).get_json()["id"])
@@ -285,6 +295,8 @@ def test_unreachable_scheduler_is_503_within_5_s_and_v1_unaffected():
         assert response.status_code == 503 and response.headers["Retry-After"]
         assert response.get_json()["error"]["code"] == "cluster_unavailable"
     assert client.post("/v1/gradients", json={"vectors": [[1.0], [2.0]]}).status_code == 200
+    ready = client.get("/readyz")  # readiness is about synchronous serving: never asks the cluster
+    assert ready.status_code == 200 and ready.get_json()["cluster"]["connected"] is False
 
 
 SUBMIT_AND_DIE = """

@@ -5,6 +5,7 @@ from ..core.device import ready_device
 from ..http.docs import OPEN_ROUTE, documents_errors
 from ..http.parsing import ApiBlueprint
 from ..http.settings import current_settings
+from ..jobs.client import cluster_report
 from flask import g
 
 blp = ApiBlueprint("health", __name__, description="Liveness and readiness probes.")
@@ -18,6 +19,10 @@ class ReadySchema(Schema):
     status = fields.String(required=True, metadata={"example": "ready", "description": "Always `ready`."})
     device = fields.String(required=True, metadata={
         "example": "cpu", "description": "The device this worker computes on (BLOCKGRAD_DEVICE resolved)."})
+    cluster = fields.Dict(metadata={
+        "description": "The jobs' Dask cluster as this worker last saw it, never asked here (readiness is about "
+                     "synchronous serving): scheduler address, connected, workers (null before a job route "
+                     "connected this worker). Informational: it never makes /readyz fail."})
 
 @blp.route("/healthz", methods=["GET"])
 @blp.doc(**OPEN_ROUTE)
@@ -36,4 +41,4 @@ def readyz():
     """torch is loaded and the configured device runs a small computation."""
     device = ready_device(current_settings().device)  # not_ready if it cannot
     g.device = str(device)  # for the device metric (app/http/observe.py)
-    return {"status": "ready", "device": str(device)}
+    return {"status": "ready", "device": str(device), "cluster": cluster_report(current_settings().dask_scheduler)}

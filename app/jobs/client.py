@@ -40,6 +40,19 @@ def call(client, coroutine_function, *args, timeout_s: float = CALL_TIMEOUT_S, *
         raise cluster_unavailable(client.scheduler.address) from None
 
 
+def cluster_report(address: str | None) -> dict:
+    """What this process knows of the cluster, without asking it (for /readyz, which must not
+    wait on jobs): the address, whether this process's Client is connected, and the workers
+    in its last view of the scheduler (None before the first job route connected it)."""
+    client = _clients.get((os.getpid(), address)) if address else None
+    connected = client is not None and client.status == "running"
+    workers = None
+    if connected:
+        identity = getattr(client, "_scheduler_identity", None) or {}  # refreshed by the Client every few s
+        workers = identity.get("n_workers", len(identity.get("workers", {})) or None)
+    return {"scheduler": address, "connected": connected, "workers": workers}
+
+
 def close_clients() -> None:
     with _lock:
         for (pid, _), client in list(_clients.items()):

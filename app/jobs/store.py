@@ -19,6 +19,7 @@ from .client import call, cluster_client
 from .errors import job_not_done, job_not_found, no_cluster, too_many_jobs
 from .cluster import OFF
 from .graph import dataset_name, plan, submit
+from .metrics import observe_event, observe_jobs, observe_workers
 from .on_scheduler import IDEMPOTENCY, JOBS, forget_records, snapshots, workers_count
 
 log = logging.getLogger("blockgrad.jobs")
@@ -130,7 +131,9 @@ class JobStore:
         active = self.sweep(client)
         if active >= self.settings.max_jobs:
             raise too_many_jobs(active, self.settings.max_jobs)
-        workers = call(client, client._run_on_scheduler, workers_count) or self.settings.dask_workers
+        workers = call(client, client._run_on_scheduler, workers_count)
+        observe_workers(workers)
+        workers = workers or self.settings.dask_workers
         vectors = np.ascontiguousarray(req.vectors, dtype=req.dtype)  # (N, D), the job's dtype
         spec = JobSpec(req.n, req.dim, req.factor, req.objective, float(req.offset), req.dtype,
                        elements_per_chunk(self.settings.max_job_block_elements, req.objective_fn, req.dim,
@@ -153,6 +156,7 @@ class JobStore:
         except BaseException:
             self.forget(client, job_id, quiet=True)
             raise
+        observe_event("submitted")
         log.info("job_submitted", extra={"fields": {
             "job": job_id, "n": req.n, "dim": req.dim, "factor": req.factor, "objective": req.objective,
             "dtype": req.dtype, "tiles": len(tiles), "vector_bytes": vectors.nbytes, "workers": workers}})
@@ -182,6 +186,7 @@ class JobStore:
              value=found.record["cancelled_at"])
         call(client, client._cancel, futures, force=True, reason="job cancelled")
         call(client, client._unpublish_dataset, dataset_name(job_id))
+        observe_event("cancelled")
         log.info("job_cancelled", extra={"fields": {"job": job_id, "was": found.status}})
         return found.public()
 
@@ -199,6 +204,7 @@ class JobStore:
         """Forget finished jobs past BLOCKGRAD_JOB_TTL_S, then the oldest finished results over
         BLOCKGRAD_MAX_JOB_RESULTS_BYTES; returns the jobs queued or running."""
         states = self.states(client, None)
+        observe_jobs(states.values())
         now, active, kept = time.time(), 0, []
         for job_id, found in states.items():
             if found.status in ACTIVE:
