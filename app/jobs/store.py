@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..core.engine import elements_per_chunk
+from ..core.errors import BlockgradError
 from ..core.job_tasks import JobOutcome, JobSpec
 from ..core.request import GradientRequest
 from ..core.settings import Settings
@@ -171,7 +172,14 @@ class JobStore:
         futures = call(client, client._get_dataset, dataset_name(job_id), default=None)
         if futures is None:
             raise job_not_found(job_id)
-        [outcome] = call(client, client._gather, [futures[0]], timeout_s=RESULT_TIMEOUT_S)
+        try:
+            [outcome] = call(client, client._gather, [futures[0]], timeout_s=RESULT_TIMEOUT_S)
+        except BlockgradError:
+            raise
+        except Exception:  # noqa: BLE001 - the result was lost with the worker that held it
+            log.warning("job_result_lost", extra={"fields": {"job": job_id}})
+            self.forget(client, job_id, quiet=True)
+            raise job_not_found(job_id) from None
         return found.record, outcome
 
     def cancel(self, job_id: str) -> dict[str, Any] | None:
