@@ -41,8 +41,8 @@ def read_body(request: Request) -> bytes:
     declared = request.content_length if request.content_length is not None else request.max_content_length
     if declared:  # reserved before reading: what the body may take until its sizes are known
         limit = request.max_content_length
-        reserve_for_request(body_parse_bytes(min(declared, limit) if limit else declared,
-                                             binary=request.mimetype == "application/octet-stream"))
+        binary = request.mimetype in ("application/octet-stream", "application/x-npy")  # /v2, a .npy job
+        reserve_for_request(body_parse_bytes(min(declared, limit) if limit else declared, binary=binary))
     seconds = current_settings().read_timeout_s
     with ReadAlarm(request.environ, seconds) as alarm:
         try:

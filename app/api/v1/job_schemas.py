@@ -72,7 +72,8 @@ class JobResultSchema(Schema):
     bounds = fields.List(fields.Integer(), required=True)
     objective = fields.String(required=True)
     dtype = fields.String(required=True)
-    device = fields.String(required=True, metadata={"description": "Where it was computed: cpu (the cluster's workers)."})
+    device = fields.String(required=True, metadata={
+        "description": "Where it was computed: cpu (the cluster's workers)."})
     accumulated = fields.Raw(metadata={"type": "array", "items": {"type": "array", "items": {"type": "number"}},
                                        "description": "(N, D), if asked for."})
     losses = fields.Raw(metadata={"type": "array", "items": {"type": "array", "items": {"type": "number"}},
