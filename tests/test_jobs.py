@@ -299,6 +299,24 @@ def test_unreachable_scheduler_is_503_within_5_s_and_v1_unaffected():
     assert ready.status_code == 200 and ready.get_json()["cluster"]["connected"] is False
 
 
+@pytest.mark.skipif(os.environ.get("JOBS_LARGE_TEST") != "1", reason="about 100 s on 2 loaded cores: JOBS_LARGE_TEST=1")
+def test_a_large_npy_job_succeeds(client):
+    """N = 16,384 > BLOCKGRAD_MAX_N, D = 32, F = 64, `sum`: every gradient entry is 1, so the
+    accumulated gradient is exactly 2N everywhere, and a block's loss is its sum plus 5 per entry."""
+    n, dim, factor = 16384, 32, 64
+    vectors = np.random.default_rng(2).standard_normal((n, dim)).astype(np.float32)
+    job = client.post(f"/v1/jobs?factor={factor}&objective=sum", data=npy(vectors),
+                      content_type="application/x-npy").get_json()
+    assert wait_for_job(client, job["id"], 600)["status"] == "succeeded"
+    got = client.get(f"/v1/jobs/{job['id']}/result", headers={"Accept": "application/x-npz"})
+    arrays = np.load(io.BytesIO(got.data), allow_pickle=False)
+    assert np.all(arrays["accumulated"] == 2 * n)
+    side = n // factor
+    sums = vectors.astype(np.float64).reshape(factor, side, dim).sum(axis=(1, 2))  # (F,)
+    expected = side * (sums[:, None] + sums[None, :]) + 5.0 * side * side * 2 * dim
+    assert np.abs(arrays["losses"] - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
 SUBMIT_AND_DIE = """
 import os, sys
 import numpy as np

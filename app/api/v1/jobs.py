@@ -150,7 +150,7 @@ def job_request() -> GradientRequest:
     {"in": "header", "name": "Idempotency-Key", "required": False, "schema": {"type": "string"},
      "description": "A retried POST with the same key gets the same job instead of a second one."},
     *({"in": "query", "name": name, "required": False, "schema": {"type": "string"},
-       "description": f"With a .npy body: the JSON body's `{name}`" + (", comma-separated" if name == "outputs" else "")}
+       "description": f"With a .npy body: the JSON body's `{name}`" + (", comma-separated" * (name == "outputs"))}
       for name in QUERY_FIELDS)])
 @blp.response(202, JobSchema, headers={"Location": {"description": "/v1/jobs/{id}", "schema": {"type": "string"}}})
 @documents_errors(blp, "bad_request", "bad_json", "unauthorized", "too_large", "limit_exceeded",
