@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from gunicorn import systemd
 
 from app.core.settings import Settings
+from app.jobs import cluster
 
 from . import addresses, metrics_archive, recycling, tuning, warmup
 from .metrics_dir import MetricsDir, value_file_kinds
@@ -34,6 +35,7 @@ class Process:
     metrics: MetricsDir | None = None
     metric_kinds: set[str] = field(default_factory=set)
     recycling: WorkerRecycling | None = None
+    cluster: cluster.EmbeddedCluster | None = None  # the embedded Dask cluster (docs/jobs.md)
 
 
 process = Process()
@@ -49,6 +51,8 @@ def on_starting(server):
     process.settings = Settings.from_env()
     process.metrics = MetricsDir.prepare(server.cfg.worker_tmp_dir)
     recycling.enforce_floor(server.cfg, server.log)
+    # Before the app is imported: the workers' settings carry the embedded cluster's address.
+    process.cluster = cluster.start_for_gunicorn(process.settings.dask_workers)
     if warmup.warm_start(process.settings.device):
         import wsgi  # noqa: F401 - no torch op runs here
     from app.http import metrics  # prometheus-client only: which value files a worker writes
@@ -117,5 +121,6 @@ def child_exit(server, worker):
 
 
 def on_exit(server):
+    cluster.stop_embedded(process.cluster)
     if process.metrics is not None:
         process.metrics.remove()
