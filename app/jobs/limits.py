@@ -3,7 +3,7 @@ limits do not apply to jobs)."""
 import math
 
 from ..core.errors import limit_exceeded
-from ..core.limits import block_elements
+from ..core.admission import block_elements
 from ..core.settings import Settings
 from .errors import job_too_many_vectors
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from gunicorn import systemd
 
 from app.core.settings import Settings
-from app.jobs import cluster
+from app.jobs import cluster as dask_cluster
 
 from . import addresses, metrics_archive, recycling, tuning, warmup
 from .metrics_dir import MetricsDir, value_file_kinds
@@ -35,7 +35,7 @@ class Process:
     metrics: MetricsDir | None = None
     metric_kinds: set[str] = field(default_factory=set)
     recycling: WorkerRecycling | None = None
-    cluster: cluster.EmbeddedCluster | None = None  # the embedded Dask cluster (docs/jobs.md)
+    cluster: dask_cluster.EmbeddedCluster | None = None  # the embedded Dask cluster (docs/jobs.md)
 
 
 process = Process()
@@ -52,7 +52,7 @@ def on_starting(server):
     process.metrics = MetricsDir.prepare(server.cfg.worker_tmp_dir)
     recycling.enforce_floor(server.cfg, server.log)
     # Before the app is imported: the workers' settings carry the embedded cluster's address.
-    process.cluster = cluster.start_for_gunicorn(process.settings.dask_workers)
+    process.cluster = dask_cluster.start_for_gunicorn(process.settings.dask_workers)
     if warmup.warm_start(process.settings.device):
         import wsgi  # noqa: F401 - no torch op runs here
     from app.http import metrics  # prometheus-client only: which value files a worker writes
@@ -121,6 +121,6 @@ def child_exit(server, worker):
 
 
 def on_exit(server):
-    cluster.stop_embedded(process.cluster)
+    dask_cluster.stop_embedded(process.cluster)
     if process.metrics is not None:
         process.metrics.remove()

@@ -4,7 +4,7 @@ from marshmallow import Schema, ValidationError, fields, pre_load
 from marshmallow.validate import Length
 
 from ...core.errors import many_unknown, unknown_fields
-from ...http.settings import current_settings
+from ...extensions import services
 from ...jobs.limits import admit_job
 from .schemas import GradientRequestSchema
 
@@ -34,7 +34,7 @@ class JobRequestSchema(GradientRequestSchema):
         vectors = data.get("vectors") if isinstance(data, dict) else None
         if isinstance(vectors, list) and vectors and isinstance(vectors[0], list):
             factor = data.get("factor")
-            admit_job(len(vectors), len(vectors[0]), factor if type(factor) is int else None, current_settings())
+            admit_job(len(vectors), len(vectors[0]), factor if type(factor) is int else None, services().settings)
         return data
 
 

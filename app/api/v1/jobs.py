@@ -20,7 +20,7 @@ from ...core.vectors import MatrixError, check_matrix
 from ...http.docs import documents_errors
 from ...http.errors import HttpError, bad_request, unsupported_media_type
 from ...http.parsing import ApiBlueprint, decode_json, is_json_mimetype, read_body
-from ...http.settings import current_objectives, current_settings
+from ...extensions import services
 from ...http.streaming import NUMPY
 from ...jobs.limits import admit_job
 from ...jobs.store import JobStore
@@ -47,7 +47,7 @@ def job_store() -> JobStore:
     """One per app (and process): holds no connection until the first job route."""
     store = current_app.extensions.get(STORE)
     if store is None:
-        store = current_app.extensions[STORE] = JobStore(current_settings())
+        store = current_app.extensions[STORE] = JobStore(services().settings)
     return store
 
 
@@ -112,18 +112,18 @@ def query_request(vectors: np.ndarray) -> GradientRequest:
     values["outputs"] = outputs
     if errors:
         raise validation_error(errors)
-    admit_job(vectors.shape[0], vectors.shape[1], values.get("factor"), current_settings())
+    admit_job(vectors.shape[0], vectors.shape[1], values.get("factor"), services().settings)
     try:
         vectors = check_matrix(vectors)
     except MatrixError as exc:
         raise field_error("vectors", str(exc)) from None
-    return build_request(vectors, objectives=current_objectives(), **values)
+    return build_request(vectors, objectives=services().objectives, **values)
 
 
 def job_request() -> GradientRequest:
     mimetype = request.mimetype
     if mimetype == NPY:
-        limit = current_settings().max_job_body_bytes
+        limit = services().settings.max_job_body_bytes
         request.max_content_length = limit
         try:
             data = read_body(request)
