@@ -259,7 +259,7 @@ def status_of(error: BlockgradError) -> int:
 MAX_ERROR_BODY_BYTES = 16 * 1024
 MAX_MESSAGE_CHARS = 2048
 MAX_DETAIL_CHARS = 512
-MAX_DETAIL_ITEMS = 32  # a list of this server's routes fits whole
+MAX_DETAIL_ITEMS = 24  # a list of this server's routes (20) fits whole
 MAX_DETAIL_DEPTH = 4
 TRUNCATED_KEY = "_truncated"  # in a cut map: how many entries were left out
 

@@ -3,11 +3,11 @@ scheduler, and counts of this service's job events."""
 from prometheus_client import Counter, Gauge
 
 JOBS = Gauge("blockgrad_jobs", "Jobs on the scheduler by status, as of the last POST /v1/jobs.",
-             ["status"], multiprocess_mode="mostrecent")
+             ["status"], multiprocess_mode="livemostrecent")
 BLOCKS_DONE = Gauge("blockgrad_job_blocks_done", "Blocks done of the queued and running jobs, as of the last "
-                    "POST /v1/jobs.", multiprocess_mode="mostrecent")
+                    "POST /v1/jobs.", multiprocess_mode="livemostrecent")
 WORKERS = Gauge("blockgrad_cluster_workers", "Dask workers on the scheduler, as of the last POST /v1/jobs.",
-                multiprocess_mode="mostrecent")
+                multiprocess_mode="livemostrecent")
 EVENTS = Counter("blockgrad_job_events", "Job submissions and cancellations answered by this service.", ["event"])
 STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 

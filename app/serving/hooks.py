@@ -56,8 +56,9 @@ def on_starting(server):
     if warmup.warm_start(process.settings.device):
         import wsgi  # noqa: F401 - no torch op runs here
     from app.http import metrics  # prometheus-client only: which value files a worker writes
+    from app.jobs import metrics as job_metrics
 
-    process.metric_kinds = value_file_kinds(metrics)
+    process.metric_kinds = value_file_kinds(metrics) | value_file_kinds(job_metrics)
     process.metrics.empty()  # the master's own (empty) value files: it never serves
 
 
