@@ -213,17 +213,21 @@ def test_manifest_is_valid_kubernetes(path, version):
                          ids=lambda p: str(p.relative_to(K8S)))
 def test_kustomization_applies_every_manifest_beside_it(kustomization):
     listed = set(yaml.safe_load(kustomization.read_text())["resources"])
+    bases = {entry for entry in listed if not entry.endswith(".yaml")}  # an overlay's base (dask/: ../)
+    assert all((kustomization.parent / base / "kustomization.yaml").exists() for base in bases)
     beside = {p.name for p in kustomization.parent.glob("*.yaml") if p.name != "kustomization.yaml"}
-    assert listed == beside
+    assert listed - bases == beside
 
 
 def test_the_expected_resources_exist():
     kinds = sorted((doc["kind"], doc["metadata"]["name"]) for p in manifest_paths() for doc in load(p))
     assert kinds == [
         ("Deployment", "blockgrad"), ("Deployment", "blockgrad-gpu"),
+        ("Deployment", "dask-scheduler"), ("Deployment", "dask-worker"),
         ("HorizontalPodAutoscaler", "blockgrad"),
+        ("NetworkPolicy", "dask-scheduler"), ("NetworkPolicy", "dask-worker"),
         ("PodDisruptionBudget", "blockgrad"), ("PodDisruptionBudget", "blockgrad-gpu"),
-        ("Service", "blockgrad"), ("Service", "blockgrad-gpu"),
+        ("Service", "blockgrad"), ("Service", "blockgrad-gpu"), ("Service", "dask-scheduler"),
     ]
 
 
@@ -320,3 +324,22 @@ def test_gpu_deployment_takes_one_gpu_with_one_worker(monkeypatch, tmp_path):
 def test_disruption_budgets_never_block_a_drain():
     for _, pdb in resources("PodDisruptionBudget"):
         assert pdb["spec"].get("maxUnavailable") == 1 and "minAvailable" not in pdb["spec"]
+
+
+def test_dask_overlay_points_blockgrad_at_its_scheduler_and_fences_the_scheduler():
+    overlay = yaml.safe_load((K8S / "dask" / "kustomization.yaml").read_text())
+    [patch] = overlay["patches"]
+    assert patch["target"] == {"kind": "Deployment", "name": "blockgrad"}
+    [operation] = yaml.safe_load(patch["patch"])
+    assert operation["value"] == {"name": "BLOCKGRAD_DASK_SCHEDULER", "value": "tcp://dask-scheduler:8786"}
+    [(_, service)] = [(p, d) for p, d in resources("Service") if d["metadata"]["name"] == "dask-scheduler"]
+    assert service["spec"]["ports"][0]["port"] == 8786
+    policies = {d["metadata"]["name"]: d for _, d in resources("NetworkPolicy")}
+    scheduler = policies["dask-scheduler"]["spec"]
+    assert scheduler["podSelector"]["matchLabels"] == service["spec"]["selector"]
+    allowed = [peer["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
+               for rule in scheduler["ingress"] for peer in rule["from"]]
+    assert sorted(allowed) == ["api", "dask-worker"]
+    for name in ("dask-scheduler", "dask-worker"):
+        command = container(deployment_named(name))["command"]
+        assert command[:4] == ["python", "-m", "dask", name.split("-")[1]] and "--no-dashboard" in command

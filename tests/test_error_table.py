@@ -61,6 +61,18 @@ class FiredAlarm:
         pass
 
 
+class RunningJobs:
+    """A job store whose every job is still running."""
+
+    def __init__(self, settings):
+        pass
+
+    def result(self, job_id):
+        from app.jobs.errors import job_not_done
+
+        raise job_not_done(job_id, "running")
+
+
 # code -> (settings, the request that triggers it, patches (target, value), error style)
 TRIGGERS = {
     "bad_request": ({}, post_v1(), [("app.http.parsing.read_body",
@@ -86,6 +98,11 @@ TRIGGERS = {
                                      ("app.http.parsing.read_arriving", fail_with(ClientDisconnected()))], None),
     "overloaded": ({}, post_v1(), [("app.http.pipeline.compute_slot", lambda deadline: full_gate().acquire(deadline))], None),
     "client_closed": ({}, post_v1(), [("app.core.deadline.Deadline", ClientGone)], None),
+    "job_not_found": ({}, lambda c: c.get("/v1/jobs/nope"), [], None),
+    "job_not_done": ({}, lambda c: c.get(f"/v1/jobs/{'0' * 32}/result"), [("app.api.v1.jobs.JobStore", RunningJobs)],
+                     None),
+    "cluster_unavailable": ({"BLOCKGRAD_DASK_SCHEDULER": "tcp://127.0.0.1:1"}, lambda c: c.get(f"/v1/jobs/{'0' * 32}"),
+                            [], None),
 }
 
 
@@ -97,6 +114,9 @@ CONTRACT = {
     "unauthorized": (401, {}, ["Authorization: Bearer"], {"WWW-Authenticate": "Bearer"}),
     "not_found": (404, None, ["/v1/gradient", "POST /v1/gradients"], {}),
     "model_not_found": (404, None, ["other", "blockgrad"], {}),
+    "job_not_found": (404, {"id": "nope"}, ["nope"], {}),
+    "job_not_done": (409, {"status": "running"}, ["running"], {"Retry-After": ""}),
+    "cluster_unavailable": (503, {"scheduler": "tcp://127.0.0.1:1"}, ["scheduler"], {"Retry-After": ""}),
     "method_not_allowed": (405, {"allowed": ["GET", "HEAD", "OPTIONS"]}, ["POST", "GET"], {"Allow": "GET"}),
     "too_large": (413, {"limit": "BLOCKGRAD_MAX_BODY_BYTES", "allowed": 32 * 1024 * 1024}, ["33554432"], {}),
     "limit_exceeded": (413, {"limit": "BLOCKGRAD_MAX_N", "value": 8193, "allowed": 8192},

@@ -146,8 +146,9 @@ def test_the_app_defines_live_gauges_only():
     from prometheus_client import Gauge
 
     from app.http import metrics
+    from app.jobs import metrics as job_metrics
 
-    gauges = [value for value in vars(metrics).values() if isinstance(value, Gauge)]
+    gauges = [value for module in (metrics, job_metrics) for value in vars(module).values() if isinstance(value, Gauge)]
     assert gauges and all(gauge._multiprocess_mode.startswith("live") for gauge in gauges)
 
 

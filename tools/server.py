@@ -56,6 +56,13 @@ def children(pid: int) -> list[int]:
         return []
 
 
+def is_dask_process(pid: int) -> bool:
+    try:
+        return b" -m dask " in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return False
+
+
 def status_kib(pid: int, field: str) -> int:
     """A memory field of /proc/<pid>/status, in KiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -105,7 +112,8 @@ class Server:
         return self.process.pid
 
     def worker_pids(self) -> list[int]:
-        return children(self.pid)
+        """gunicorn's workers: the master's children but the embedded Dask cluster's."""
+        return [pid for pid in children(self.pid) if not is_dask_process(pid)]
 
     def worker_peak_rss_bytes(self) -> int:
         """The largest VmHWM among the workers: the one that served the biggest request."""
@@ -157,7 +165,9 @@ def gunicorn_server(workers: int | None = 2, env: dict[str, str] | None = None, 
     GUNICORN_CMD_ARGS="--worker-class sync"). app: the WSGI app (the benchmark's no-op floor).
     """
     port = free_port()
-    full_env = {**os.environ, "BLOCKGRAD_BIND": f"127.0.0.1:{port}"}
+    # No embedded Dask cluster unless a test asks for one (docs/jobs.md): two more processes
+    # importing torch would slow every server start on a small machine.
+    full_env = {"BLOCKGRAD_DASK_SCHEDULER": "off", **os.environ, "BLOCKGRAD_BIND": f"127.0.0.1:{port}"}
     if workers is not None:
         full_env["WEB_CONCURRENCY"] = str(workers)
     if device is not None:

@@ -5,6 +5,7 @@ from ..core.device import ready_device
 from ..http.docs import OPEN_ROUTE, documents_errors
 from ..http.parsing import ApiBlueprint
 from ..extensions import services
+from ..jobs.client import cluster_report
 from flask import g
 
 blp = ApiBlueprint("health", __name__, description="Liveness and readiness probes.")
@@ -18,6 +19,10 @@ class ReadySchema(Schema):
     status = fields.String(required=True, metadata={"example": "ready", "description": "Always `ready`."})
     device = fields.String(required=True, metadata={
         "example": "cpu", "description": "The device this worker computes on (BLOCKGRAD_DEVICE resolved)."})
+    cluster = fields.Dict(metadata={
+        "description": "The jobs' Dask cluster as this worker last saw it, never asked here (readiness is about "
+                     "synchronous serving): scheduler address, connected, workers (null before a job route "
+                     "connected this worker). Informational: it never makes /readyz fail."})
 
 @blp.route("/healthz", methods=["GET"])
 @blp.doc(**OPEN_ROUTE)
@@ -37,6 +42,7 @@ def healthz():
 @documents_errors(blp, "not_ready", "internal_error")
 def readyz():
     """torch is loaded and the configured device runs a small computation."""
-    device = ready_device(services().settings.device)  # not_ready if it cannot
+    settings = services().settings
+    device = ready_device(settings.device)  # not_ready if it cannot
     g.device = str(device)  # for the device metric (app/http/request_record.py)
-    return {"status": "ready", "device": str(device)}
+    return {"status": "ready", "device": str(device), "cluster": cluster_report(settings.dask_scheduler)}

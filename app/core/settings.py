@@ -142,6 +142,16 @@ class Settings:
     # name gunicorn itself and platforms such as Heroku use, hence no BLOCKGRAD_ prefix.
     bind: str = "127.0.0.1:8000"
     workers: int = field(default_factory=default_workers, metadata={"env": "WEB_CONCURRENCY"})
+    # Jobs (docs/jobs.md): an existing Dask scheduler's address; None: gunicorn starts an
+    # embedded cluster of dask_workers single-threaded workers on 127.0.0.1.
+    dask_scheduler: str | None = None
+    dask_workers: int = field(default_factory=available_cores)
+    max_job_n: int = 131072
+    max_job_body_bytes: int = 256 * 1024 * 1024  # .npy bodies; N = 131072 x D = 64 float64 is 64 MiB
+    max_job_block_elements: int = 16 * 1024 * 1024
+    max_jobs: int = 16  # queued + running, all workers and pods sharing the scheduler
+    job_ttl_s: float = 3600.0  # how long a finished job and its result are kept
+    max_job_results_bytes: int = 2 * 1024 * 1024 * 1024  # retained results; the oldest finished go first
 
     @classmethod
     def from_env(cls, environ: Mapping[str, Any] = os.environ) -> "Settings":

@@ -21,6 +21,7 @@ from ..core import errors as core
 from ..core.errors import BlockgradError, cut_text
 from ..extensions import services_of
 from .connection import drop_connection
+from ..jobs import errors as jobs
 
 log = logging.getLogger("blockgrad")
 
@@ -188,6 +189,15 @@ ERRORS: dict[str, ErrorCode] = {
                                  "(`details.limit` then names the setting): refused at once, retry after "
                                  "Retry-After (any replica)",
                             lambda: core.overloaded(4), RETRY_AFTER),
+    # Jobs (docs/jobs.md).
+    "job_not_found": ErrorCode(404, "/v1/jobs: no such job (unknown, or forgotten after BLOCKGRAD_JOB_TTL_S, a DELETE "
+                                    "or a scheduler restart)", lambda: jobs.job_not_found("nope")),
+    "job_not_done": ErrorCode(409, "/v1/jobs/{id}/result before the job succeeded; `details.status` says where it is "
+                                   "(with Retry-After while queued or running)",
+                              lambda: jobs.job_not_done("0" * 32, "running"), RETRY_AFTER),
+    "cluster_unavailable": ErrorCode(503, "/v1/jobs: the Dask scheduler did not answer within a few seconds "
+                                          "(synchronous routes are unaffected; see Retry-After)",
+                                     lambda: jobs.cluster_unavailable("tcp://127.0.0.1:1"), RETRY_AFTER),
     "client_closed": ErrorCode(499, "never sent: the client closed (or half-closed) the connection before the "
                                     "answer was complete; the computation stopped and the connection is closed "
                                     "without a byte more (logged and counted under this code)",
@@ -249,7 +259,7 @@ def status_of(error: BlockgradError) -> int:
 MAX_ERROR_BODY_BYTES = 16 * 1024
 MAX_MESSAGE_CHARS = 2048
 MAX_DETAIL_CHARS = 512
-MAX_DETAIL_ITEMS = 16
+MAX_DETAIL_ITEMS = 24  # a list of this server's routes (20) fits whole
 MAX_DETAIL_DEPTH = 4
 TRUNCATED_KEY = "_truncated"  # in a cut map: how many entries were left out
 

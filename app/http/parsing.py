@@ -38,7 +38,7 @@ def read_body(request: Request) -> bytes:
     encoding = request.headers.get("Content-Encoding", "").strip().lower()
     if encoding not in ("", "identity"):
         raise compressed_body(encoding)
-    binary = request.mimetype == "application/octet-stream"
+    binary = request.mimetype in ("application/octet-stream", "application/x-npy")  # /v2, a .npy job
     declared = request.content_length
     limit = request.max_content_length
     if declared:  # the request's own size alone: what others hold plays no part

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from gunicorn import systemd
 
 from app.core.settings import Settings
+from app.jobs import cluster as dask_cluster
 
 from . import addresses, metrics_archive, recycling, tuning, warmup
 from .metrics_dir import MetricsDir, value_file_kinds
@@ -34,6 +35,7 @@ class Process:
     metrics: MetricsDir | None = None
     metric_kinds: set[str] = field(default_factory=set)
     recycling: WorkerRecycling | None = None
+    cluster: dask_cluster.EmbeddedCluster | None = None  # the embedded Dask cluster (docs/jobs.md)
 
 
 process = Process()
@@ -49,11 +51,14 @@ def on_starting(server):
     process.settings = Settings.from_env()
     process.metrics = MetricsDir.prepare(server.cfg.worker_tmp_dir)
     recycling.enforce_floor(server.cfg, server.log)
+    # Before the app is imported: the workers' settings carry the embedded cluster's address.
+    process.cluster = dask_cluster.start_for_gunicorn(process.settings.dask_workers)
     if warmup.warm_start(process.settings.device):
         import wsgi  # noqa: F401 - no torch op runs here
     from app.http import metrics  # prometheus-client only: which value files a worker writes
+    from app.jobs import metrics as job_metrics
 
-    process.metric_kinds = value_file_kinds(metrics)
+    process.metric_kinds = value_file_kinds(metrics) | value_file_kinds(job_metrics)
     process.metrics.empty()  # the master's own (empty) value files: it never serves
 
 
@@ -117,5 +122,6 @@ def child_exit(server, worker):
 
 
 def on_exit(server):
+    dask_cluster.stop_embedded(process.cluster)
     if process.metrics is not None:
         process.metrics.remove()

@@ -11,6 +11,7 @@ Depends on numpy, requests and ijson only (no torch, no Flask).
 from .client import Client
 from .errors import BlockgradError
 from .gradients import Block, GradientResult
+from .jobs import Job
 
-__all__ = ["Client", "BlockgradError", "Block", "GradientResult"]
+__all__ = ["Client", "BlockgradError", "Block", "GradientResult", "Job"]
 __version__ = "0.1.0"

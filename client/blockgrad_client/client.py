@@ -22,6 +22,7 @@ import urllib3
 from . import infer as codec
 from .errors import ERROR_BODY_BYTES, BlockgradError, error_from_answer
 from .gradients import GradientResult, collect, iter_gradient_answer
+from .jobs import Job, submit_job
 
 RETRYABLE_CODES = {"overloaded"}
 BACKOFF_S = (0.2, 0.5, 1.0, 2.0)  # waits when the answer gives no Retry-After
@@ -113,6 +114,12 @@ class Client:
         except (ValueError, KeyError, TypeError) as exc:
             raise BlockgradError("bad_response", f"The /v2 answer could not be read: {exc}", status=200) from exc
         return tensors
+
+    def submit_job(self, vectors, **fields) -> Job:
+        """POST /v1/jobs: `vectors` (N, D) sent as a .npy body, and the job's fields (factor,
+        objective, offset, outputs, dtype; idempotency_key, default a fresh one). The Job has
+        status(), wait(timeout=None, progress=False), result() (numpy arrays) and cancel()."""
+        return submit_job(self, vectors, **fields)
 
     def objectives(self, *, timeout: float | None = None) -> list[dict]:
         """GET /v1/objectives: the built-ins and the operator's models (name, kind, dim, dtypes, description)."""

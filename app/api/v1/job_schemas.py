@@ -1,0 +1,80 @@
+"""/v1/jobs' request and response shapes: the body of /v1/gradients, with a job's outputs
+and a job's limits instead of the synchronous ones."""
+from marshmallow import Schema, ValidationError, fields, pre_load
+from marshmallow.validate import Length
+
+from ...core.errors import many_unknown, unknown_fields
+from ...extensions import services
+from ...jobs.limits import admit_job
+from .schemas import GradientRequestSchema
+
+JOB_OUTPUTS = ("accumulated", "losses")
+BLOCKS_REFUSED = ("A job cannot return blocks: its block gradients are N x N x 2D numbers (far more than any "
+                  "answer should carry); ask for accumulated and/or losses, or use POST /v1/gradients for blocks.")
+
+
+def job_output(name: str) -> None:
+    if name == "blocks":
+        raise ValidationError(BLOCKS_REFUSED)
+    if name not in JOB_OUTPUTS:
+        raise ValidationError(f"Must be one of: {', '.join(JOB_OUTPUTS)}.")
+
+
+class JobRequestSchema(GradientRequestSchema):
+    outputs = fields.List(fields.String(validate=job_output), load_default=JOB_OUTPUTS, validate=Length(min=1),
+                          metadata={"description": "Which results the job keeps: a non-empty subset of "
+                                                   "accumulated, losses (default both; repeats are ignored). "
+                                                   "blocks is refused (422): N x N x 2D numbers."})
+
+    @pre_load
+    def admit_sizes(self, data, **kwargs):
+        unknown = many_unknown(data, self.fields)
+        if unknown:
+            raise unknown_fields(unknown, self.fields)
+        vectors = data.get("vectors") if isinstance(data, dict) else None
+        if isinstance(vectors, list) and vectors and isinstance(vectors[0], list):
+            factor = data.get("factor")
+            admit_job(len(vectors), len(vectors[0]), factor if type(factor) is int else None, services().settings)
+        return data
+
+
+JobRequestSchema.error_messages = {
+    "unknown": f"Unknown field; the fields are {', '.join(JobRequestSchema._declared_fields)}."}
+
+
+class ProgressSchema(Schema):
+    blocks_done = fields.Integer(required=True)
+    blocks_total = fields.Integer(required=True, metadata={"description": "F * F."})
+
+
+class JobSchema(Schema):
+    id = fields.String(required=True, metadata={"description": "128 random bits, hexadecimal."})
+    status = fields.String(required=True, metadata={
+        "enum": ["queued", "running", "succeeded", "failed", "cancelled"]})
+    n = fields.Integer(required=True)
+    dim = fields.Integer(required=True)
+    factor = fields.Integer(required=True)
+    objective = fields.String(required=True)
+    dtype = fields.String(required=True)
+    outputs = fields.List(fields.String(), required=True)
+    progress = fields.Nested(ProgressSchema, required=True)
+    created_at = fields.String(required=True, metadata={"description": "RFC 3339, UTC."})
+    started_at = fields.String(allow_none=True, required=True, metadata={"description": "RFC 3339 or null."})
+    finished_at = fields.String(allow_none=True, required=True, metadata={"description": "RFC 3339 or null."})
+    error = fields.Raw(allow_none=True, required=True, metadata={
+        "type": "object", "description": "null, or the usual {code, message, details} of a failed job."})
+
+
+class JobResultSchema(Schema):
+    n = fields.Integer(required=True)
+    dim = fields.Integer(required=True)
+    factor = fields.Integer(required=True)
+    bounds = fields.List(fields.Integer(), required=True)
+    objective = fields.String(required=True)
+    dtype = fields.String(required=True)
+    device = fields.String(required=True, metadata={
+        "description": "Where it was computed: cpu (the cluster's workers)."})
+    accumulated = fields.Raw(metadata={"type": "array", "items": {"type": "array", "items": {"type": "number"}},
+                                       "description": "(N, D), if asked for."})
+    losses = fields.Raw(metadata={"type": "array", "items": {"type": "array", "items": {"type": "number"}},
+                                  "description": "(F, F), if asked for."})

@@ -1,0 +1,201 @@
+"""/v1/jobs: a computation too large for one request, run on the Dask cluster (docs/jobs.md).
+
+POST takes /v1/gradients' JSON body, or the vectors as a .npy file (application/x-npy)
+with the other fields as query parameters; GET reads the job record or its result;
+DELETE cancels a queued or running job and forgets a finished one.
+"""
+import io
+
+import numpy as np
+import orjson
+from flask import Response, current_app, request
+from marshmallow import ValidationError
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from ...core.engine import block_bounds
+from ...core.errors import field_error, validation_error
+from ...core.objectives import OBJECTIVES
+from ...core.request import GradientRequest, build_request
+from ...core.vectors import MatrixError, check_matrix
+from ...http.docs import documents_errors
+from ...http.errors import HttpError, bad_request, unsupported_media_type
+from ...http.parsing import ApiBlueprint, decode_json, is_json_mimetype, read_body
+from ...extensions import services
+from ...http.streaming import NUMPY
+from ...jobs.limits import admit_job
+from ...jobs.store import JobStore
+from .job_schemas import JOB_OUTPUTS, JobRequestSchema, JobResultSchema, JobSchema, job_output
+
+blp = ApiBlueprint("jobs", __name__, url_prefix="/v1",
+                   description="Jobs: gradients of any size up to BLOCKGRAD_MAX_JOB_N, computed on the Dask cluster.")
+
+NPY = "application/x-npy"
+NPZ = "application/x-npz"
+STORE = "blockgrad_jobs"
+QUERY_FIELDS = ("factor", "objective", "offset", "outputs", "dtype")
+JOB_SCHEMA = JobRequestSchema()
+NPY_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
+REQUEST_BODY = {"required": True, "content": {
+    "application/json": {"schema": JobRequestSchema},
+    NPY: {"schema": {"type": "string", "format": "binary",
+                     "description": "A .npy file of shape (N, D), float32 or float64 (the job's dtype; never a "
+                                    "pickle); factor, objective, offset, outputs (comma-separated) and dtype as "
+                                    "query parameters. At most BLOCKGRAD_MAX_JOB_BODY_BYTES."}}}}
+
+
+def job_store() -> JobStore:
+    """One per app (and process): holds no connection until the first job route."""
+    store = current_app.extensions.get(STORE)
+    if store is None:
+        store = current_app.extensions[STORE] = JobStore(services().settings)
+    return store
+
+
+def json_response(body, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(orjson.dumps(body, option=NUMPY), status=status, headers=headers, mimetype="application/json")
+
+
+def job_body_too_large(limit_bytes: int) -> HttpError:
+    return HttpError("too_large", f"The .npy body is over BLOCKGRAD_MAX_JOB_BODY_BYTES = {limit_bytes} bytes; "
+                                  "send fewer or shorter vectors.",
+                     {"limit": "BLOCKGRAD_MAX_JOB_BODY_BYTES", "allowed": limit_bytes})
+
+
+def load_npy(data: bytes) -> np.ndarray:
+    """An (N, D) float32 or float64 array, never unpickled; 400 if it is not a .npy file."""
+    try:
+        array = np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
+    except ValueError as exc:
+        if "pickle" in str(exc).lower():
+            raise field_error("vectors", "The .npy holds Python objects (a pickle), which are never loaded; "
+                                         "send an (N, D) float32 or float64 array.") from None
+        raise bad_request(f"The body is not a readable .npy file ({exc}); send numpy.save's output.") from None
+    except (EOFError, OSError) as exc:
+        raise bad_request(f"The body is not a complete .npy file ({exc}); send numpy.save's output.") from None
+    if array.dtype.kind != "f" or array.dtype.itemsize not in (4, 8):
+        raise field_error("vectors", f"The .npy holds {array.dtype}; send float32 or float64.")
+    if array.ndim != 2:
+        raise field_error("vectors", f"The .npy has shape {array.shape}; send (N, D).")
+    return np.ascontiguousarray(array, dtype=f"=f{array.dtype.itemsize}")  # native byte order
+
+
+def query_request(vectors: np.ndarray) -> GradientRequest:
+    """The other fields from the query string, with the same rules as the JSON body."""
+    args = request.args
+    unknown = sorted(set(args) - set(QUERY_FIELDS))
+    if unknown:
+        raise validation_error({name: ["Unknown query parameter."] for name in unknown},
+                               f"Unknown query parameters {', '.join(unknown)}; they are {', '.join(QUERY_FIELDS)}.")
+    errors, values = {}, {}
+    file_dtype = NPY_DTYPES[vectors.dtype]
+    values["dtype"] = args.get("dtype", file_dtype)
+    if values["dtype"] != file_dtype:
+        errors["dtype"] = [f"The .npy holds {file_dtype}: a .npy job's dtype is its file's; leave dtype out."]
+    for name, parse in (("factor", int), ("offset", float)):
+        if name in args:
+            try:
+                values[name] = parse(args[name])
+            except ValueError:
+                errors[name] = [f"Not a valid {'integer' if parse is int else 'number'}."]
+    if "offset" in values and not np.isfinite(values["offset"]):
+        errors["offset"] = ["Must be a finite number."]
+    if "objective" in args:
+        values["objective"] = args["objective"]
+    outputs = [name for name in args.get("outputs", ",".join(JOB_OUTPUTS)).split(",") if name]
+    for name in outputs:
+        try:
+            job_output(name)
+        except ValidationError as exc:
+            errors.setdefault("outputs", []).extend(exc.messages)
+    if not outputs:
+        errors["outputs"] = ["Name at least one of: accumulated, losses."]
+    values["outputs"] = outputs
+    if errors:
+        raise validation_error(errors)
+    admit_job(vectors.shape[0], vectors.shape[1], values.get("factor"), services().settings)
+    try:
+        vectors = check_matrix(vectors)
+    except MatrixError as exc:
+        raise field_error("vectors", str(exc)) from None
+    return build_request(vectors, objectives=services().objectives, **values)
+
+
+def job_request() -> GradientRequest:
+    mimetype = request.mimetype
+    if mimetype == NPY:
+        limit = services().settings.max_job_body_bytes
+        request.max_content_length = limit
+        try:
+            data = read_body(request)
+        except RequestEntityTooLarge:
+            raise job_body_too_large(limit) from None
+        req = query_request(load_npy(data))
+    elif is_json_mimetype(mimetype):
+        try:
+            req = JOB_SCHEMA.load(decode_json(read_body(request)))
+        except ValidationError as exc:
+            messages = exc.messages if isinstance(exc.messages, dict) else {"_schema": exc.messages}
+            raise validation_error(messages) from None
+    else:
+        raise unsupported_media_type(f"Send the body as Content-Type: application/json or {NPY} "
+                                     f"(got {mimetype or 'none'!r}).")
+    if req.objective not in OBJECTIVES:
+        raise field_error("objective", "Jobs run the built-in objectives only: "
+                                       f"{', '.join(OBJECTIVES)} (a model's program is not shipped to the cluster).")
+    return req
+
+
+@blp.route("/jobs", methods=["POST"])
+@blp.doc(requestBody=REQUEST_BODY, parameters=[
+    {"in": "header", "name": "Idempotency-Key", "required": False, "schema": {"type": "string"},
+     "description": "A retried POST with the same key gets the same job instead of a second one."},
+    *({"in": "query", "name": name, "required": False, "schema": {"type": "string"},
+       "description": f"With a .npy body: the JSON body's `{name}`" + (", comma-separated" * (name == "outputs"))}
+      for name in QUERY_FIELDS)])
+@blp.response(202, JobSchema, headers={"Location": {"description": "/v1/jobs/{id}", "schema": {"type": "string"}}})
+@documents_errors(blp, "bad_request", "bad_json", "unauthorized", "too_large", "limit_exceeded",
+                  "unsupported_media_type", "validation_error", "read_timeout", "overloaded", "cluster_unavailable",
+                  "internal_error")
+def post_job():
+    """Submit a job: answered at once (202) with its record; the job is visible from every worker by then."""
+    req = job_request()
+    key = request.headers.get("Idempotency-Key") or None
+    record, _ = job_store().submit(req, key)
+    return json_response(record, 202, {"Location": f"/v1/jobs/{record['id']}"})
+
+
+@blp.route("/jobs/<job_id>", methods=["GET"])
+@blp.response(200, JobSchema)
+@documents_errors(blp, "unauthorized", "job_not_found", "cluster_unavailable", "internal_error")
+def get_job(job_id: str):
+    """The job record: status, progress, times, error."""
+    return json_response(job_store().view(job_id))
+
+
+@blp.route("/jobs/<job_id>", methods=["DELETE"])
+@blp.response(200, JobSchema, description="The job was queued or running: now cancelled.")
+@blp.alt_response(204, description="The job had finished: forgotten, with its result.")
+@documents_errors(blp, "unauthorized", "job_not_found", "cluster_unavailable", "internal_error")
+def delete_job(job_id: str):
+    """Cancel a queued or running job (200, its record); forget a finished one (204)."""
+    record = job_store().cancel(job_id)
+    return Response(status=204) if record is None else json_response(record)
+
+
+@blp.route("/jobs/<job_id>/result", methods=["GET"])
+@blp.response(200, JobResultSchema, description=f"JSON; or, when Accept is exactly {NPZ}, a .npz file of the "
+                                                "outputs asked for and bounds.")
+@documents_errors(blp, "unauthorized", "job_not_found", "job_not_done", "cluster_unavailable", "internal_error")
+def get_result(job_id: str):
+    """A succeeded job's result: the shapes and number formatting of /v1/gradients."""
+    record, outcome = job_store().result(job_id)
+    outputs = list(record["outputs"])
+    bounds = block_bounds(record["n"], record["factor"])
+    arrays = {name: getattr(outcome, name) for name in outputs}
+    if request.headers.get("Accept", "").strip() == NPZ:
+        buffer = io.BytesIO()
+        np.savez(buffer, bounds=np.asarray(bounds, dtype=np.int64), **arrays)
+        return Response(buffer.getvalue(), mimetype=NPZ)
+    head = {"n": record["n"], "dim": record["dim"], "factor": record["factor"], "bounds": bounds,
+            "objective": record["objective"], "dtype": record["dtype"], "device": "cpu", **arrays}
+    return json_response(head)

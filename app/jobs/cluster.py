@@ -1,0 +1,107 @@
+"""The embedded Dask cluster: `dask scheduler` and `dask worker` processes on 127.0.0.1.
+
+Standard library only: gunicorn's master calls `start_embedded` from on_starting and
+`stop_embedded` from on_exit, and must create no Dask object and no thread (it forks
+workers at every recycle), so the cluster is plain subprocesses. They stay in the
+master's process group and get SIGTERM from the kernel when the master dies, SIGKILL
+included (PR_SET_PDEATHSIG). Workers run at nice 19, so that job tasks yield the CPU to
+synchronous requests. Each gunicorn worker connects its own Client after the fork
+(app/jobs/client.py), to the address this exports as BLOCKGRAD_DASK_SCHEDULER.
+"""
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent  # the repository: tasks import app.core there
+SCHEDULER_ENV = "BLOCKGRAD_DASK_SCHEDULER"
+OFF = "off"  # BLOCKGRAD_DASK_SCHEDULER=off: no cluster at all, job routes answer 503
+WORKER_NICE = 19
+PR_SET_PDEATHSIG = 1
+STOP_TIMEOUT_S = 10
+
+
+@dataclass
+class EmbeddedCluster:
+    address: str
+    processes: list[subprocess.Popen] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def die_with_parent(nice: int = 0):
+    """preexec_fn: SIGTERM when the parent dies (Linux), then lower the priority."""
+    def setup():
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        except (OSError, AttributeError):
+            pass  # not Linux: stop_embedded still stops them on a clean exit
+        if nice:
+            os.nice(nice)
+    return setup
+
+
+def cluster_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")  # one core per task (the tasks also set torch's threads)
+    return env
+
+
+def dask_command(*args: str) -> list[str]:
+    """`dask ...` with this interpreter, whatever the PATH."""
+    return [sys.executable, "-m", "dask", *args]
+
+
+def start_embedded(workers: int, memory_limit: str = "auto") -> EmbeddedCluster:
+    """Spawn a scheduler and `workers` single-threaded workers; returns at once (workers
+    join within seconds; a job route before that sees a cluster with no workers yet)."""
+    port = free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    env = cluster_env()
+    cluster = EmbeddedCluster(address)
+    cluster.processes.append(subprocess.Popen(
+        dask_command("scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"),
+        env=env, cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent()))
+    for _ in range(workers):
+        cluster.processes.append(subprocess.Popen(
+            dask_command("worker", address, "--host", "127.0.0.1", "--nthreads", "1", "--no-nanny",
+                         "--no-dashboard", "--memory-limit", memory_limit,
+                         "--preload", "app.core.job_tasks"),  # torch loaded before the first job
+            env=env, cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(WORKER_NICE)))
+    return cluster
+
+
+def stop_embedded(cluster: EmbeddedCluster | None, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM every process (workers first), then SIGKILL what is left after timeout_s."""
+    if cluster is None:
+        return
+    for process in reversed(cluster.processes):
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + timeout_s
+    for process in cluster.processes:
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
+def start_for_gunicorn(workers: int) -> EmbeddedCluster | None:
+    """on_starting: with BLOCKGRAD_DASK_SCHEDULER unset, start the embedded cluster and
+    export its address to the workers gunicorn forks; set (or `off`), start nothing."""
+    if os.environ.get(SCHEDULER_ENV, "").strip():
+        return None
+    cluster = start_embedded(workers)
+    os.environ[SCHEDULER_ENV] = cluster.address
+    return cluster

@@ -1,0 +1,36 @@
+"""A job's own limits, from its sizes alone (the synchronous N, block, answer and deadline
+limits do not apply to jobs)."""
+import math
+
+from ..core.errors import limit_exceeded
+from ..core.admission import block_elements
+from ..core.settings import Settings
+from .errors import job_too_many_vectors
+
+
+def fitting_factor(n: int, dim: int, allowed: int) -> int | None:
+    """The smallest factor whose largest block fits `allowed` numbers (fewest blocks: fastest)."""
+    if 2 * dim > allowed:
+        return None
+    start = max(1, math.floor(n / math.sqrt(allowed / (2 * dim))))
+    return next((f for f in range(start, n + 1) if block_elements(n, dim, f) <= allowed), None)
+
+
+def admit_job(n: int, dim: int, factor: int | None, settings: Settings) -> None:
+    if n > settings.max_job_n:
+        raise job_too_many_vectors(n, settings.max_job_n)
+    if dim > settings.max_d:
+        raise limit_exceeded(f"Vectors of length {dim} are over BLOCKGRAD_MAX_D = {settings.max_d}; send at most "
+                             f"{settings.max_d}.", "BLOCKGRAD_MAX_D", dim, settings.max_d)
+    if factor is None or not 1 <= factor <= n:
+        return  # the request's own validation names it
+    allowed = settings.max_job_block_elements
+    per_block = block_elements(n, dim, factor)
+    if per_block <= allowed:
+        return
+    suggested = fitting_factor(n, dim, allowed)
+    advice, extra = ((f"factor {suggested} fits (the smallest that does)", {"suggested_factor": suggested}) if suggested
+                     else ("send shorter vectors: even one pair is too large", {}))
+    raise limit_exceeded(f"With factor {factor} a job's largest block holds {per_block} numbers, over "
+                         f"BLOCKGRAD_MAX_JOB_BLOCK_ELEMENTS = {allowed}; {advice}.",
+                         "BLOCKGRAD_MAX_JOB_BLOCK_ELEMENTS", per_block, allowed, **extra)

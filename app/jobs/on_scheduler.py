@@ -1,0 +1,62 @@
+"""Functions run inside the Dask scheduler (Client.run_on_scheduler): one round trip reads
+a job's task states or removes its records. Standard library only: the scheduler imports
+this module by name."""
+
+JOBS, OUTCOMES, IDEMPOTENCY = "blockgrad-jobs", "blockgrad-outcomes", "blockgrad-idempotency"
+DONE_STATES = ("memory", "released", "forgotten", None)  # a tile consumed by a finished sum is forgotten
+
+
+def tile_key(job_id: str, index: int) -> str:
+    return f"blockgrad-tile-{job_id}-{index}"
+
+
+def finish_key(job_id: str) -> str:
+    return f"blockgrad-finish-{job_id}"
+
+
+def outcome_key(job_id: str) -> str:
+    return f"blockgrad-outcome-{job_id}"
+
+
+def snapshots(job_ids=None, dask_scheduler=None) -> dict:
+    """job id -> {"record", "outcome", "progress"} for these jobs (None: every job)."""
+    metadata = dask_scheduler.task_metadata
+    records, outcomes = metadata.get(JOBS, {}), metadata.get(OUTCOMES, {})
+    found = {}
+    for job_id in (list(records) if job_ids is None else job_ids):
+        record = records.get(job_id)
+        if record is not None:
+            found[job_id] = {"record": record, "outcome": outcomes.get(job_id),
+                             "progress": job_progress(job_id, record.get("tile_blocks", []), dask_scheduler)}
+    return found
+
+
+def job_progress(job_id: str, tile_blocks: list, dask_scheduler=None) -> dict:
+    """Blocks of the tiles done, whether any tile is processing, the final tasks' states."""
+    tasks = dask_scheduler.tasks
+
+    def state(key):
+        ts = tasks.get(key)
+        return None if ts is None else ts.state
+
+    outcome, finish = state(outcome_key(job_id)), state(finish_key(job_id))
+    done, processing = 0, False
+    for index, blocks in enumerate(tile_blocks):
+        tile = state(tile_key(job_id, index))
+        processing = processing or tile == "processing"
+        if outcome == "memory" or tile in DONE_STATES:
+            done += blocks
+    return {"done": done, "processing": processing, "finish": finish, "outcome": outcome}
+
+
+def forget_records(job_id: str, dask_scheduler=None) -> None:
+    metadata = dask_scheduler.task_metadata
+    record = metadata.get(JOBS, {}).pop(job_id, None)
+    metadata.get(OUTCOMES, {}).pop(job_id, None)
+    key = (record or {}).get("idempotency_key")
+    if key is not None and metadata.get(IDEMPOTENCY, {}).get(key) == job_id:
+        metadata[IDEMPOTENCY].pop(key)
+
+
+def workers_count(dask_scheduler=None) -> int:
+    return len(dask_scheduler.workers)

@@ -1,0 +1,232 @@
+"""Jobs kept with the cluster: a small record per job in the scheduler's metadata, its
+graph's final tasks published under the job's name, its end written by the graph itself.
+Any gunicorn worker, of any pod sharing the scheduler, sees the same job; a scheduler
+that restarts forgets its jobs (they are then 404)."""
+import logging
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..core.engine import elements_per_chunk
+from ..core.errors import BlockgradError
+from ..core.job_tasks import JobOutcome, JobSpec
+from ..core.request import GradientRequest
+from ..core.settings import Settings
+from .client import call, cluster_client
+from .errors import job_not_done, job_not_found, no_cluster, too_many_jobs
+from .cluster import OFF
+from .graph import dataset_name, plan, submit
+from .metrics import observe_event, observe_jobs, observe_workers
+from .on_scheduler import IDEMPOTENCY, JOBS, forget_records, snapshots, workers_count
+
+log = logging.getLogger("blockgrad.jobs")
+ID_PATTERN = re.compile(r"[0-9a-f]{32}")  # 128 random bits
+ACTIVE = ("queued", "running")
+TERMINAL = ("succeeded", "failed", "cancelled")
+RESULT_TIMEOUT_S = 60.0  # fetching a retained result (up to hundreds of MiB) from a worker
+TASK_FAILED = {"code": "internal_error", "message": "A task of this job failed on the cluster; the cluster's log "
+                                                    "has the traceback.", "details": {}}
+
+
+def new_job_id() -> str:
+    return secrets.token_hex(16)
+
+
+def rfc3339(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 1000):03d}Z"
+
+
+@dataclass
+class JobState:
+    """What the scheduler knows of one job, read in one round trip."""
+    job_id: str
+    record: dict
+    outcome: dict | None
+    progress: dict
+
+    @property
+    def status(self) -> str:
+        if self.record.get("cancelled_at") is not None:
+            return "cancelled"
+        if self.outcome is not None:
+            return self.outcome["status"]
+        if not self.record.get("submitted"):
+            return "queued"
+        if "erred" in (self.progress["finish"], self.progress["outcome"]) or self.progress["finish"] is None:
+            return "failed"  # a task raised, or the graph is gone (lost its scattered vectors)
+        if self.progress["processing"] or self.progress["done"]:
+            return "running"
+        return "queued"
+
+    @property
+    def finished_at(self) -> float | None:
+        if self.record.get("cancelled_at") is not None:
+            return self.record["cancelled_at"]
+        return (self.outcome or {}).get("finished_at")
+
+    def public(self) -> dict[str, Any]:
+        """The job record of the API."""
+        status, record = self.status, self.record
+        error = (self.outcome or {}).get("error")
+        if status == "failed" and error is None:
+            error = TASK_FAILED
+        total = record["blocks_total"]
+        done = total if status == "succeeded" else min(total, self.progress["done"])
+        started = (self.outcome or {}).get("started_at") or record.get("started_at")
+        return {"id": self.job_id, "status": status, "n": record["n"], "dim": record["dim"],
+                "factor": record["factor"], "objective": record["objective"], "dtype": record["dtype"],
+                "outputs": list(record["outputs"]), "progress": {"blocks_done": done, "blocks_total": total},
+                "created_at": rfc3339(record["created_at"]), "started_at": rfc3339(started),
+                "finished_at": rfc3339(self.finished_at if status in TERMINAL else None), "error": error}
+
+
+class JobStore:
+    """The job routes' operations against one scheduler (this process's Client)."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.address = settings.dask_scheduler
+
+    def client(self):
+        if not self.address or self.address == OFF:
+            raise no_cluster()
+        return cluster_client(self.address)
+
+    def states(self, client, job_ids: list[str] | None) -> dict[str, JobState]:
+        found = call(client, client._run_on_scheduler, snapshots, job_ids)
+        return {job_id: JobState(job_id, s["record"], s["outcome"], s["progress"]) for job_id, s in found.items()}
+
+    def state(self, job_id: str) -> tuple[Any, JobState]:
+        if not ID_PATTERN.fullmatch(job_id):
+            raise job_not_found(job_id)
+        client = self.client()
+        found = self.states(client, [job_id]).get(job_id)
+        if found is None:
+            raise job_not_found(job_id)
+        if found.status == "running" and found.record.get("started_at") is None:
+            found.record["started_at"] = time.time()  # first seen running: kept for every worker
+            call(client, client.scheduler.set_metadata, keys=[JOBS, job_id, "started_at"],
+                 value=found.record["started_at"])
+            log.info("job_started", extra={"fields": {"job": job_id, "blocks_done": found.progress["done"]}})
+        return client, found
+
+    def view(self, job_id: str) -> dict[str, Any]:
+        return self.state(job_id)[1].public()
+
+    def submit(self, req: GradientRequest, idempotency_key: str | None = None) -> tuple[dict[str, Any], bool]:
+        """(the job record, whether it is new). A retried POST with the same
+        Idempotency-Key gets the job the first made."""
+        client = self.client()
+        if idempotency_key:
+            known = call(client, client.scheduler.get_metadata, keys=[IDEMPOTENCY, idempotency_key], default=None)
+            if known is not None:
+                found = self.states(client, [known]).get(known)
+                if found is not None:
+                    return found.public(), False
+        active = self.sweep(client)
+        if active >= self.settings.max_jobs:
+            raise too_many_jobs(active, self.settings.max_jobs)
+        workers = call(client, client._run_on_scheduler, workers_count)
+        observe_workers(workers)
+        workers = workers or self.settings.dask_workers
+        vectors = np.ascontiguousarray(req.vectors, dtype=req.dtype)  # (N, D), the job's dtype
+        spec = JobSpec(req.n, req.dim, req.factor, req.objective, float(req.offset), req.dtype,
+                       elements_per_chunk(self.settings.max_job_block_elements, req.objective_fn, req.dim,
+                                          vectors.itemsize))
+        tiles = plan(spec, workers)
+        job_id = new_job_id()
+        result_numbers = sum({"accumulated": req.n * req.dim, "losses": req.factor ** 2}[o] for o in req.outputs)
+        record = {"n": req.n, "dim": req.dim, "factor": req.factor, "objective": req.objective,
+                  "offset": float(req.offset), "dtype": req.dtype, "outputs": list(req.outputs),
+                  "created_at": time.time(), "started_at": None, "cancelled_at": None, "submitted": False,
+                  "blocks_total": req.factor ** 2, "tile_blocks": [tile.blocks for tile in tiles],
+                  "result_bytes": result_numbers * vectors.itemsize, "idempotency_key": idempotency_key}
+        # The record first: the graph's last task writes the outcome only beside an existing one.
+        call(client, client.scheduler.set_metadata, keys=[JOBS, job_id], value=record)
+        try:
+            submit(client, job_id, vectors, spec, tiles)
+            call(client, client.scheduler.set_metadata, keys=[JOBS, job_id, "submitted"], value=True)
+            if idempotency_key:
+                call(client, client.scheduler.set_metadata, keys=[IDEMPOTENCY, idempotency_key], value=job_id)
+        except BaseException:
+            self.forget(client, job_id, quiet=True)
+            raise
+        observe_event("submitted")
+        log.info("job_submitted", extra={"fields": {
+            "job": job_id, "n": req.n, "dim": req.dim, "factor": req.factor, "objective": req.objective,
+            "dtype": req.dtype, "tiles": len(tiles), "vector_bytes": vectors.nbytes, "workers": workers}})
+        record["submitted"] = True
+        return JobState(job_id, record, None, {"done": 0, "processing": False, "finish": "waiting",
+                                               "outcome": "waiting"}).public(), True
+
+    def result(self, job_id: str) -> tuple[dict[str, Any], JobOutcome]:
+        client, found = self.state(job_id)
+        if found.status != "succeeded":
+            raise job_not_done(job_id, found.status)
+        futures = call(client, client._get_dataset, dataset_name(job_id), default=None)
+        if futures is None:
+            raise job_not_found(job_id)
+        try:
+            [outcome] = call(client, client._gather, [futures[0]], timeout_s=RESULT_TIMEOUT_S)
+        except BlockgradError:
+            raise
+        except Exception:  # noqa: BLE001 - the result was lost with the worker that held it
+            log.warning("job_result_lost", extra={"fields": {"job": job_id}})
+            self.forget(client, job_id, quiet=True)
+            raise job_not_found(job_id) from None
+        return found.record, outcome
+
+    def cancel(self, job_id: str) -> dict[str, Any] | None:
+        """A queued or running job: cancelled, its record returned. A finished one: forgotten (None)."""
+        client, found = self.state(job_id)
+        if found.status not in ACTIVE:
+            self.forget(client, job_id)
+            return None
+        futures = call(client, client._get_dataset, dataset_name(job_id), default=None) or []
+        found.record["cancelled_at"] = time.time()
+        call(client, client.scheduler.set_metadata, keys=[JOBS, job_id, "cancelled_at"],
+             value=found.record["cancelled_at"])
+        call(client, client._cancel, futures, force=True, reason="job cancelled")
+        call(client, client._unpublish_dataset, dataset_name(job_id))
+        observe_event("cancelled")
+        log.info("job_cancelled", extra={"fields": {"job": job_id, "was": found.status}})
+        return found.public()
+
+    def forget(self, client, job_id: str, quiet: bool = False) -> None:
+        try:
+            futures = call(client, client._get_dataset, dataset_name(job_id), default=None) or []
+            call(client, client._cancel, futures, force=True, reason="job forgotten")
+            call(client, client._unpublish_dataset, dataset_name(job_id))
+            call(client, client._run_on_scheduler, forget_records, job_id)
+        except Exception:
+            if not quiet:
+                raise
+
+    def sweep(self, client) -> int:
+        """Forget finished jobs past BLOCKGRAD_JOB_TTL_S, then the oldest finished results over
+        BLOCKGRAD_MAX_JOB_RESULTS_BYTES; returns the jobs queued or running."""
+        states = self.states(client, None)
+        observe_jobs(states.values())
+        now, active, kept = time.time(), 0, []
+        for job_id, found in states.items():
+            if found.status in ACTIVE:
+                active += 1
+                continue
+            finished = found.finished_at or found.record["created_at"]
+            if now - finished > self.settings.job_ttl_s:
+                self.forget(client, job_id)
+            elif found.status == "succeeded":
+                kept.append((finished, found.record["result_bytes"], job_id))
+        total = 0
+        for _, size, job_id in sorted(kept, reverse=True):  # newest first
+            total += size
+            if total > self.settings.max_job_results_bytes:
+                self.forget(client, job_id)
+        return active
+

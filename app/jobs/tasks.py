@@ -1,0 +1,60 @@
+"""The functions a job's graph names, with plain arguments (dicts, tuples).
+
+The Dask scheduler unpickles every task's function and arguments to read the graph: these
+wrappers and their arguments import nothing heavy, so the scheduler never loads torch
+(it would stall its event loop for seconds); the workers import app.core.job_tasks on
+the first task they run.
+"""
+import json
+import logging
+
+from .on_scheduler import JOBS, OUTCOMES
+
+log = logging.getLogger("blockgrad.jobs")
+
+
+def worker_log() -> logging.Logger:
+    """The job log on a Dask worker, whose logging configures only distributed's loggers: to
+    its stderr (the service's, for the embedded cluster)."""
+    if not log.handlers:
+        log.addHandler(logging.StreamHandler())
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
+
+
+def tile_task(vectors, spec: dict, rows: tuple[int, int], cols: tuple[int, int]):
+    from ..core.job_tasks import JobSpec, Tile, run_tile
+
+    return run_tile(vectors, JobSpec(**spec), Tile(0, range(*rows), range(*cols)))
+
+
+def sum_task(spec: dict, *parts):
+    from ..core.job_tasks import JobSpec, reduce_parts
+
+    return reduce_parts(JobSpec(**spec), *parts)
+
+
+def finish_task(spec: dict, total):
+    from ..core.job_tasks import JobSpec, finish
+
+    return finish(JobSpec(**spec), total)
+
+
+def outcome_task(job_id: str, spec: dict, outcome) -> dict:
+    """After the last sum, on a worker: the job's end, into the scheduler's metadata, where
+    every gunicorn worker reads it."""
+    from distributed import get_client
+
+    summary = {"status": "failed" if outcome.error else "succeeded", "error": outcome.error,
+               "started_at": outcome.started_at, "finished_at": outcome.finished_at,
+               "bytes_moved": outcome.bytes_moved}
+    client = get_client()
+    if client.get_metadata([JOBS, job_id], None) is None:  # cancelled and forgotten meanwhile
+        return summary
+    client.set_metadata([OUTCOMES, job_id], summary)
+    seconds = max(1e-9, outcome.finished_at - outcome.started_at)
+    worker_log().info(json.dumps({"event": "job_finished", "job": job_id, "status": summary["status"],
+                         "duration_s": round(seconds, 3), "pairs_per_s": round(spec["n"] ** 2 / seconds),
+                         "bytes_moved": outcome.bytes_moved, "error": (outcome.error or {}).get("code")}))
+    return summary

@@ -1,0 +1,369 @@
+"""/v1/jobs against a real local Dask cluster (app/jobs/cluster.py's embedded one: a
+scheduler and two single-threaded workers on 127.0.0.1), started once for the module and
+stopped after it. Numbers are compared with /v1/gradients' answer and tools/reference.py."""
+import io
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from app import create_app
+from app.jobs.client import close_clients, cluster_client
+from app.jobs.cluster import free_port, start_embedded, stop_embedded
+from app.jobs.on_scheduler import workers_count
+from tools.reference import reference_accumulated, reference_blocks
+from tools.server import wait_until
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER_START_S = 90  # bounded: two workers importing torch on a loaded 2-core machine
+JOB_S = 90  # a small job's bound, far above its time
+HEX_ID = "0123456789abcdef" * 2
+
+
+def wait_for_workers(address: str, count: int, timeout_s: float = CLUSTER_START_S) -> None:
+    def ready():
+        try:
+            return cluster_client(address).run_on_scheduler(workers_count) >= count
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+    assert wait_until(ready, timeout_s, 0.5), f"{count} Dask workers did not join within {timeout_s} s"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = start_embedded(2)
+    try:
+        wait_for_workers(cluster.address, 2)
+        yield cluster
+    finally:
+        close_clients()
+        stop_embedded(cluster)
+
+
+@pytest.fixture(scope="module")
+def jobs_app(cluster):
+    return create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": cluster.address})
+
+
+@pytest.fixture
+def client(jobs_app):
+    return jobs_app.test_client()
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """/v1 computed in this process with one thread, as a worker and every Dask task do."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def wait_for_job(client, job_id: str, timeout_s: float = JOB_S) -> dict:
+    records = []
+
+    def finished():
+        records.append(client.get(f"/v1/jobs/{job_id}").get_json())
+        return records[-1]["status"] not in ("queued", "running")
+    assert wait_until(finished, timeout_s, 0.2), records[-1]
+    return records[-1]
+
+
+def submit(client, **body):
+    response = client.post("/v1/jobs", json=body)
+    assert response.status_code == 202, response.get_json()
+    return response
+
+
+def npy(array: np.ndarray, **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, **kwargs)
+    return buffer.getvalue()
+
+
+def assert_close(got, expected, dtype: str) -> None:
+    tolerance = 1e-5 if dtype == "float32" else 1e-12
+    got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
+    assert got.shape == expected.shape
+    assert np.abs(got - expected).max() <= tolerance * max(1.0, np.abs(expected).max())
+
+
+def reference_losses(vectors: np.ndarray, factor: int, objective: str, dtype: str) -> np.ndarray:
+    v = torch.tensor(vectors, dtype=getattr(torch, dtype))
+    losses = [float(loss) for loss, _ in reference_blocks(v, factor, objective)]
+    return np.array(losses).reshape(factor, factor)
+
+
+@pytest.mark.parametrize("n, dim, factor, objective, dtype", [
+    (40, 3, 6, "sum", "float32"),  # 40 = 6 * 6 + 4: a larger last block row and column
+    (33, 2, 5, "logsumexp", "float64"),
+])
+def test_json_job_equals_v1_and_the_reference(client, n, dim, factor, objective, dtype):
+    vectors = np.random.default_rng(n).standard_normal((n, dim)).round(3)
+    body = {"vectors": vectors.tolist(), "factor": factor, "objective": objective, "dtype": dtype}
+    response = submit(client, **body)
+    record = response.get_json()
+    assert response.headers["Location"] == f"/v1/jobs/{record['id']}"
+    assert len(record["id"]) == 32 and int(record["id"], 16) >= 0  # 128 random bits, hex
+    assert record["outputs"] == ["accumulated", "losses"] and record["progress"]["blocks_total"] == factor ** 2
+    done = wait_for_job(client, record["id"])
+    assert done["status"] == "succeeded", done
+    assert done["progress"] == {"blocks_done": factor ** 2, "blocks_total": factor ** 2}
+    assert done["created_at"] <= done["started_at"] <= done["finished_at"] and done["error"] is None
+    result = client.get(f"/v1/jobs/{record['id']}/result")
+    assert result.status_code == 200
+    job = result.get_json()
+    sync = client.post("/v1/gradients", json={**body, "outputs": ["accumulated", "losses"]}).get_json()
+    for key in ("n", "dim", "factor", "bounds", "objective", "dtype", "device"):
+        assert job[key] == sync[key], key
+    assert job["losses"] == sync["losses"]  # the same digits: the same bits
+    assert_close(job["accumulated"], sync["accumulated"], dtype)
+    v = torch.tensor(vectors, dtype=getattr(torch, dtype))
+    assert_close(job["accumulated"], reference_accumulated(v, factor, objective).numpy(), dtype)
+    assert_close(job["losses"], reference_losses(vectors, factor, objective, dtype), dtype)
+
+
+def test_npy_job_with_query_fields_and_an_npz_result(client):
+    vectors = np.random.default_rng(7).standard_normal((50, 4))  # float64: the job's dtype
+    response = client.post("/v1/jobs?factor=7&objective=sum_of_squares&outputs=accumulated",
+                           data=npy(vectors), content_type="application/x-npy")
+    assert response.status_code == 202, response.get_json()
+    record = response.get_json()
+    assert (record["dtype"], record["outputs"], record["n"], record["dim"]) == ("float64", ["accumulated"], 50, 4)
+    assert wait_for_job(client, record["id"])["status"] == "succeeded"
+    binary = client.get(f"/v1/jobs/{record['id']}/result", headers={"Accept": "application/x-npz"})
+    assert binary.status_code == 200 and binary.mimetype == "application/x-npz"
+    arrays = np.load(io.BytesIO(binary.data), allow_pickle=False)
+    assert set(arrays.files) == {"accumulated", "bounds"}
+    expected = reference_accumulated(torch.tensor(vectors), 7, "sum_of_squares").numpy()
+    assert arrays["accumulated"].dtype == np.float64
+    assert_close(arrays["accumulated"], expected, "float64")
+    assert arrays["bounds"].tolist() == [0, 7, 14, 21, 28, 35, 42, 50]
+    for accept in ("*/*", "application/*", "application/json"):  # only the exact type gets binary
+        assert client.get(f"/v1/jobs/{record['id']}/result", headers={"Accept": accept}).mimetype == "application/json"
+    assert client.delete(f"/v1/jobs/{record['id']}").status_code == 204  # finished: forgotten
+    assert client.get(f"/v1/jobs/{record['id']}").status_code == 404
+
+
+def test_unknown_ids_are_404(client):
+    for job_id in (HEX_ID, "not-an-id", "1", HEX_ID.upper()):
+        for method, path in (("get", ""), ("get", "/result"), ("delete", "")):
+            response = getattr(client, method)(f"/v1/jobs/{job_id}{path}")
+            assert response.status_code == 404, (job_id, path)
+            assert response.get_json()["error"]["code"] == "job_not_found"
+
+
+def test_idempotency_key_returns_the_same_job(client):
+    body = {"vectors": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "factor": 3}
+    first = client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "retry-me"}).get_json()
+    again = client.post("/v1/jobs", json=body, headers={"Idempotency-Key": "retry-me"}).get_json()
+    other = client.post("/v1/jobs", json=body).get_json()
+    assert first["id"] == again["id"] != other["id"]
+    for job_id in (first["id"], other["id"]):
+        assert wait_for_job(client, job_id)["status"] == "succeeded"
+
+
+def test_readyz_and_metrics_report_the_cluster(client):
+    submit(client, vectors=[[1.0], [2.0]], factor=2)  # connects this process and refreshes the gauges
+    cluster = client.get("/readyz").get_json()["cluster"]
+    assert cluster["connected"] is True and cluster["workers"] == 2
+    metrics = client.get("/metrics").get_data(as_text=True)
+    assert "blockgrad_cluster_workers 2.0" in metrics
+    assert 'blockgrad_job_events_total{event="submitted"}' in metrics
+    assert 'blockgrad_jobs{status="succeeded"}' in metrics
+
+
+def test_a_non_finite_job_fails_with_v1s_error(client):
+    body = {"vectors": [[0.0], [1e20]], "factor": 2, "objective": "sum_of_squares"}
+    done = wait_for_job(client, submit(client, **body).get_json()["id"])
+    sync = client.post("/v1/gradients", json=body).get_json()["error"]
+    assert done["status"] == "failed" and done["error"] == sync
+    result = client.get(f"/v1/jobs/{done['id']}/result")
+    assert result.status_code == 409 and "Retry-After" not in result.headers
+    assert result.get_json()["error"]["details"] == {"status": "failed"}
+
+
+def test_running_job_409_then_cancelled_and_max_jobs(cluster):
+    """One long job: the next POST is over BLOCKGRAD_MAX_JOBS = 1, its result is 409 while it
+    runs, DELETE cancels it and releases its tasks, and a small job then succeeds."""
+    client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": cluster.address,
+                         "BLOCKGRAD_MAX_JOBS": "1"}).test_client()
+    vectors = np.random.default_rng(3).standard_normal((6144, 32)).astype(np.float32)
+    big = client.post("/v1/jobs?factor=48&objective=sum_of_squares", data=npy(vectors),
+                      content_type="application/x-npy").get_json()
+    assert big["status"] in ("queued", "running"), big
+    small = {"vectors": [[1.0, 2.0], [3.0, 4.0]], "factor": 2}
+    refused = client.post("/v1/jobs", json=small)
+    assert refused.status_code == 503 and refused.headers["Retry-After"]
+    assert refused.get_json()["error"]["code"] == "overloaded"
+    assert refused.get_json()["error"]["details"]["limit"] == "BLOCKGRAD_MAX_JOBS"
+    early = client.get(f"/v1/jobs/{big['id']}/result")
+    assert early.status_code == 409 and early.headers["Retry-After"]
+    assert early.get_json()["error"]["code"] == "job_not_done"
+    assert early.get_json()["error"]["details"]["status"] in ("queued", "running")
+    assert wait_until(lambda: client.get(f"/v1/jobs/{big['id']}").get_json()["status"] == "running", JOB_S, 0.05)
+    running = client.get(f"/v1/jobs/{big['id']}").get_json()
+    assert running["started_at"] is not None and running["finished_at"] is None
+    assert running["progress"]["blocks_done"] < running["progress"]["blocks_total"]
+    cancelled = client.delete(f"/v1/jobs/{big['id']}")
+    assert cancelled.status_code == 200 and cancelled.get_json()["status"] == "cancelled"
+    record = client.get(f"/v1/jobs/{big['id']}").get_json()
+    assert record["status"] == "cancelled" and record["finished_at"] is not None
+    assert client.get(f"/v1/jobs/{big['id']}/result").get_json()["error"]["details"] == {"status": "cancelled"}
+    dask = cluster_client(cluster.address)
+
+    def released():
+        return not any(big["id"] in str(key) for keys in dask.processing().values() for key in keys)
+    assert wait_until(released, JOB_S, 0.2)  # a running tile finishes; no other starts
+    after = client.post("/v1/jobs", json=small)
+    assert after.status_code == 202, after.get_json()
+    assert wait_for_job(client, after.get_json()["id"])["status"] == "succeeded"
+    assert client.delete(f"/v1/jobs/{big['id']}").status_code == 204  # cancelled is finished: forgotten
+
+
+def test_blocks_are_refused_with_the_reason():
+    client = create_app({"TESTING": True}).test_client()  # refused before any cluster is asked
+    response = client.post("/v1/jobs", json={"vectors": [[1.0]], "outputs": ["blocks", "losses"]})
+    assert response.status_code == 422
+    error = response.get_json()["error"]
+    assert error["code"] == "validation_error" and "N x N x 2D" in str(error["details"]["fields"]["outputs"])
+    response = client.post("/v1/jobs?outputs=blocks", data=npy(np.ones((2, 2))), content_type="application/x-npy")
+    assert response.status_code == 422 and "N x N x 2D" in str(response.get_json()["error"]["details"])
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (npy(np.array([{"a": 1}, None], dtype=object), allow_pickle=True), 422, "pickle"),
+    (npy(np.ones(5)), 422, "shape"),
+    (npy(np.ones((2, 3, 4))), 422, "shape"),
+    (npy(np.ones((3, 2), dtype=np.int64)), 422, "float32 or float64"),
+    (npy(np.ones((64, 8)))[:-17], 400, "npy"),  # truncated
+    (b"\x93NUMPY", 400, "npy"),
+    (pickle.dumps(np.ones((2, 2))), 400, "npy"),  # a pickle, not a .npy
+    (npy(np.array([[1.0, np.nan]])), 422, "not a finite number"),
+])
+def test_bad_npy_bodies_are_clear_4xx(body, status, words):
+    client = create_app({"TESTING": True}).test_client()
+    response = client.post("/v1/jobs", data=body, content_type="application/x-npy")
+    assert response.status_code == status, response.get_json()
+    assert words in str(response.get_json()["error"]).lower() or words in str(response.get_json()["error"])
+
+
+def test_npy_query_fields_follow_v1s_rules():
+    client = create_app({"TESTING": True}).test_client()
+    data = npy(np.ones((4, 2), dtype=np.float32))
+    for query, field in (("factor=9", "factor"), ("factor=x", "factor"), ("dtype=float64", "dtype"),
+                         ("objective=nope", "objective"), ("outputs=", "outputs"), ("colour=red", "colour")):
+        response = client.post(f"/v1/jobs?{query}", data=data, content_type="application/x-npy")
+        assert response.status_code == 422, query
+        assert field in response.get_json()["error"]["details"]["fields"], query
+
+
+def test_job_limits_are_their_own():
+    client = create_app({"TESTING": True, "BLOCKGRAD_MAX_JOB_N": "16", "BLOCKGRAD_MAX_JOB_BLOCK_ELEMENTS": "64",
+                         "BLOCKGRAD_MAX_JOB_BODY_BYTES": "1024"}).test_client()
+    too_many = client.post("/v1/jobs", json={"vectors": [[1.0]] * 17})
+    assert too_many.status_code == 413 and too_many.get_json()["error"]["details"]["limit"] == "BLOCKGRAD_MAX_JOB_N"
+    big_block = client.post("/v1/jobs", json={"vectors": [[1.0, 2.0]] * 16, "factor": 2})  # 8 x 8 x 4 = 256
+    details = big_block.get_json()["error"]["details"]
+    assert big_block.status_code == 413 and details["limit"] == "BLOCKGRAD_MAX_JOB_BLOCK_ELEMENTS"
+    side = -(-16 // details["suggested_factor"])
+    assert side * side * 4 <= 64  # the suggested factor fits
+    body = client.post("/v1/jobs", data=npy(np.ones((16, 16))), content_type="application/x-npy")
+    assert body.status_code == 413 and body.get_json()["error"]["details"]["limit"] == "BLOCKGRAD_MAX_JOB_BODY_BYTES"
+    # N over BLOCKGRAD_MAX_N = 8192 is a synchronous limit only: a job of N = 9000 is admitted.
+    open_client = create_app({"TESTING": True, "BLOCKGRAD_MAX_N": "8"}).test_client()
+    refused = open_client.post("/v1/jobs", json={"vectors": [[1.0]] * 9})
+    assert refused.get_json()["error"]["code"] == "cluster_unavailable"  # past every limit, to the cluster
+
+
+def test_unreachable_scheduler_is_503_within_5_s_and_v1_unaffected():
+    client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": f"tcp://127.0.0.1:{free_port()}"}).test_client()
+    calls = [lambda: client.post("/v1/jobs", json={"vectors": [[1.0]]}),
+             lambda: client.get(f"/v1/jobs/{HEX_ID}"), lambda: client.get(f"/v1/jobs/{HEX_ID}/result"),
+             lambda: client.delete(f"/v1/jobs/{HEX_ID}")]
+    for call in calls:
+        start = time.monotonic()
+        response = call()
+        assert time.monotonic() - start < 5  # the contract's bound: connecting gives up after 2 s
+        assert response.status_code == 503 and response.headers["Retry-After"]
+        assert response.get_json()["error"]["code"] == "cluster_unavailable"
+    assert client.post("/v1/gradients", json={"vectors": [[1.0], [2.0]]}).status_code == 200
+    ready = client.get("/readyz")  # readiness is about synchronous serving: never asks the cluster
+    assert ready.status_code == 200 and ready.get_json()["cluster"]["connected"] is False
+
+
+@pytest.mark.skipif(os.environ.get("JOBS_LARGE_TEST") != "1", reason="about 100 s on 2 loaded cores: JOBS_LARGE_TEST=1")
+def test_a_large_npy_job_succeeds(client):
+    """N = 16,384 > BLOCKGRAD_MAX_N, D = 32, F = 64, `sum`: every gradient entry is 1, so the
+    accumulated gradient is exactly 2N everywhere, and a block's loss is its sum plus 5 per entry."""
+    n, dim, factor = 16384, 32, 64
+    vectors = np.random.default_rng(2).standard_normal((n, dim)).astype(np.float32)
+    job = client.post(f"/v1/jobs?factor={factor}&objective=sum", data=npy(vectors),
+                      content_type="application/x-npy").get_json()
+    assert wait_for_job(client, job["id"], 600)["status"] == "succeeded"
+    got = client.get(f"/v1/jobs/{job['id']}/result", headers={"Accept": "application/x-npz"})
+    arrays = np.load(io.BytesIO(got.data), allow_pickle=False)
+    assert np.all(arrays["accumulated"] == 2 * n)
+    side = n // factor
+    sums = vectors.astype(np.float64).reshape(factor, side, dim).sum(axis=(1, 2))  # (F,)
+    expected = side * (sums[:, None] + sums[None, :]) + 5.0 * side * side * 2 * dim
+    assert np.abs(arrays["losses"] - expected).max() <= 1e-5 * np.abs(expected).max()
+
+
+SUBMIT_AND_DIE = """
+import os, sys
+import numpy as np
+from app import create_app
+client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": sys.argv[1]}).test_client()
+vectors = np.random.default_rng(5).standard_normal((600, 8))
+record = client.post("/v1/jobs", json={"vectors": vectors.tolist(), "factor": 12, "dtype": "float64"}).get_json()
+print(record["id"], flush=True)
+os.kill(os.getpid(), 9)  # the process that accepted the job dies at once, as a SIGKILLed worker would
+"""
+
+
+def test_a_job_outlives_the_process_that_accepted_it(cluster, client):
+    out = subprocess.run([sys.executable, "-c", SUBMIT_AND_DIE, cluster.address], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "BLOCKGRAD_LOG_LEVEL": "WARNING"})
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    job_id = out.stdout.split()[0]
+    assert wait_for_job(client, job_id)["status"] == "succeeded"
+    accumulated = client.get(f"/v1/jobs/{job_id}/result").get_json()["accumulated"]
+    vectors = torch.tensor(np.random.default_rng(5).standard_normal((600, 8)))
+    assert_close(accumulated, reference_accumulated(vectors, 12, "sum", offset=5.0).numpy(), "float64")
+
+
+def test_a_dask_worker_killed_mid_job_still_gives_the_exact_result(cluster, client):
+    """Runs last: it kills one of the two workers while it runs a tile of the job; the other
+    holds a copy of the vectors (scattered to every worker) and reruns what was lost."""
+    dask = cluster_client(cluster.address)
+    vectors = np.random.default_rng(11).standard_normal((1536, 16))
+    data = npy(vectors)
+    job = client.post("/v1/jobs?factor=24&objective=sum_of_squares", data=data,
+                      content_type="application/x-npy").get_json()
+    busy = {}
+
+    def a_worker_runs_a_tile():
+        busy.update({w: keys for w, keys in dask.processing().items() if any(job["id"] in k for k in keys)})
+        return bool(busy)
+    assert wait_until(a_worker_runs_a_tile, JOB_S, 0.05)
+    pids = dask.run(os.getpid)
+    victim = next(iter(busy))
+    os.kill(pids[victim], signal.SIGKILL)
+    done = wait_for_job(client, job["id"], 3 * JOB_S)
+    assert done["status"] == "succeeded", done
+    got = client.get(f"/v1/jobs/{job['id']}/result", headers={"Accept": "application/x-npz"})
+    arrays = np.load(io.BytesIO(got.data), allow_pickle=False)
+    sync = create_app({"TESTING": True}).test_client().post("/v1/gradients", json={
+        "vectors": vectors.tolist(), "factor": 24, "objective": "sum_of_squares", "dtype": "float64",
+        "outputs": ["accumulated", "losses"]}).get_json()
+    assert arrays["losses"].tolist() == sync["losses"]
+    assert_close(arrays["accumulated"], sync["accumulated"], "float64")
+    assert dask.run_on_scheduler(workers_count) == 1  # the job really lost a worker

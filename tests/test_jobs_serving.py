@@ -1,0 +1,89 @@
+"""The embedded cluster under the real gunicorn command: the master spawns a Dask scheduler
+and niced workers as plain subprocesses, every gunicorn worker reaches it, and the cluster
+dies with the master even when the master is SIGKILLed."""
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import torch
+from blockgrad_client import BlockgradError, Client
+
+from tools.reference import reference_accumulated
+from tools.server import children, gunicorn_server, wait_until
+
+JOB_S = 120  # bounded: the cluster starts (workers import torch) while gunicorn does
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def nice(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_gunicorn_runs_jobs_on_its_embedded_cluster_which_dies_with_the_master():
+    env = {"BLOCKGRAD_DASK_SCHEDULER": "", "BLOCKGRAD_DASK_WORKERS": "1"}
+    with gunicorn_server(workers=2, env=env) as server:
+        dask = [pid for pid in children(server.pid) if " -m dask " in cmdline(pid)]
+        roles = sorted(cmdline(pid).split(" -m dask ")[1].split()[0] for pid in dask)
+        assert roles == ["scheduler", "worker"], [cmdline(pid) for pid in dask]
+        assert all("--no-dashboard" in cmdline(pid) and "127.0.0.1" in cmdline(pid) for pid in dask)
+        worker = next(pid for pid in dask if " worker " in cmdline(pid))
+        assert nice(worker) == 19
+        assert os.getpgid(worker) == os.getpgid(server.pid)  # in the master's process group
+        vectors = np.random.default_rng(1).standard_normal((30, 3))
+        created = requests.post(server.url + "/v1/jobs", json={"vectors": vectors.tolist(), "factor": 4,
+                                                               "dtype": "float64"}, timeout=30)
+        assert created.status_code == 202, created.text
+        location = server.url + created.headers["Location"]
+
+        def succeeded():  # fresh connections: any worker answers, all see the job
+            return requests.get(location, timeout=30).json()["status"] == "succeeded"
+        assert wait_until(succeeded, JOB_S, 0.3)
+        accumulated = requests.get(location + "/result", timeout=30).json()["accumulated"]
+        expected = reference_accumulated(torch.tensor(vectors), 4, "sum").numpy()
+        assert np.abs(np.array(accumulated) - expected).max() <= 1e-12 * np.abs(expected).max()
+        check_the_client_package(server.url, vectors, expected)
+        log = server.log()
+        for event in ("job_submitted", "job_cancelled"):  # the gunicorn workers' JSON lines
+            assert f'"message":"{event}"' in log, event
+        finished = [line for line in log.splitlines() if '"event": "job_finished"' in line]  # a Dask worker's
+        assert finished and '"pairs_per_s"' in finished[0] and '"bytes_moved"' in finished[0]
+        os.kill(server.pid, signal.SIGKILL)
+        assert wait_until(lambda: not any(alive(pid) for pid in dask), 30, 0.2)
+
+
+def check_the_client_package(url: str, vectors: np.ndarray, expected: np.ndarray) -> None:
+    with Client(url) as client:
+        job = client.submit_job(vectors, factor=4, dtype="float64", idempotency_key="client-once")
+        assert client.submit_job(vectors, factor=4, dtype="float64", idempotency_key="client-once").id == job.id
+        assert job.status() in ("queued", "running", "succeeded")
+        record = job.wait(timeout=JOB_S, progress=True)
+        assert record["status"] == "succeeded" and record["progress"]["blocks_done"] == 16
+        result = job.result()
+        assert set(result) == {"accumulated", "losses", "bounds"} and result["accumulated"].dtype == np.float64
+        assert np.abs(result["accumulated"] - expected).max() <= 1e-12 * np.abs(expected).max()
+        assert job.cancel() is None  # finished: forgotten
+        with pytest.raises(BlockgradError) as missing:
+            job.status()
+        assert missing.value.code == "job_not_found"
+        long = client.submit_job(np.ones((4096, 16)), factor=32, objective="sum_of_squares", outputs=["losses"])
+        with pytest.raises(BlockgradError) as early:
+            long.result()
+        assert early.value.code == "job_not_done"
+        assert long.cancel()["status"] == "cancelled"
