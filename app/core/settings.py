@@ -125,6 +125,8 @@ class Settings:
     # table for every objective and dtype (tests pin them so no verdict depends on the machine).
     cost_per_block_s: float | None = None
     cost_per_number_s: float | None = None
+    # Compute slots one request may take at once (app/core/executor.py); None: all the pod's.
+    slots_per_request: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, Any] = os.environ) -> "Settings":
@@ -142,6 +144,8 @@ class Settings:
                 values[item.name] = parse_bool(name, raw, default)
             elif item.type == float | None:
                 values[item.name] = parse_float(name, raw, None)
+            elif item.type == int | None:
+                values[item.name] = parse_int(name, raw, None)
             elif raw:
                 values[item.name] = str(raw)
         return cls(**values)
