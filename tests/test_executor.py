@@ -267,3 +267,22 @@ def test_slots_per_request_setting():
     assert Settings.from_env({"BLOCKGRAD_SLOTS_PER_REQUEST": "1"}).slots_per_request == 1
     with pytest.raises(ValueError, match="BLOCKGRAD_SLOTS_PER_REQUEST"):
         Settings.from_env({"BLOCKGRAD_SLOTS_PER_REQUEST": "0"})
+
+
+def test_closing_pass_one_early_gives_the_extra_slots_back():
+    torch.manual_seed(4)
+    vectors = torch.randn(64, 4)
+    tiles = tiles_of(64, 4, 16, 200)
+    slots = CountingSlots(3)
+    own = slots.try_acquire()
+    executor = LocalExecutor(slots, slots_per_request=3)
+    try:
+        run = executor.pass_one(vectors, tiles, OBJECTIVES["mean"], 0.0)
+        first = next(iter(run))
+        assert first.result.chunk == tiles[0]
+        run.close()
+        assert slots.busy == 1
+    finally:
+        executor.shutdown()
+        own.release()
+    assert slots.grants > 0

@@ -77,6 +77,12 @@ class PassOne:
     def __iter__(self) -> Iterator[TileResult]:
         return self._results
 
+    def close(self) -> None:
+        """Stop early (a deadline, a gone client): waits for the tiles in flight, frees their slots."""
+        close = getattr(self._results, "close", None)
+        if close is not None:
+            close()
+
     def accumulated(self) -> torch.Tensor:
         """dL/dV, (N, D): call once the results are consumed."""
         total = None
@@ -91,6 +97,8 @@ class PassOne:
 
 
 class TileExecutor(Protocol):
+    parallel: bool  # whether tiles may run side by side (then cache-sized: tile_elements)
+
     def map_tiles(self, fn: Callable[[T], R], tiles: Sequence[T]) -> Iterator[R]:
         """fn(tile) for every tile, results in the tiles' order; closing the iterator early
         waits for the tiles in flight and gives their slots back."""
@@ -205,6 +213,7 @@ def on_slot(fn: Callable[[T, int], R], tile: T, lane: int, slot: Slot) -> R:
 
 class SerialExecutor:
     """Every tile on the calling thread: a device other than the CPU, or one slot per request."""
+    parallel = False
 
     def map_tiles(self, fn: Callable[[T], R], tiles: Sequence[T]) -> Iterator[R]:
         return (fn(tile) for tile in tiles)
