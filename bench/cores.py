@@ -16,8 +16,9 @@ import time
 import torch
 
 from app.core.engine import DEFAULT_CHUNK_ELEMENTS, plan_bands
-from app.core.executor import LocalExecutor, SerialExecutor, ThreadSlots, tile_elements
+from app.core.executor import LocalExecutor, SerialExecutor, tile_elements
 from app.core.objectives import OBJECTIVES
+from app.core.slots import ThreadSlots
 
 from .measure import Result, at_least
 from .workloads import vectors as random_vectors

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from app.core.engine import add_to_vectors, chunk_gradients, plan_bands
-from app.core.executor import (PARALLEL_TILE_ELEMENTS, LocalExecutor, SerialExecutor, ThreadSlots,
+from app.core.executor import (PARALLEL_TILE_ELEMENTS, LocalExecutor, SerialExecutor,
                                tile_elements)
+from app.core.slots import ThreadSlots
 from app.core.objectives import OBJECTIVES
 from app.core.settings import Settings
 

@@ -179,3 +179,28 @@ def test_slots_module_loads_neither_torch_nor_flask():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_executor_runs_tiles_on_the_pods_slots(two_slots):
+    """The pod's slots are a SlotSource: two tiles that wait for each other both finish only
+    when the second slot lets them run at once; afterwards only the request's own is held."""
+    import threading
+
+    from app.core.executor import LocalExecutor
+
+    barrier = threading.Barrier(2, timeout=WAIT_S)
+    own = two_slots.try_acquire()
+    executor = LocalExecutor(two_slots, slots_per_request=2, threads=two_slots.count)
+
+    def tile(k):
+        if k < 2:
+            barrier.wait()
+        return k
+
+    try:
+        assert list(executor.map_tiles(tile, range(8))) == list(range(8))
+        assert two_slots.held_here() == 1
+    finally:
+        executor.shutdown()
+        own.release()
+    assert two_slots.busy_slots() == 0

@@ -19,9 +19,8 @@ when they may run in parallel (PARALLEL_TILE_ELEMENTS; docs/cores.md).
 
 `TileExecutor` is the seam for other back ends (a Dask cluster): anything that can
 run `pass_one` and `map_tiles` with these guarantees. Pure: torch and the standard
-library only; the slots themselves (per process, or shared by a pod) are supplied.
+library only; the slots (app/core/slots.py, or the pod's: app/serving/slots.py) are supplied.
 """
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
@@ -32,6 +31,7 @@ import torch
 
 from .engine import Chunk, ChunkResult, add_to_vectors, chunk_gradients
 from .objectives import Objective
+from .slots import Slot, SlotSource
 
 # Numbers per tile when a request may run on several slots: two lanes' working sets
 # then fit the shared cache together (docs/cores.md, "Tile size").
@@ -42,21 +42,6 @@ LOOKAHEAD_PER_LANE = 2
 
 T = TypeVar("T")
 R = TypeVar("R")
-
-
-class Slot(Protocol):
-    def release(self) -> None:
-        """Give the slot back; idempotent."""
-
-
-class SlotSource(Protocol):
-    """Compute slots, one per core: local to a process or shared by a pod."""
-
-    def try_acquire(self) -> Slot | None:
-        """A slot free right now, unless someone is waiting for one (they go first)."""
-
-    def acquire(self, timeout: float | None = None) -> Slot | None:
-        """A slot, waiting at most `timeout` seconds (None: no limit); None on timeout."""
 
 
 @dataclass(frozen=True)
@@ -223,49 +208,3 @@ class SerialExecutor:
         partials: list[torch.Tensor | None] = [torch.zeros_like(vectors)]  # (N, D)
         return PassOne((tile_result(vectors, chunk, objective, offset, partials[0]) for chunk in tiles),
                        partials, vectors)
-
-
-class LocalSlot:
-    def __init__(self, source: "ThreadSlots"):
-        self._source, self._released = source, False
-
-    def release(self) -> None:
-        with self._source._cond:
-            if self._released:
-                return
-            self._released = True
-            self._source._free += 1
-            self._source._cond.notify()
-
-
-class ThreadSlots:
-    """Slots of one process (a development server, tests); a pod shares app/serving/slots.py's."""
-
-    def __init__(self, count: int):
-        self.count = count
-        self._free = count
-        self._waiting = 0
-        self._cond = threading.Condition()
-
-    @property
-    def busy(self) -> int:
-        with self._cond:
-            return self.count - self._free
-
-    def try_acquire(self) -> LocalSlot | None:
-        with self._cond:
-            if self._free == 0 or self._waiting:
-                return None
-            self._free -= 1
-            return LocalSlot(self)
-
-    def acquire(self, timeout: float | None = None) -> LocalSlot | None:
-        with self._cond:
-            self._waiting += 1
-            try:
-                if not self._cond.wait_for(lambda: self._free > 0, timeout):
-                    return None
-                self._free -= 1
-                return LocalSlot(self)
-            finally:
-                self._waiting -= 1
