@@ -6,7 +6,11 @@ S_pair = 2 x t(one alone, 1 slot) / t(until both of two concurrent 1-slot runs f
 what the second core gives two independent requests on this machine, the bound S_lone is
 measured against. Medians of `repeats`. One torch thread per process, as in a worker.
 
-Usage: python -m bench.cores [--repeats 5] [--n 2048] [--dim 64] [--factor 32]
+`--tiles`: the tile-size probe instead: the engine's chunks of several sizes on one thread
+and on two threads (every other tile each), with CPU time and how much the threads overlap:
+on a loaded machine those say more than wall time.
+
+Usage: python -m bench.cores [--repeats 5] [--n 2048] [--dim 64] [--factor 32] [--tiles]
 """
 import argparse
 import statistics
@@ -15,7 +19,7 @@ import time
 
 import torch
 
-from app.core.engine import DEFAULT_CHUNK_ELEMENTS, plan_bands
+from app.core.engine import DEFAULT_CHUNK_ELEMENTS, chain_rule_sums, chunk_gradients, plan_bands
 from app.core.executor import LocalExecutor, SerialExecutor, tile_elements
 from app.core.objectives import OBJECTIVES
 from app.core.slots import ThreadSlots
@@ -112,13 +116,71 @@ def lone_request_speedup(bench=None, n: int = 2048, dim: int = 64, factor: int =
                    f"tiles {len(serial_plan)} serial, {len(parallel_plan)} parallel")]
 
 
+# (factor, numbers per chunk) at N = 2048, D = 64: tiles of 128K to 4M numbers.
+PROBE_TILES = [(64, 128 * 1024), (64, 256 * 1024), (32, 512 * 1024), (64, 1024 * 1024), (64, 2048 * 1024),
+               (32, 4096 * 1024)]
+
+
+def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Seconds in which an interval of `a` and one of `b` both ran (each list in time order)."""
+    total, j = 0.0, 0
+    for start, stop in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < stop:
+            total += max(0.0, min(stop, b[k][1]) - max(start, b[k][0]))
+            k += 1
+    return total
+
+
+def tile_probe(n: int = 2048, dim: int = 64, repeats: int = 3) -> list[str]:
+    """One line per tile size: CPU seconds on one thread and on two, their overlap, wall speedup."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    vectors = torch.as_tensor(random_vectors(n, dim), dtype=torch.float32)  # (N, D)
+    objective = OBJECTIVES["sum"]
+    lines = []
+
+    def work(chunks, log):
+        for chunk in chunks:
+            began = time.monotonic()
+            chain_rule_sums(chunk_gradients(vectors, chunk, objective, 5.0))
+            log.append((began, time.monotonic()))
+
+    try:
+        for factor, size in PROBE_TILES:
+            chunks = [chunk for band in plan_bands(n, dim, factor, size) for chunk in band]
+            numbers = chunks[0].count * chunks[0].height * chunks[0].width * 2 * dim
+            work(chunks[:4], [])  # warm-up
+            runs = []
+            for _ in range(repeats):
+                one_wall, one_cpu = timed_with_cpu(lambda: work(chunks, []))
+                logs = ([], [])
+                pair = [threading.Thread(target=work, args=(chunks[i::2], logs[i])) for i in (0, 1)]
+                two_wall, two_cpu = timed_with_cpu(lambda: ([t.start() for t in pair], [t.join() for t in pair]))
+                runs.append((one_cpu, two_cpu / one_cpu, overlap_seconds(*logs) / two_wall, one_wall / two_wall))
+            one_cpu, cpu_ratio, overlap, speedup = (statistics.median(r[k] for r in runs) for k in range(4))
+            lines.append(f"tile {numbers // 1024}K numbers (F={factor}), {len(chunks)} tiles: CPU 1 thread "
+                         f"{one_cpu:.3f} s, CPU 2 threads / 1 thread {cpu_ratio:.2f}, overlap {overlap:.2f}, "
+                         f"wall speedup {speedup:.2f}")
+    finally:
+        torch.set_num_threads(threads)
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.cores", description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--n", type=int, default=2048)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--factor", type=int, default=32)
+    parser.add_argument("--tiles", action="store_true", help="the tile-size probe instead")
     args = parser.parse_args()
+    if args.tiles:
+        for line in tile_probe(args.n, args.dim, args.repeats):
+            print(line, flush=True)
+        return
     for result in lone_request_speedup(None, args.n, args.dim, args.factor, args.repeats):
         print(" | ".join((result.name, result.target, result.measured, result.verdict, result.detail)), flush=True)
 

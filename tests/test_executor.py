@@ -287,3 +287,11 @@ def test_closing_pass_one_early_gives_the_extra_slots_back():
         executor.shutdown()
         own.release()
     assert slots.grants > 0
+
+
+def test_bench_overlap_counts_only_time_both_intervals_ran():
+    from bench.cores import overlap_seconds
+
+    assert overlap_seconds([(0, 2), (3, 4)], [(1, 3.5)]) == 1 + 0.5
+    assert overlap_seconds([(0, 1)], [(1, 2)]) == 0
+    assert overlap_seconds([], [(0, 1)]) == 0
