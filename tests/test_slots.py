@@ -204,3 +204,23 @@ def test_the_executor_runs_tiles_on_the_pods_slots(two_slots):
         executor.shutdown()
         own.release()
     assert two_slots.busy_slots() == 0
+
+
+def test_a_process_holding_more_than_an_idle_sibling_is_busier(two_slots):
+    """The balancing rule: busier than the least busy sibling, idle siblings counting 0."""
+    assert not two_slots.busier_than_siblings(workers=2)  # nobody holds anything
+    first = two_slots.try_acquire()
+    assert two_slots.busier_than_siblings(workers=2)  # the sibling holds none
+    assert not two_slots.busier_than_siblings(workers=1)  # no sibling at all
+    first.release()
+    sibling, report, go = start_holder(two_slots)
+    try:
+        report.get(timeout=WAIT_S)
+        mine = two_slots.try_acquire()
+        assert not two_slots.busier_than_siblings(workers=2)  # one each
+        second = two_slots.try_acquire()
+        assert second is None  # both held: one here, one there
+        mine.release()
+        go.set()
+    finally:
+        stop(sibling)

@@ -165,6 +165,19 @@ class PodSlots:
         """Slots held anywhere in the pod."""
         return self.pod_state().busy
 
+    def busier_than_siblings(self, workers: int) -> bool:
+        """Whether this process holds more slots than the least busy of the pod's `workers`
+        (those holding none count as 0): then a new connection is better left to a sibling.
+        Reads /proc/locks only while this process holds a slot: cheap enough for every turn
+        of a worker's main loop."""
+        if workers <= 1 or self.held_here() == 0:
+            return False
+        state = self.pod_state()
+        mine = state.holders.get(os.getpid(), 0)
+        others = [count for pid, count in state.holders.items() if pid != os.getpid()]
+        fewest = min(others) if len(others) >= workers - 1 else 0  # a sibling not listed holds none
+        return mine > fewest
+
     def pod_state(self) -> PodState:
         try:
             with open(PROC_LOCKS) as f:
