@@ -142,6 +142,8 @@ class Settings:
     # name gunicorn itself and platforms such as Heroku use, hence no BLOCKGRAD_ prefix.
     bind: str = "127.0.0.1:8000"
     workers: int = field(default_factory=default_workers, metadata={"env": "WEB_CONCURRENCY"})
+    # Compute slots one request may take at once (app/core/executor.py); None: all the pod's.
+    slots_per_request: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, Any] = os.environ) -> "Settings":
@@ -160,6 +162,8 @@ class Settings:
                 values[item.name] = parse_bool(name, raw, default)
             elif item.type == float | None:
                 values[item.name] = parse_float(name, raw, None)
+            elif item.type == int | None:
+                values[item.name] = parse_int(name, raw, None)
             elif raw:
                 values[item.name] = str(raw)
         return cls(**values)
