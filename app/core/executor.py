@@ -83,6 +83,7 @@ class PassOne:
 
 class TileExecutor(Protocol):
     parallel: bool  # whether tiles may run side by side (then cache-sized: tile_elements)
+    most_lanes: int  # the most slots one request may compute on at once (memory is reserved for them)
 
     def map_tiles(self, fn: Callable[[T], R], tiles: Sequence[T]) -> Iterator[R]:
         """fn(tile) for every tile, results in the tiles' order; closing the iterator early
@@ -126,6 +127,10 @@ class LocalExecutor:
     @property
     def parallel(self) -> bool:
         return self._pool is not None
+
+    @property
+    def most_lanes(self) -> int:
+        return self.slots_per_request if self.parallel else 1
 
     def shutdown(self) -> None:
         if self._pool is not None:
@@ -199,6 +204,7 @@ def on_slot(fn: Callable[[T, int], R], tile: T, lane: int, slot: Slot) -> R:
 class SerialExecutor:
     """Every tile on the calling thread: a device other than the CPU, or one slot per request."""
     parallel = False
+    most_lanes = 1
 
     def map_tiles(self, fn: Callable[[T], R], tiles: Sequence[T]) -> Iterator[R]:
         return (fn(tile) for tile in tiles)

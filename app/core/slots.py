@@ -16,6 +16,11 @@ class Slot(Protocol):
 
 class SlotSource(Protocol):
     """Compute slots, one per core: local to a process or shared by a pod."""
+    count: int  # slots in all
+
+    @property
+    def busy(self) -> int:
+        """Slots held now, by anyone (in the pod, for the pod's)."""
 
     def try_acquire(self) -> Slot | None:
         """A slot free right now, unless someone is waiting for one (they go first)."""

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 POLL_S = 0.05  # longest a waiter sleeps without a wake-up (a killed holder posts none)
 SLOT_PREFIX = "slot-"
 WAITING_NAME = "waiting"
+SERVING_NAME = "serving"  # a shared flock on it: this worker has connections being served
 PROC_LOCKS = "/proc/locks"
 
 
@@ -46,6 +47,7 @@ def create(count: int, parent: str | None = None) -> "PodSlots":
     for index in range(count):
         open(os.path.join(path, f"{SLOT_PREFIX}{index}"), "w").close()
     open(os.path.join(path, WAITING_NAME), "w").close()
+    open(os.path.join(path, SERVING_NAME), "w").close()
     # Starts at 0; bounded by count, so releases nobody waited for leave at most count
     # stale posts. The fork context unlinks its name at once: nothing to clean up.
     wake = multiprocessing.get_context("fork").BoundedSemaphore(count)
@@ -79,6 +81,7 @@ class PodState:
     busy: int  # slots held in the pod
     holders: dict[int, int]  # pid -> slots it holds
     waiting_processes: int  # processes with at least one thread waiting for a slot
+    serving: frozenset[int] = frozenset()  # pids that marked themselves serving (`mark_serving`)
 
 
 class PodSlot:
@@ -114,10 +117,15 @@ class PodSlots:
         self._slot_keys = {(os.major(s.st_dev), os.minor(s.st_dev), s.st_ino): i for i, s in enumerate(keys[:-1])}
         waiting = keys[-1]
         self._waiting_key = (os.major(waiting.st_dev), os.minor(waiting.st_dev), waiting.st_ino)
+        serving_path = os.path.join(path, SERVING_NAME)
+        open(serving_path, "a").close()  # a directory made before the marker existed
+        serving = os.stat(serving_path)
+        self._serving_key = (os.major(serving.st_dev), os.minor(serving.st_dev), serving.st_ino)
         self._lock = threading.Lock()
         self._pid: int | None = None  # the process that opened the descriptors below
         self._files: list = []
-        self._wait_file = self._probe_file = None
+        self._wait_file = self._probe_file = self._serving_file = None
+        self._serving = False  # whether this process holds its shared lock on the serving file
         self._held: set[int] = set()
         self._waiting = 0  # this process's waiting threads
         _INSTANCES.add(self)
@@ -165,6 +173,10 @@ class PodSlots:
         """Slots held anywhere in the pod."""
         return self.pod_state().busy
 
+    @property
+    def busy(self) -> int:  # SlotSource's name for it
+        return self.busy_slots()
+
     def busier_than_siblings(self, workers: int) -> bool:
         """Whether this process holds more slots than the least busy of the pod's `workers`
         (those holding none count as 0): then a new connection is better left to a sibling.
@@ -178,6 +190,22 @@ class PodSlots:
         fewest = min(others) if len(others) >= workers - 1 else 0  # a sibling not listed holds none
         return mine > fewest
 
+    def mark_serving(self, serving: bool) -> None:
+        """Say (in /proc/locks, as a shared flock) whether this worker is serving connections
+        now; the kernel drops the mark of a process that dies. One thread (the worker's main
+        loop) calls it."""
+        with self._lock:
+            self._open()
+            if serving != self._serving:
+                fcntl.flock(self._serving_file, fcntl.LOCK_SH if serving else fcntl.LOCK_UN)
+                self._serving = serving
+
+    def has_idle_sibling(self, workers: int) -> bool:
+        """Whether one of the pod's other `workers - 1` workers is not marked serving."""
+        if workers <= 1:
+            return False
+        return len(self.pod_state().serving - {os.getpid()}) < workers - 1
+
     def pod_state(self) -> PodState:
         try:
             with open(PROC_LOCKS) as f:
@@ -185,7 +213,7 @@ class PodSlots:
         except OSError:
             return self._probed_state()
         held: dict[int, int] = {}  # slot index -> pid
-        waiting = set()
+        waiting, serving = set(), set()
         for line in text.splitlines():
             parts = line.split()
             if len(parts) < 6 or parts[1] != "FLOCK":  # "->" lines are blocked requests
@@ -200,10 +228,12 @@ class PodSlots:
                 held[self._slot_keys[key]] = pid
             elif key == self._waiting_key:
                 waiting.add(pid)
+            elif key == self._serving_key:
+                serving.add(pid)
         holders: dict[int, int] = {}
         for pid in held.values():
             holders[pid] = holders.get(pid, 0) + 1
-        return PodState(len(held), holders, len(waiting))
+        return PodState(len(held), holders, len(waiting), frozenset(serving))
 
     def close(self) -> None:
         """This process's descriptors (and so any slot it still holds)."""
@@ -218,15 +248,16 @@ class PodSlots:
         self._files = [open(p, "r") for p in self.paths]
         self._wait_file = open(os.path.join(self.path, WAITING_NAME), "r")
         self._probe_file = open(os.path.join(self.path, WAITING_NAME), "r")  # a description of its own
-        self._held, self._waiting = set(), 0
+        self._serving_file = open(os.path.join(self.path, SERVING_NAME), "r")
+        self._held, self._waiting, self._serving = set(), 0, False
         self._pid = os.getpid()
 
     def _close(self) -> None:
-        for f in self._files + [self._wait_file, self._probe_file]:
+        for f in self._files + [self._wait_file, self._probe_file, self._serving_file]:
             if f is not None:
                 f.close()
-        self._files, self._wait_file, self._probe_file = [], None, None
-        self._held, self._waiting, self._pid = set(), 0, None
+        self._files, self._wait_file, self._probe_file, self._serving_file = [], None, None, None
+        self._held, self._waiting, self._pid, self._serving = set(), 0, None, False
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # the parent's may have been held by another thread
