@@ -21,6 +21,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.core.settings import available_cores
+from blockgrad_client import Client
 from tools.server import gunicorn_server, wait_until
 
 pytestmark = pytest.mark.slow
@@ -212,6 +213,42 @@ def test_a_sigkilled_worker_loses_only_its_request_and_a_pair_still_runs_in_para
     finally:
         sock.close()
     assert wait_until(lambda: slot_holders(set(server.worker_pids())) == {}, WAIT_S)
+
+
+def test_the_client_package_resends_the_killed_workers_request(server):
+    """A request that got no answer byte is safe to resend (gradients are pure): the client
+    package does, so through it both requests of a pair are answered although one worker
+    was SIGKILLed while computing one of them."""
+    vectors = np.asarray(PAIR["vectors"], dtype=np.float32)
+
+    def call(results: list, index: int, barrier: threading.Barrier):
+        barrier.wait(WAIT_S)
+        try:
+            results[index] = Client(server.url, timeout=WAIT_S).gradients(vectors, factor=32, outputs=["accumulated"])
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+            results[index] = exc
+    workers = set(server.worker_pids())
+    for _ in range(3):  # a pair that both finished before both were seen computing is sent again
+        results: list = [None, None]
+        barrier = threading.Barrier(2)
+        threads = [threading.Thread(target=call, args=(results, i, barrier), daemon=True) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(slot_holders(workers)) == 2 or not any(t.is_alive() for t in threads),
+                   WAIT_S, SAMPLE_S)
+        held = slot_holders(workers)
+        if len(held) == 2:
+            os.kill(min(held), signal.SIGKILL)
+        for thread in threads:
+            thread.join(WAIT_S)
+        if len(held) == 2:
+            break
+    else:
+        pytest.fail("no pair was seen computing on both workers")
+    for result in results:
+        assert not isinstance(result, BaseException), result
+        assert result.accumulated.shape == (2048, 64) and np.isfinite(result.accumulated).all()
+    assert wait_until(lambda: len(server.worker_pids()) == 2, WAIT_S)  # the master forks a replacement
 
 
 def test_one_slot_per_request_when_configured():
