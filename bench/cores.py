@@ -6,6 +6,12 @@ S_pair = 2 x t(one alone, 1 slot) / t(until both of two concurrent 1-slot runs f
 what the second core gives two independent requests on this machine, the bound S_lone is
 measured against. Medians of `repeats`. One torch thread per process, as in a worker.
 
+Served rows (`make bench`, gunicorn as `make serve` runs it): `concurrent_pairs_balance`, 20
+pairs of the same request over HTTP on fresh connections, sent at the same moment, the slower
+of each pair against the faster (the issue: at most 1.3x, none one after the other); and
+`lone_request_cpu`, the CPU time of the master's descendants during a lone request over its
+wall time (at least 1.7 on 2 cores).
+
 `--tiles`: the tile-size probe instead: the engine's chunks of several sizes on one thread
 and on two threads (every other tile each), with CPU time and how much the threads overlap:
 on a loaded machine those say more than wall time.
@@ -13,10 +19,13 @@ on a loaded machine those say more than wall time.
 Usage: python -m bench.cores [--repeats 5] [--n 2048] [--dim 64] [--factor 32] [--tiles]
 """
 import argparse
+import json
+import os
 import statistics
 import threading
 import time
 
+import requests
 import torch
 
 from app.core.engine import DEFAULT_CHUNK_ELEMENTS, chain_rule_sums, chunk_gradients, plan_bands
@@ -24,10 +33,15 @@ from app.core.executor import LocalExecutor, SerialExecutor, tile_elements
 from app.core.objectives import OBJECTIVES
 from app.core.slots import ThreadSlots
 
-from .measure import Result, at_least
+from tools.server import children, cpu_ticks
+
+from .measure import Result, at_least, at_most
 from .workloads import vectors as random_vectors
 
 TARGET_SHARE = 0.9  # S_lone >= 0.9 x S_pair
+PAIRS = 20
+TARGET_PAIR_RATIO = 1.3  # the slower of a pair at most 1.3x the faster
+TARGET_CPU_SHARE = 1.7  # a lone request: CPU of the master's descendants >= 1.7 x wall (2 cores)
 
 
 def tiles(n: int, dim: int, factor: int, parallel: bool) -> list:
@@ -114,6 +128,79 @@ def lone_request_speedup(bench=None, n: int = 2048, dim: int = 64, factor: int =
                    f"t(1 slot) {t1 * 1e3:.0f} ms, t(2 slots) {t2 * 1e3:.0f} ms, pair of 1-slot runs "
                    f"{tp * 1e3:.0f} ms; CPU/wall on 2 slots {statistics.median(cpu_share):.2f}; "
                    f"tiles {len(serial_plan)} serial, {len(parallel_plan)} parallel")]
+
+
+def served_body(n: int = 2048, dim: int = 64, factor: int = 32) -> bytes:
+    return json.dumps({"vectors": random_vectors(n, dim).tolist(), "factor": factor,
+                       "outputs": ["accumulated"]}).encode()
+
+
+def timed_post(url: str, body: bytes) -> float:
+    """Seconds until the whole answer is read, on a fresh connection."""
+    began = time.perf_counter()
+    response = requests.post(url, data=body, headers={"Content-Type": "application/json", "Connection": "close"},
+                             timeout=300)
+    response.raise_for_status()
+    return time.perf_counter() - began
+
+
+def concurrent_pairs_balance(bench, pairs: int = PAIRS) -> list[Result]:
+    """PAIRS pairs of N = 2048 requests sent at the same moment on fresh connections: the
+    slower of each pair over the faster. Near 1: both computed side by side; near 2: one
+    waited for the other."""
+    server = bench.server()
+    url, body = server.url + "/v1/gradients", served_body()
+    timed_post(url, body)  # warm: both workers have run one
+    timed_post(url, body)
+    ratios = []
+    for _ in range(pairs):
+        barrier, times = threading.Barrier(2), [0.0, 0.0]
+
+        def one(index: int):
+            barrier.wait()
+            times[index] = timed_post(url, body)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        ratios.append(max(times) / min(times))
+    worst = max(ratios)
+    return [Result(f"cores. {pairs} concurrent pairs, N=2048 D=64 F=32 accumulated, fresh connections",
+                   f"slower/faster <= {TARGET_PAIR_RATIO} in every pair", f"{worst:.2f} worst",
+                   at_most(worst, TARGET_PAIR_RATIO),
+                   f"median {statistics.median(ratios):.2f}; {sum(r > TARGET_PAIR_RATIO for r in ratios)} of "
+                   f"{pairs} pairs over {TARGET_PAIR_RATIO}")]
+
+
+def descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def lone_request_cpu(bench, repeats: int = 5) -> list[Result]:
+    """CPU time of every process under gunicorn's master during a lone request, over its wall
+    time (from /proc/<pid>/stat; the master itself computes nothing); median of `repeats`."""
+    server = bench.server()
+    url, body = server.url + "/v1/gradients", served_body()
+    timed_post(url, body)
+    tick = os.sysconf("SC_CLK_TCK")
+    shares, walls = [], []
+    for _ in range(repeats):
+        pids = descendants(server.pid)
+        before = {pid: cpu_ticks(pid) for pid in pids}
+        wall = timed_post(url, body)
+        used = sum(cpu_ticks(pid) - ticks for pid, ticks in before.items())
+        shares.append(used / tick / wall)
+        walls.append(wall)
+    share = statistics.median(shares)
+    return [Result("cores. lone request's CPU/wall over the pod (served), N=2048 D=64 F=32 accumulated",
+                   f">= {TARGET_CPU_SHARE} (2 cores)", f"{share:.2f}", at_least(share, TARGET_CPU_SHARE),
+                   f"wall median {statistics.median(walls) * 1e3:.0f} ms; ticks of {tick} Hz")]
 
 
 # (factor, numbers per chunk) at N = 2048, D = 64: tiles of 128K to 4M numbers.
