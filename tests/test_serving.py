@@ -41,7 +41,9 @@ LONG = json.dumps({"vectors": np.zeros((8192, 128)).tolist(), "factor": 64, "out
 def server():
     with gunicorn_server(workers=1, env={
             "BLOCKGRAD_QUEUE_DEPTH": str(QUEUE_DEPTH), "BLOCKGRAD_READ_TIMEOUT_S": str(READ_TIMEOUT_S),
-            "BLOCKGRAD_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S), "BLOCKGRAD_REQUEST_TIMEOUT_S": "120"}) as server:
+            "BLOCKGRAD_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S), "BLOCKGRAD_REQUEST_TIMEOUT_S": "120",
+            # Four LONG requests reserved for every slot of the pod each (docs/cores.md) fit the ledger.
+            "BLOCKGRAD_WORKER_MEMORY_BYTES": str(4 * 2 ** 30)}) as server:
         yield server
 
 
