@@ -6,7 +6,7 @@ says when the master imports the app before forking).
 import math
 import os
 
-from app.core.settings import COMPUTE_SLOTS, Settings
+from app.core.settings import Settings, available_cores
 from app.serving import addresses, tuning
 from app.serving.hooks import (child_exit, on_exit, on_starting, post_fork, post_request,  # noqa: F401
                                post_worker_init, pre_request, worker_abort, worker_exit)
@@ -15,15 +15,16 @@ settings = Settings.from_env()  # raises at start-up, naming the variable, on a 
 
 bind = settings.bind  # BLOCKGRAD_BIND
 workers = settings.workers  # WEB_CONCURRENCY
-torch_threads = tuning.torch_threads(workers)  # what each worker computes with
+torch_threads = tuning.torch_threads(workers)  # 1: each compute slot is one core (docs/cores.md)
+cores = available_cores()  # the pod's compute slots, shared by its workers (app/serving/slots.py)
 
-# Threads take connections, probes and slow clients; one computation at a time per worker
-# (app/core/gate.py) with BLOCKGRAD_QUEUE_DEPTH waiting.
+# Threads take connections, probes and slow clients; a request computes on one of the pod's
+# compute slots (app/core/gate.py), BLOCKGRAD_QUEUE_DEPTH waiting per worker.
 worker_class = "app.serving.worker.ConnectionWorker"  # gthread, connections waiting in its poller (docs/connections.md)
 # Threads neither computing nor queued: 16 slow uploads (each freed after at most
 # BLOCKGRAD_READ_TIMEOUT_S), slow readers (BLOCKGRAD_SEND_TIMEOUT_S), probes, /metrics, docs.
 SPARE_THREADS = 24
-threads = COMPUTE_SLOTS + settings.queue_depth + SPARE_THREADS
+threads = cores + settings.queue_depth + SPARE_THREADS  # a worker's requests may hold every slot of the pod
 # Idle connections kept past a balancer's usual 60 s idle timeout: the balancer closes them.
 keepalive = math.ceil(settings.keepalive_s)
 worker_connections = settings.max_connections  # per worker (the worker class reads the setting)

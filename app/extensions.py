@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from flask import Flask, current_app
 
+from .core.executor import TileExecutor
 from .core.gate import Gate
 from .core.memory import MemoryLedger
 from .core.objectives import Objective
@@ -20,8 +21,9 @@ KEY = "blockgrad"
 class Services:
     settings: Settings
     objectives: Mapping[str, Objective]  # built-ins, then the models of BLOCKGRAD_MODEL_DIR
-    gate: Gate  # one compute slot and its queue
+    gate: Gate  # the compute slots (the pod's, or this process's) and this worker's queue for them
     ledger: MemoryLedger  # the bytes this worker's requests reserve
+    executor: TileExecutor  # runs a request's tiles over the free slots (one pool per worker)
     # URL prefix -> how errors under it look (app/http/errors.py's ErrorStyle), by front end.
     error_styles: dict[str, object] = field(default_factory=dict)
 

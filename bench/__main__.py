@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tools.server import gunicorn_settings
 
-from . import attacks, client_rows, recycling, rows, small_requests, uploads
+from . import attacks, client_rows, cores, recycling, rows, small_requests, uploads
 from .measure import table
 
 def dripping_uploads(bench) -> list:
@@ -37,6 +37,9 @@ ROWS = [
     attacks.idle_flood_row,
     attacks.slowloris_row,
     recycling.metrics_recycling_row,
+    cores.lone_request_speedup,
+    cores.concurrent_pairs_balance,
+    cores.lone_request_cpu,
 ]
 
 

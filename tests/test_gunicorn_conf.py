@@ -44,7 +44,7 @@ def test_timeouts_follow_the_deadline(monkeypatch, deadline, timeout, graceful):
 def test_web_concurrency_is_honoured(monkeypatch):
     conf = load(monkeypatch, WEB_CONCURRENCY="3")
     assert conf["workers"] == 3
-    assert conf["torch_threads"] == max(1, available_cores() // 3)
+    assert conf["torch_threads"] == 1  # one per computing thread: a request spreads over the pod's slots
 
 
 def test_bind_is_honoured(monkeypatch):
@@ -97,11 +97,12 @@ def test_bad_values_stop_the_start_with_the_variables_name(monkeypatch, name, va
 
 
 def test_worker_model(monkeypatch):
-    """gthread: threads above the compute slot + queue + spare; keep-alive from the settings."""
+    """gthread: threads above the compute slots (a worker's requests may hold every core of the
+    pod) + queue + spare; keep-alive from the settings."""
     assert load(monkeypatch)["keepalive"] == 75
     conf = load(monkeypatch, BLOCKGRAD_QUEUE_DEPTH="5", BLOCKGRAD_KEEPALIVE_S="80")
     assert conf["worker_class"] == "app.serving.worker.ConnectionWorker"  # gthread, heads read in its poller
-    assert conf["threads"] == 1 + 5 + conf["SPARE_THREADS"] and conf["SPARE_THREADS"] >= 16 + 4
+    assert conf["threads"] == available_cores() + 5 + conf["SPARE_THREADS"] and conf["SPARE_THREADS"] >= 16 + 4
     assert conf["keepalive"] == 80
     assert conf["max_requests"] >= 100 and conf["max_requests_jitter"] >= conf["max_requests"] // 10
 

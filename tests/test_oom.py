@@ -22,7 +22,7 @@ def raise_oom(*args, **kwargs):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
-@pytest.mark.parametrize("where", ["app.core.run.load_vectors", "app.core.run.iter_bands"])
+@pytest.mark.parametrize("where", ["app.core.run.load_vectors", "app.core.run.plan_bands"])  # pass one's plan
 def test_out_of_memory_is_503_and_the_worker_serves_on(client, monkeypatch, empty_cache_calls, where):
     monkeypatch.setattr(where, raise_oom)
     response = client.post("/v1/gradients", json=GOOD)
@@ -47,7 +47,7 @@ def test_out_of_memory_mid_stream_frees_the_cache(monkeypatch, empty_cache_calls
 
     def fail_in_pass_two(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 2:  # pass two, while the body streams
+        if len(calls) == 1:  # pass two (pass one plans its tiles itself), while the body streams
             raise_oom()
         return real(*args, **kwargs)
     monkeypatch.setattr(compute, "iter_bands", fail_in_pass_two)

@@ -26,9 +26,9 @@ def admissions(monkeypatch):
     calls = []
     real = pipeline.admit
 
-    def counted(sizes, answer, settings):
+    def counted(sizes, answer, settings, lanes=1):
         calls.append(sizes)
-        return real(sizes, answer, settings)
+        return real(sizes, answer, settings, lanes)
     monkeypatch.setattr(pipeline, "admit", counted)
     return calls
 

@@ -21,6 +21,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.core.settings import available_cores
 from blockgrad_client.infer import binary_infer_request
 from tools.server import gunicorn_server, wait_until
 from .test_api import GOOD
@@ -40,7 +41,9 @@ LONG = json.dumps({"vectors": np.zeros((8192, 128)).tolist(), "factor": 64, "out
 def server():
     with gunicorn_server(workers=1, env={
             "BLOCKGRAD_QUEUE_DEPTH": str(QUEUE_DEPTH), "BLOCKGRAD_READ_TIMEOUT_S": str(READ_TIMEOUT_S),
-            "BLOCKGRAD_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S), "BLOCKGRAD_REQUEST_TIMEOUT_S": "120"}) as server:
+            "BLOCKGRAD_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S), "BLOCKGRAD_REQUEST_TIMEOUT_S": "120",
+            # Four LONG requests reserved for every slot of the pod each (docs/cores.md) fit the ledger.
+            "BLOCKGRAD_WORKER_MEMORY_BYTES": str(4 * 2 ** 30)}) as server:
         yield server
 
 
@@ -99,11 +102,12 @@ def test_a_connection_closes_after_its_hundredth_request(server):
 
 
 def test_full_load_sheds_at_once_and_probes_answer(server):
-    """One computing, QUEUE_DEPTH waiting: the next is 503 overloaded; probes, /metrics and the
-    docs still answer; closing the clients stops their computations (client_closed)."""
+    """One computing per core of the pod (its compute slots), QUEUE_DEPTH waiting: the next is
+    503 overloaded; probes, /metrics and the docs still answer; closing the clients stops their
+    computations (client_closed)."""
     shed_before = metric(server, "blockgrad_shed_requests_total")
     closed_before = metric(server, "blockgrad_errors_total", code="client_closed")
-    computing = raw_post(server, "/v1/gradients", LONG)
+    computing = [raw_post(server, "/v1/gradients", LONG) for _ in range(available_cores())]
     waiting = []
     try:
         assert server.busy_worker() is not None, "the long request did not start"
@@ -120,14 +124,14 @@ def test_full_load_sheds_at_once_and_probes_answer(server):
         assert refused.status_code == 503 and set(refused.json()) == {"error"}  # the protocol's shape
         assert metric(server, "blockgrad_shed_requests_total") == shed_before + 2
     finally:
-        for sock in [computing, *waiting]:
+        for sock in [*computing, *waiting]:
             sock.close()
-    # Computing and queued requests alike stop when their client leaves, freeing the slot.
+    # Computing and queued requests alike stop when their client leaves, freeing the slots.
     assert wait_until(lambda: metric(server, "blockgrad_errors_total", code="client_closed")
-                      == closed_before + 1 + QUEUE_DEPTH, WAIT_S)
+                      == closed_before + len(computing) + QUEUE_DEPTH, WAIT_S)
     assert requests.post(server.url + "/v1/gradients", json=GOOD, timeout=WAIT_S).status_code == 200
     stopped = [line for line in log_lines(server) if line.get("error") == "client_closed"]
-    assert len(stopped) >= 1 + QUEUE_DEPTH and all(line["status"] == 499 for line in stopped)
+    assert len(stopped) >= len(computing) + QUEUE_DEPTH and all(line["status"] == 499 for line in stopped)
 
 
 def test_a_client_leaving_mid_stream_stops_the_blocks(server):

@@ -2,7 +2,8 @@
 from flask import Response
 
 from ..http.docs import OPEN_ROUTE, documents_errors
-from ..http.metrics import exposition
+from ..extensions import services
+from ..http.metrics import SLOTS, SLOTS_BUSY, exposition
 from ..http.parsing import ApiBlueprint
 
 blp = ApiBlueprint("metrics", __name__, description="Prometheus metrics.")
@@ -15,5 +16,8 @@ blp = ApiBlueprint("metrics", __name__, description="Prometheus metrics.")
 @documents_errors(blp, "internal_error")
 def get_metrics():
     """Request counts, latencies, in-flight requests, outputs, compute time, errors and device."""
+    source = services().gate.source  # the pod's slots are read now, from whichever worker answers
+    SLOTS.set(source.count)
+    SLOTS_BUSY.set(source.busy)
     body, content_type = exposition()
     return Response(body, content_type=content_type)

@@ -3,8 +3,9 @@ peak bytes and seconds, or a refusal (limit_exceeded) that names the limit and w
 
 `admit` is the one call. It checks, in order: N and D; the largest block; the whole answer;
 a model objective's activations; the predicted seconds against the deadline (the cost
-model, app/core/cost.py); and predicts the peak bytes (app/core/memory.py), which the
-caller reserves in the worker's ledger. A refusal that a factor would cure carries
+model, app/core/cost.py, at one compute slot); and predicts the peak bytes
+(app/core/memory.py, at the most slots the request may take), which the caller reserves
+in the worker's ledger. A refusal that a factor would cure carries
 details.suggested_factor. The deadline is still checked between blocks: the cost model is
 an estimate.
 """
@@ -26,9 +27,11 @@ class Prediction:
     seconds: float  # computing and writing it, by the cost model
 
 
-def admit(sizes: Sizes, answer: AnswerCost, settings: Settings) -> Prediction | None:
+def admit(sizes: Sizes, answer: AnswerCost, settings: Settings, lanes: int = 1) -> Prediction | None:
     """The prediction, or limit_exceeded. None when only N and D were checked: the factor or
-    outputs as sent are not valid, so converting the request will refuse it."""
+    outputs as sent are not valid, so converting the request will refuse it. `lanes`: the
+    most compute slots the request may take at once; memory is predicted for that many (the
+    reservation is never resized while it runs), time for one (the conservative case)."""
     check_shape(sizes.n, sizes.dim, settings)
     if sizes.factor is None or sizes.outputs is None:
         return None
@@ -38,7 +41,7 @@ def admit(sizes: Sizes, answer: AnswerCost, settings: Settings) -> Prediction | 
     seconds = predict_seconds(sizes, settings) if sizes.outputs else 0.0
     if seconds > settings.request_timeout_s:
         raise over_the_deadline(sizes, seconds, settings)
-    return Prediction(predict_peak_bytes(sizes, answer, settings), seconds)
+    return Prediction(predict_peak_bytes(sizes, answer, settings, lanes), seconds)
 
 
 def output_elements(n: int, dim: int, factor: int, outputs: tuple[str, ...]) -> int:

@@ -1,9 +1,11 @@
-"""The compute gate: one computation at a time per worker, a bounded FIFO queue in front.
+"""The compute gate: a request computes on a compute slot, a bounded FIFO queue in front.
 
-A worker's torch threads are sized to the cores it owns, so two computations at once
-would only share those cores and both finish later. Threads beyond the slot serve
-connections, probes and slow clients; those that want to compute wait here, at most
-`queue_depth` of them, first come first served. One more is refused at once
+Slots come from a `SlotSource` (app/core/slots.py): one per core, in a pod shared by all
+workers (app/serving/slots.py), so a request takes a free core wherever it is. Threads
+beyond the slots serve connections, probes and slow clients; those that want to compute
+wait here, at most `queue_depth` of them per worker, first come first served: the first
+in line waits on the source (which wakes it when a slot anywhere is released), the
+others behind it. One more is refused at once
 (`overloaded`, 503 with Retry-After) instead of waiting unseen in a socket backlog.
 The wait counts against the request's deadline (`deadline_exceeded`, details.queued)
 and stops when the client goes away (`client_closed`).
@@ -19,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from .errors import client_closed, deadline_exceeded, overloaded
 from .settings import COMPUTE_SLOTS
+from .slots import Slot, SlotSource, ThreadSlots
 
 if TYPE_CHECKING:  # a type only: importing run would load torch
     from .deadline import Deadline
@@ -42,8 +45,8 @@ class GateListener:
 class Ticket:
     """The slot, held until `release` (idempotent: a stream's end and its close both call it)."""
 
-    def __init__(self, gate: "Gate"):
-        self.gate = gate
+    def __init__(self, gate: "Gate", slot: Slot):
+        self.gate, self.slot = gate, slot
         self.released = False
 
     def release(self) -> None:
@@ -57,9 +60,10 @@ class Ticket:
 
 
 class Gate:
-    def __init__(self, queue_depth: int, slots: int = COMPUTE_SLOTS, listener: GateListener | None = None):
+    def __init__(self, queue_depth: int, slots: int | SlotSource = COMPUTE_SLOTS,
+                 listener: GateListener | None = None):
         self.queue_depth = queue_depth
-        self.slots = slots
+        self.source = ThreadSlots(slots) if isinstance(slots, int) else slots
         self.listener = listener or GateListener()
         self._lock = threading.Condition()
         self._busy = 0
@@ -71,42 +75,59 @@ class Gate:
 
     @property
     def busy(self) -> int:
+        """First slots this worker's requests hold (a request's extra tiles' slots not counted)."""
         return self._busy
 
     def acquire(self, deadline: "Deadline") -> Ticket:
-        """The slot, waiting in line up to the deadline; overloaded if the line is full."""
+        """A slot, waiting in line up to the deadline; overloaded if the line is full."""
         start = time.monotonic()
         with self._lock:
-            if not self._queue and self._busy < self.slots:
-                self._busy += 1
-                self.listener.waited(0.0)
-                return Ticket(self)
+            if not self._queue:
+                slot = self.source.try_acquire()
+                if slot is not None:
+                    self._busy += 1
+                    self.listener.waited(0.0)
+                    return Ticket(self, slot)
             if len(self._queue) >= self.queue_depth:
                 self.listener.shed()
                 raise overloaded(self.queue_depth)
             token = object()
             self._queue.append(token)
             self.listener.waiting(len(self._queue))
-            try:
-                while not (self._queue[0] is token and self._busy < self.slots):
-                    remaining = deadline.remaining()
-                    if remaining <= 0:
-                        raise deadline_exceeded(deadline.timeout_s, queued=True)
-                    self._lock.wait(min(remaining, WAIT_POLL_S))
-                    if deadline.cancelled is not None and deadline.cancelled():
-                        raise client_closed()
-                self._busy += 1
-            finally:
+        try:
+            slot = self._wait_in_line(token, deadline)
+        finally:
+            with self._lock:
                 self._queue.remove(token)
                 self.listener.waiting(len(self._queue))
                 self._lock.notify_all()  # the next in line may now be first
         self.listener.waited(time.monotonic() - start)
-        return Ticket(self)
+        return Ticket(self, slot)
+
+    def _wait_in_line(self, token: object, deadline: "Deadline") -> Slot:
+        """First in line: wait on the source for a slot; behind it: for the first to leave."""
+        while True:
+            remaining = deadline.remaining()
+            if remaining <= 0:
+                raise deadline_exceeded(deadline.timeout_s, queued=True)
+            with self._lock:
+                first = self._queue[0] is token
+                if not first:
+                    self._lock.wait(min(remaining, WAIT_POLL_S))
+            if first:
+                slot = self.source.acquire(timeout=min(remaining, WAIT_POLL_S))
+                if slot is not None:
+                    with self._lock:
+                        self._busy += 1
+                    return slot
+            if deadline.cancelled is not None and deadline.cancelled():
+                raise client_closed()
 
     def _release(self, ticket: Ticket) -> None:
         with self._lock:
             if ticket.released:
                 return
             ticket.released = True
+            ticket.slot.release()
             self._busy -= 1
             self._lock.notify_all()

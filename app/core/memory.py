@@ -3,8 +3,11 @@
 `predict_peak_bytes` adds up what a request holds at its peak, from its sizes and the
 front end's `AnswerCost` alone: its body and the parsed input, the engine's working set
 (a chunk of at most BLOCKGRAD_MAX_BLOCK_ELEMENTS numbers and what the objective derives
-from it, blocks kept between the passes), and the answer as the front end writes it
-(whole arrays, text a block or a slice at a time). Admission (admission.py) calls it. The coefficients are measured, not guessed: `python -m
+from it, blocks kept between the passes; on k compute slots, k tiles in flight, the tiles
+computed ahead and a partial accumulated gradient a lane: `working_set_bytes`), and the
+answer as the front end writes it (whole arrays, text a block or a slice at a time).
+A request is predicted for the most slots it may take (its reservation is never resized
+while it runs). Admission (admission.py) calls it. The coefficients are measured, not guessed: `python -m
 bench.memory` runs each case on a fresh gunicorn worker and prints the measured peak
 beside this prediction (docs/benchmarks.md, "Peak worker memory per case"); each
 coefficient is the largest measured per-unit cost, rounded up.
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from .dtypes import DTYPES, WIDEST
 from .engine import largest_block_side
 from .errors import BlockgradError, limit_exceeded
+from .executor import LOOKAHEAD_PER_LANE, PARALLEL_TILE_ELEMENTS
 from .heap import TRIM_SLACK_BYTES, untrimmed_growth
 from .settings import Settings
 from .sizes import Sizes
@@ -63,9 +67,32 @@ def chunk_numbers(n: int, dim: int, factor: int, settings: Settings) -> int:
     return max(side * side * 2 * dim, min(settings.max_block_elements, n * n * 2 * dim))
 
 
-def predict_peak_bytes(sizes: Sizes, answer: AnswerCost, settings: Settings) -> int:
+def working_set_bytes(sizes: Sizes, settings: Settings, lanes: int = 1) -> int:
+    """The engine's working set in pass one: serially a chunk's (CHUNKS_IN_FLIGHT of its
+    size); on up to `lanes` slots the larger of that and, for each lane, a tile's working
+    set, LOOKAHEAD_PER_LANE tiles' results waiting and a partial accumulated gradient
+    (app/core/executor.py). The larger, because a request on several lanes may still find
+    no second slot free, and off the CPU runs serially with whole chunks."""
+    n, dim, factor = sizes.n, sizes.dim, sizes.factor
+    item = DTYPES.get(sizes.dtype, WIDEST).item_bytes
+    per_chunk = CHUNKS_IN_FLIGHT.get(sizes.objective, DEFAULT_CHUNKS_IN_FLIGHT)
+    chunk = chunk_numbers(n, dim, factor, settings)
+    serial = per_chunk * chunk * item
+    if lanes <= 1:
+        return serial
+    side = largest_block_side(n, factor)
+    tile = max(side * side * 2 * dim, min(PARALLEL_TILE_ELEMENTS, chunk))  # a block is never split
+    lanes = min(lanes, -(-(n * n * 2 * dim) // tile))  # no more lanes than tiles
+    if lanes <= 1:  # one tile runs inline, as serially
+        return serial
+    parallel = lanes * (per_chunk + LOOKAHEAD_PER_LANE) * tile * item + (lanes - 1) * n * dim * item
+    return max(serial, parallel)
+
+
+def predict_peak_bytes(sizes: Sizes, answer: AnswerCost, settings: Settings, lanes: int = 1) -> int:
     """Bytes a request adds to its worker at its peak: its body (and werkzeug's copy while
-    reading it), the input, the engine's working set, and the answer as `answer` writes it."""
+    reading it), the input, the engine's working set on up to `lanes` compute slots, and the
+    answer as `answer` writes it."""
     n, dim, factor, outputs = sizes.n, sizes.dim, sizes.factor, sizes.outputs
     item = DTYPES.get(sizes.dtype, WIDEST).item_bytes
     numbers = n * dim
@@ -76,7 +103,7 @@ def predict_peak_bytes(sizes: Sizes, answer: AnswerCost, settings: Settings) -> 
     if outputs:
         chunk = chunk_numbers(n, dim, factor, settings)
         chunk_bytes = chunk * item
-        total += CHUNKS_IN_FLIGHT.get(sizes.objective, DEFAULT_CHUNKS_IN_FLIGHT) * chunk_bytes
+        total += working_set_bytes(sizes, settings, lanes)
         total += min(settings.max_block_elements, grid) * item  # blocks kept between the passes
         if "blocks" in outputs:
             # Keeping blocks fragments the heap by up to a chunk's temporaries per chunk, until

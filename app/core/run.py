@@ -10,6 +10,7 @@ e.g. for `sum`), else recomputed a band of chunks at a time as they are
 consumed (app/core/engine.py), so that memory stays bounded by a chunk, not by
 N x N x 2D.
 """
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -18,9 +19,10 @@ import torch
 
 from .deadline import Deadline
 from .device import release_device_memory, resolve_device
-from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, add_to_vectors, band_blocks, block_bounds, chunk_gradients,
-                     elements_per_chunk, iter_bands, plan_bands)
+from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, band_blocks, block_bounds, chunk_gradients, elements_per_chunk,
+                     iter_bands, plan_bands)
 from .errors import device_out_of_memory, non_finite_accumulated, non_finite_block
+from .executor import SerialExecutor, TileExecutor, tile_elements
 from .heap import watch_for
 from .request import GradientRequest
 from .settings import Settings
@@ -68,26 +70,33 @@ class Result:
                     self.deadline.check()
 
 
-def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = None) -> Result:
-    """Compute an admitted request on this worker's device (app/core/admission.py admits)."""
+def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = None,
+        executor: TileExecutor | None = None) -> Result:
+    """Compute an admitted request on this worker's device (app/core/admission.py admits);
+    `executor` runs pass one's tiles (on CPU, over the free compute slots), serial elsewhere."""
     device = resolve_device(settings.device)
     deadline = deadline or Deadline(settings.request_timeout_s)
+    if executor is None or device.type != "cpu":
+        executor = SerialExecutor()
     with device_memory_guard():
         vectors = load_vectors(req, device)  # (N, D)
         keep_bytes = settings.max_block_elements * vectors.element_size()
-        chunk = elements_per_chunk(settings.max_block_elements, req.objective_fn, req.dim,
-                                   vectors.element_size())
-        return pass_one(req, device, vectors, deadline, keep_bytes, chunk)
+        chunk = tile_elements(elements_per_chunk(settings.max_block_elements, req.objective_fn, req.dim,
+                                                 vectors.element_size()), executor.parallel)
+        return pass_one(req, device, vectors, deadline, keep_bytes, chunk, executor)
 
 
 def pass_one(req: GradientRequest, device: torch.device, vectors: torch.Tensor, deadline: Deadline,
-              keep_bytes: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Result:
+             keep_bytes: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+             executor: TileExecutor | None = None) -> Result:
     """Pass one: losses (F, F) and accumulated (N, D); non_finite_result if anything is not finite.
 
     Blocks' gradients are kept (for `blocks()`) while they hold at most keep_bytes: autograd
     often returns a view of a few numbers (e.g. for `sum`); past that they are let go and
     recomputed as consumed, so memory stays bounded by a band of chunks, not by N x N x 2D.
-    No host synchronisation per block or chunk: one at the end."""
+    No host synchronisation per block or chunk: one at the end. `executor` computes the
+    tiles (the planned chunks) and hands them back in order, each of its lanes summing its
+    share of accumulated (app/core/executor.py)."""
     f = req.factor
     keep, kept, kept_bytes = "blocks" in req.outputs, [], 0
     losses = torch.empty((f, f), dtype=vectors.dtype, device=device)  # (F, F)
@@ -96,26 +105,34 @@ def pass_one(req: GradientRequest, device: torch.device, vectors: torch.Tensor, 
     # the gradients and no host synchronisation; False may also be an overflowing sum, so
     # those chunks are rechecked block by block below.
     surely_finite = torch.empty((f, f), dtype=torch.bool, device=device)  # (F, F)
-    accumulated = torch.zeros_like(vectors)  # (N, D)
     # Kept blocks fragment glibc's heap (app/core/heap.py); a pass that keeps none does not grow it.
     heap = watch_for(req.n * req.n * 2 * req.dim * vectors.element_size()) if keep else None
-    for band in iter_bands(vectors, f, req.objective_fn, req.offset, chunk_elements):
-        for result in band:
-            sums = add_to_vectors(accumulated, result)  # (kr * h, D), (kc * w, D)
-            rows, cols = result.chunk.rows, result.chunk.cols
-            losses[rows.start:rows.stop, cols.start:cols.stop] = result.losses  # (kr, kc)
-            surely_finite[rows.start:rows.stop, cols.start:cols.stop] = torch.isfinite(
-                result.losses.sum() + sums.rows.sum() + sums.cols.sum())  # (), over (kr, kc)
+    bands = plan_bands(req.n, req.dim, f, chunk_elements)
+    tiles = (executor or SerialExecutor()).pass_one(vectors, [chunk for band in bands for chunk in band],
+                                                    req.objective_fn, req.offset)
+    results = iter(tiles)
+    try:
+        for band in bands:
+            band_results = []
+            for tile in itertools.islice(results, len(band)):
+                result = tile.result
+                rows, cols = result.chunk.rows, result.chunk.cols
+                losses[rows.start:rows.stop, cols.start:cols.stop] = result.losses  # (kr, kc)
+                surely_finite[rows.start:rows.stop, cols.start:cols.stop] = tile.surely_finite  # (), over (kr, kc)
+                if keep:
+                    kept_bytes += result.gradient.untyped_storage().nbytes()
+                    keep = kept_bytes <= keep_bytes  # over budget: let them go, blocks() recomputes
+                band_results.append(result)
             if keep:
-                kept_bytes += result.gradient.untyped_storage().nbytes()
-                keep = kept_bytes <= keep_bytes  # over budget: let them go, blocks() recomputes
-        if keep:
-            kept.extend(band_blocks(band))
-        else:
-            kept.clear()  # let go of what was kept before the budget ran out
-        if heap is not None:
-            heap.check()
-        deadline.check()
+                kept.extend(band_blocks(band_results))
+            else:
+                kept.clear()  # let go of what was kept before the budget ran out
+            if heap is not None:
+                heap.check()
+            deadline.check()
+    finally:
+        tiles.close()  # stopped early: the tiles in flight end and give their slots back
+    accumulated = tiles.accumulated()  # (N, D)
     if not bool(surely_finite.all()):
         first = first_non_finite_block(vectors, req, surely_finite, chunk_elements)
         if first is not None:

@@ -152,6 +152,8 @@ class Settings:
     max_jobs: int = 16  # queued + running, all workers and pods sharing the scheduler
     job_ttl_s: float = 3600.0  # how long a finished job and its result are kept
     max_job_results_bytes: int = 2 * 1024 * 1024 * 1024  # retained results; the oldest finished go first
+    # Compute slots one request may take at once (app/core/executor.py); None: all the pod's.
+    slots_per_request: int | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, Any] = os.environ) -> "Settings":
@@ -170,6 +172,8 @@ class Settings:
                 values[item.name] = parse_bool(name, raw, default)
             elif item.type == float | None:
                 values[item.name] = parse_float(name, raw, None)
+            elif item.type == int | None:
+                values[item.name] = parse_int(name, raw, None)
             elif raw:
                 values[item.name] = str(raw)
         return cls(**values)

@@ -7,10 +7,12 @@ from typing import Any
 from flask import Flask
 from flask_smorest import Api
 
+from ..core.executor import LocalExecutor
 from ..core.gate import Gate
 from ..core.memory import MemoryLedger
 from ..core.served_objectives import served_objectives
 from ..core.settings import COMPUTE_SLOTS, Settings
+from ..core.slots import SlotSource, ThreadSlots
 from ..extensions import Services, install_services, services_of
 from . import request_record
 from .auth import install_auth
@@ -35,8 +37,9 @@ class BlockgradApi(Api):
     ERROR_SCHEMA = ErrorSchema  # the OpenAPI document shows our error object
 
 
-def build_app(overrides: Mapping[str, Any]) -> tuple[Flask, Api]:
-    """The app with its glue, and the Api its front ends register their blueprints on."""
+def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None) -> tuple[Flask, Api]:
+    """The app with its glue, and the Api its front ends register their blueprints on.
+    `slots`: the compute slots (the pod's under gunicorn); None: COMPUTE_SLOTS of this process's own."""
     settings = Settings.from_env({**os.environ, **{k: v for k, v in overrides.items() if k.startswith("BLOCKGRAD_")}})
     # Models are loaded and checked here, once per process (in each worker: no preload_app);
     # a file that fails raises ModelError and the service does not start.
@@ -49,14 +52,23 @@ def build_app(overrides: Mapping[str, Any]) -> tuple[Flask, Api]:
     app.config.update({k: v for k, v in overrides.items() if not k.startswith("BLOCKGRAD_")})
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config.setdefault("API_SPEC_OPTIONS", spec_options(settings, objectives))
+    slots = slots or ThreadSlots(COMPUTE_SLOTS)
     install_services(app, Services(
-        settings, objectives, Gate(settings.queue_depth, slots=COMPUTE_SLOTS, listener=MetricsListener()),
-        MemoryLedger(settings.worker_memory_bytes, settings.upload_memory_share)))
+        settings, objectives, Gate(settings.queue_depth, slots=slots, listener=MetricsListener()),
+        MemoryLedger(settings.worker_memory_bytes, settings.upload_memory_share),
+        tile_executor(slots, settings)))
     configure_logging(settings.log_level)
     request_record.init_app(app)  # first, so that its hooks see every request
 
     install_auth(app, settings.api_token, settings.docs_public)  # one app-level hook: every route, present or future, is behind it
     return app, BlockgradApi(app)
+
+
+def tile_executor(slots: SlotSource, settings: Settings) -> LocalExecutor:
+    """One per worker: a request's tiles over at most BLOCKGRAD_SLOTS_PER_REQUEST of `slots`
+    (default all); its pool has a thread for every slot the worker may hold."""
+    count = slots.count
+    return LocalExecutor(slots, max(1, min(settings.slots_per_request or count, count)), threads=max(1, count))
 
 
 def finish_app(app: Flask, api: Api) -> Flask:

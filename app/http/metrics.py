@@ -83,3 +83,5 @@ QUEUE_DEPTH = Gauge("blockgrad_queue_depth", "Requests waiting for a compute slo
 QUEUE_WAIT = Histogram("blockgrad_queue_wait_seconds", "Time a computing request waited for its compute slot.",
                        buckets=LATENCY_BUCKETS)
 SHED = Counter("blockgrad_shed_requests", "Requests refused at once (503 overloaded): the queue was full.")
+SLOTS = Gauge("blockgrad_compute_slots", "Compute slots of the pod: one per core, shared by its workers.", multiprocess_mode="livemax")
+SLOTS_BUSY = Gauge("blockgrad_compute_slots_busy", "Compute slots of the pod held now (read when scraped).", multiprocess_mode="livemostrecent")

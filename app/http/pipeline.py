@@ -2,9 +2,10 @@
 (preprocess, inference, postprocess):
 
 read the body -> decode the document or header -> admit once from the sizes, before any
-number is converted (the body's memory reservation resized to the prediction) -> convert
--> take the compute slot -> run -> render -> hold the slot while computed blocks stream
--> record (request_record.py, when the last byte is written).
+number is converted (the body's memory reservation resized to the prediction, for the most
+compute slots the request may take) -> convert -> take a compute slot -> run (the
+executor spreads the tiles over free slots) -> render -> hold the slot while computed
+blocks stream -> record (request_record.py, when the last byte is written).
 
 A front end supplies `accept`, `decode`, `convert` and `render` (`FrontEnd`), nothing else.
 """
@@ -76,7 +77,7 @@ def serve(front_end: FrontEnd) -> Response:
         if sizes.factor is not None and sizes.outputs is not None:
             logged = sizes.outputs if decoded.logged_outputs is None else decoded.logged_outputs
             g.work = RequestRecord.of(sizes.n, sizes.dim, sizes.factor, logged, sizes.outputs)  # logged even when refused
-        prediction = admit(sizes, decoded.answer, settings)
+        prediction = admit(sizes, decoded.answer, settings, services().executor.most_lanes)
         if prediction is not None:
             reserve_for_request(prediction.bytes)  # the body's reservation, resized to the prediction
     job = front_end.convert(decoded)
@@ -87,10 +88,10 @@ def serve(front_end: FrontEnd) -> Response:
         g.device = str(device)
         return front_end.render(job, None, device, record.timed).response
     deadline = request_deadline()
-    ticket = compute_slot(deadline)  # one computation at a time
+    ticket = compute_slot(deadline)  # the request's first slot; its executor may take more
     try:
         with record.computing():
-            result = run(req, settings, deadline)
+            result = run(req, settings, deadline, services().executor)
         g.device = str(result.device)
         rendered = front_end.render(job, result, result.device, record.timed)
     except BaseException:
@@ -102,7 +103,7 @@ def serve(front_end: FrontEnd) -> Response:
 
 
 def compute_slot(deadline: deadline_module.Deadline) -> Ticket:
-    """Wait for this worker's compute slot (overloaded / deadline_exceeded / client_closed)."""
+    """Wait for a compute slot (overloaded / deadline_exceeded / client_closed)."""
     return services().gate.acquire(deadline)
 
 

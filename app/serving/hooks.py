@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from gunicorn import systemd
 
-from app.core.settings import Settings
+from app.core.settings import Settings, available_cores
 from app.jobs import cluster as dask_cluster
 
-from . import addresses, metrics_archive, recycling, tuning, warmup
+from . import addresses, metrics_archive, recycling, slots, tuning, warmup
 from .metrics_dir import MetricsDir, value_file_kinds
 from .recycling import WorkerRecycling
 
@@ -29,10 +29,12 @@ ARCHIVE_WAIT_S = 1.0  # the master's longest wait for scrapes to finish before a
 
 @dataclass
 class Process:
-    """What the hooks keep. on_starting fills settings and the metrics directory in the
-    master, and every worker inherits them at fork; recycling is each worker's own."""
+    """What the hooks keep. on_starting fills settings, the metrics directory and the pod's
+    compute slots in the master, and every worker inherits them at fork; recycling is each
+    worker's own."""
     settings: Settings | None = None
     metrics: MetricsDir | None = None
+    pod_slots: slots.PodSlots | None = None
     metric_kinds: set[str] = field(default_factory=set)
     recycling: WorkerRecycling | None = None
     cluster: dask_cluster.EmbeddedCluster | None = None  # the embedded Dask cluster (docs/jobs.md)
@@ -44,13 +46,17 @@ scrape = threading.local()  # the scrape lock of the request this thread serves
 
 def on_starting(server):
     """Before any worker exists: refuse a taken address, prepare the metrics directory, set
-    the recycling floor, and on CPU import the app (workers find it in sys.modules)."""
+    the recycling floor, create the pod's compute slots, and on CPU import the app (workers
+    find it in sys.modules)."""
     inherited = server.LISTENERS or server.master_pid or systemd.listen_fds(unset_environment=False)
     if not inherited:  # a re-exec'd master's or systemd's sockets are ours already
         addresses.refuse_if_taken(server.cfg.address, server.cfg.reuse_port)
     process.settings = Settings.from_env()
     process.metrics = MetricsDir.prepare(server.cfg.worker_tmp_dir)
     recycling.enforce_floor(server.cfg, server.log)
+    # Before the app is built (below, or in each worker after fork): every worker shares them.
+    process.pod_slots = slots.create(available_cores(), parent=server.cfg.worker_tmp_dir)
+    slots.install(process.pod_slots)
     # Before the app is imported: the workers' settings carry the embedded cluster's address.
     process.cluster = dask_cluster.start_for_gunicorn(process.settings.dask_workers)
     if warmup.warm_start(process.settings.device):
@@ -125,3 +131,5 @@ def on_exit(server):
     dask_cluster.stop_embedded(process.cluster)
     if process.metrics is not None:
         process.metrics.remove()
+    if process.pod_slots is not None:
+        slots.remove(process.pod_slots)

@@ -3,16 +3,16 @@ short GIL switch interval."""
 import ctypes
 import sys
 
-from app.core.settings import available_cores
-
 SWITCH_INTERVAL_S = 0.001
 MALLOC_ARENAS = 1
 M_ARENA_MAX = -8  # glibc's mallopt parameter
 
 
 def torch_threads(workers: int) -> int:
-    """Workers x torch threads never exceed the cores, so workers do not fight over them."""
-    return max(1, available_cores() // workers)
+    """One per computing thread, whatever the workers: a request spreads over the pod's free
+    compute slots (one per core, app/serving/slots.py), each tile on a thread of its own, so
+    more torch threads per tile would oversubscribe the cores the slots stand for."""
+    return 1
 
 
 def limit_malloc_arenas() -> None:

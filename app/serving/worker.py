@@ -38,6 +38,7 @@ from gunicorn.http.message import DEFAULT_MAX_HEADERFIELD_SIZE, MAX_HEADERS, MAX
 from gunicorn.workers import gthread
 
 from app.core.settings import Settings
+from app.serving import slots
 
 # The instant (time.monotonic()) the request's clock started, read by app/http/connection.py.
 CONN_STARTED_KEY = "blockgrad.conn_started"
@@ -54,6 +55,9 @@ HEAD_BYTES_BUDGET = 64 * 1024 * 1024
 CLOSE_LINGER_S = 2.0
 CLOSE_DRAIN_BYTES = 64 * 1024
 POLL_S = 1.0  # the longest the loop sleeps: the heartbeat and accepting() are looked at this often
+# The longest it sleeps while leaving new connections to a sibling: a sibling's state changes
+# wake nothing here.
+BALANCE_POLL_S = 0.02
 SPARE_FILES = 512  # descriptors beyond the connections: the pool's files, metrics, the app's own
 
 # What a connection is doing. Every state but BUSY waits in the poller (self.waiting).
@@ -164,9 +168,21 @@ class ConnectionWorker(gthread.ThreadWorker):
                         cfg.workers, settings.max_connections, needed, math.ceil(needed / cfg.workers))
 
     def accepting(self) -> bool:
-        """Whether to take new connections at all (the listening socket is polled only then);
-        a worker busier than its siblings may say no and leave them the next one."""
-        return True
+        """Whether to take new connections at all (the listening socket is polled only then).
+        A worker serving a connection (accepted and not yet answered, or in a pool thread)
+        says so to the pod (app/serving/slots.py) and leaves new connections to a sibling
+        that serves none, or that holds fewer of the pod's compute slots; kept-alive
+        connections stay where they are. Concurrent fresh connections so land on different
+        workers instead of whichever wins the accept race (docs/cores.md)."""
+        pod = slots.installed()
+        if pod is None:
+            return True
+        serving = self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0
+        pod.mark_serving(serving)
+        if not serving:
+            return True
+        workers = self.cfg.workers
+        return not (pod.has_idle_sibling(workers) or pod.busier_than_siblings(workers))
 
     def init_process(self):
         from . import connection_metrics  # after fork: PROMETHEUS_MULTIPROC_DIR is set
@@ -241,9 +257,10 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.method_queue.close()
 
     def poll_timeout(self) -> float:
+        longest = POLL_S if self._accepting else BALANCE_POLL_S
         if not self.deadlines:
-            return POLL_S
-        return min(POLL_S, max(0.0, self.deadlines[0][0] - time.monotonic()))
+            return longest
+        return min(longest, max(0.0, self.deadlines[0][0] - time.monotonic()))
 
     def accept(self, listener):
         try:

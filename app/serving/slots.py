@@ -1,0 +1,347 @@
+"""Compute slots shared by every worker of a pod: one lock file per core.
+
+The master creates a directory with one file per slot before it forks (`create`). A
+worker holds a slot while it holds an exclusive flock on the slot's file, taken without
+blocking on whichever file is free. The kernel drops the flock of a process that dies,
+however it dies (SIGKILL included), so a dead worker's slots are free again at once with
+no reclaiming code. Locks belong to the open file description, so every process opens
+the files itself (after fork: inherited descriptors are closed in the child); threads
+of one process share its descriptors, so the process keeps its own set of held slots.
+
+Waiting (`acquire`): a waiter holds a shared flock on the `waiting` file, so that
+`try_acquire` anywhere in the pod defers to it, then tries the slots each time a release
+posts to a wake-up semaphore the master made before forking, or every POLL_S at the
+latest. The semaphore is only a hint: a SIGKILLed holder posts nothing, and the poll
+then finds its slot. A semaphore as the slots themselves would not be SIGKILL-safe, nor
+would a shared multiprocessing.Condition (a holder killed inside it leaves it locked);
+docs/cores.md says why this mechanism.
+
+`pod_state()` reads /proc/locks: which processes hold how many slots and how many
+wait, without touching the locks (a probe would make a concurrent try fail).
+
+Standard library only: the master imports this, never torch or Flask.
+"""
+import fcntl
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+POLL_S = 0.05  # longest a waiter sleeps without a wake-up (a killed holder posts none)
+SLOT_PREFIX = "slot-"
+WAITING_NAME = "waiting"
+SERVING_NAME = "serving"  # a shared flock on it: this worker has connections being served
+PROC_LOCKS = "/proc/locks"
+
+
+def create(count: int, parent: str | None = None) -> "PodSlots":
+    """In the master, before forking: `count` slot files in a fresh directory under
+    `parent`, and the wake-up semaphore the workers inherit."""
+    if count < 1:
+        raise ValueError("a pod needs at least one compute slot")
+    path = tempfile.mkdtemp(prefix="blockgrad-slots-", dir=parent)
+    for index in range(count):
+        open(os.path.join(path, f"{SLOT_PREFIX}{index}"), "w").close()
+    open(os.path.join(path, WAITING_NAME), "w").close()
+    open(os.path.join(path, SERVING_NAME), "w").close()
+    # Starts at 0; bounded by count, so releases nobody waited for leave at most count
+    # stale posts. The fork context unlinks its name at once: nothing to clean up.
+    wake = multiprocessing.get_context("fork").BoundedSemaphore(count)
+    for _ in range(count):
+        wake.acquire()
+    return PodSlots(path, wake)
+
+
+def remove(slots: "PodSlots") -> None:
+    """In the master, on exit."""
+    shutil.rmtree(slots.path, ignore_errors=True)
+
+
+_installed: "PodSlots | None" = None
+
+
+def install(slots: "PodSlots | None") -> None:
+    """The master's slots, for the app its workers build (inherited across fork)."""
+    global _installed
+    _installed = slots
+
+
+def installed() -> "PodSlots | None":
+    """The pod's slots when served by the master that made them; None elsewhere (tests, a
+    development server), where the app uses slots of its own process."""
+    return _installed
+
+
+@dataclass(frozen=True)
+class PodState:
+    busy: int  # slots held in the pod
+    holders: dict[int, int]  # pid -> slots it holds
+    waiting_processes: int  # processes with at least one thread waiting for a slot
+    serving: frozenset[int] = frozenset()  # pids that marked themselves serving (`mark_serving`)
+
+
+class PodSlot:
+    """One held slot; `release` is idempotent."""
+
+    def __init__(self, owner: "PodSlots", index: int, pid: int):
+        self.owner, self.index, self.pid = owner, index, pid
+        self.released = False
+
+    def release(self) -> None:
+        self.owner._release(self)
+
+    def __enter__(self) -> "PodSlot":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class PodSlots:
+    """The pod's slots as one process sees them. Safe to share between its threads and to
+    inherit across fork (the child starts holding nothing)."""
+
+    def __init__(self, path: str, wake=None):
+        self.path = path
+        names = [name for name in os.listdir(path) if name.startswith(SLOT_PREFIX)]
+        self.paths = [os.path.join(path, name) for name in sorted(names, key=lambda n: int(n[len(SLOT_PREFIX):]))]
+        self.count = len(self.paths)
+        if self.count < 1:
+            raise ValueError(f"no slot files in {path}")
+        self._wake = wake  # None (attached from another process tree): poll only
+        keys = [os.stat(p) for p in self.paths] + [os.stat(os.path.join(path, WAITING_NAME))]
+        self._slot_keys = {(os.major(s.st_dev), os.minor(s.st_dev), s.st_ino): i for i, s in enumerate(keys[:-1])}
+        waiting = keys[-1]
+        self._waiting_key = (os.major(waiting.st_dev), os.minor(waiting.st_dev), waiting.st_ino)
+        serving_path = os.path.join(path, SERVING_NAME)
+        open(serving_path, "a").close()  # a directory made before the marker existed
+        serving = os.stat(serving_path)
+        self._serving_key = (os.major(serving.st_dev), os.minor(serving.st_dev), serving.st_ino)
+        self._lock = threading.Lock()
+        self._pid: int | None = None  # the process that opened the descriptors below
+        self._files: list = []
+        self._wait_file = self._probe_file = self._serving_file = None
+        self._serving = False  # whether this process holds its shared lock on the serving file
+        self._held: set[int] = set()
+        self._waiting = 0  # this process's waiting threads
+        _INSTANCES.add(self)
+
+    @classmethod
+    def attach(cls, path: str) -> "PodSlots":
+        """Slots made by another process tree: no wake-ups, waiters poll."""
+        return cls(path)
+
+    # --- taking and giving back -------------------------------------------------------
+    def try_acquire(self) -> PodSlot | None:
+        """A slot free right now, unless a request in the pod is waiting for one."""
+        with self._lock:
+            self._open()
+            if self._someone_waits():
+                return None
+            return self._take()
+
+    def acquire(self, timeout: float | None = None) -> PodSlot | None:
+        """A slot, waiting at most `timeout` seconds (None: no limit); None on timeout."""
+        expires = None if timeout is None else time.monotonic() + timeout
+        self._join_waiting()
+        try:
+            while True:
+                with self._lock:
+                    slot = self._take()
+                if slot is not None:
+                    return slot
+                pause = POLL_S if expires is None else min(POLL_S, expires - time.monotonic())
+                if pause <= 0:
+                    return None
+                if self._wake is not None:
+                    self._wake.acquire(True, pause)
+                else:
+                    time.sleep(pause)
+        finally:
+            self._leave_waiting()
+
+    def held_here(self) -> int:
+        """Slots this process holds now."""
+        with self._lock:
+            return len(self._held) if self._pid == os.getpid() else 0
+
+    def busy_slots(self) -> int:
+        """Slots held anywhere in the pod."""
+        return self.pod_state().busy
+
+    @property
+    def busy(self) -> int:  # SlotSource's name for it
+        return self.busy_slots()
+
+    def busier_than_siblings(self, workers: int) -> bool:
+        """Whether this process holds more slots than the least busy of the pod's `workers`
+        (those holding none count as 0): then a new connection is better left to a sibling.
+        Reads /proc/locks only while this process holds a slot: cheap enough for every turn
+        of a worker's main loop."""
+        if workers <= 1 or self.held_here() == 0:
+            return False
+        state = self.pod_state()
+        mine = state.holders.get(os.getpid(), 0)
+        others = [count for pid, count in state.holders.items() if pid != os.getpid()]
+        fewest = min(others) if len(others) >= workers - 1 else 0  # a sibling not listed holds none
+        return mine > fewest
+
+    def mark_serving(self, serving: bool) -> None:
+        """Say (in /proc/locks, as a shared flock) whether this worker is serving connections
+        now; the kernel drops the mark of a process that dies. One thread (the worker's main
+        loop) calls it."""
+        with self._lock:
+            self._open()
+            if serving != self._serving:
+                fcntl.flock(self._serving_file, fcntl.LOCK_SH if serving else fcntl.LOCK_UN)
+                self._serving = serving
+
+    def has_idle_sibling(self, workers: int) -> bool:
+        """Whether one of the pod's other `workers - 1` workers is not marked serving."""
+        if workers <= 1:
+            return False
+        return len(self.pod_state().serving - {os.getpid()}) < workers - 1
+
+    def pod_state(self) -> PodState:
+        try:
+            with open(PROC_LOCKS) as f:
+                text = f.read()
+        except OSError:
+            return self._probed_state()
+        held: dict[int, int] = {}  # slot index -> pid
+        waiting, serving = set(), set()
+        for line in text.splitlines():
+            parts = line.split()
+            if len(parts) < 6 or parts[1] != "FLOCK":  # "->" lines are blocked requests
+                continue
+            try:
+                major, minor, inode = parts[5].split(":")
+                key = (int(major, 16), int(minor, 16), int(inode))
+                pid = int(parts[4])
+            except ValueError:
+                continue
+            if key in self._slot_keys:
+                held[self._slot_keys[key]] = pid
+            elif key == self._waiting_key:
+                waiting.add(pid)
+            elif key == self._serving_key:
+                serving.add(pid)
+        holders: dict[int, int] = {}
+        for pid in held.values():
+            holders[pid] = holders.get(pid, 0) + 1
+        return PodState(len(held), holders, len(waiting), frozenset(serving))
+
+    def close(self) -> None:
+        """This process's descriptors (and so any slot it still holds)."""
+        with self._lock:
+            self._close()
+
+    # --- inside -----------------------------------------------------------------------
+    def _open(self) -> None:
+        """This process's own descriptors, opened on first use in each process."""
+        if self._pid == os.getpid():
+            return
+        self._files = [open(p, "r") for p in self.paths]
+        self._wait_file = open(os.path.join(self.path, WAITING_NAME), "r")
+        self._probe_file = open(os.path.join(self.path, WAITING_NAME), "r")  # a description of its own
+        self._serving_file = open(os.path.join(self.path, SERVING_NAME), "r")
+        self._held, self._waiting, self._serving = set(), 0, False
+        self._pid = os.getpid()
+
+    def _close(self) -> None:
+        for f in self._files + [self._wait_file, self._probe_file, self._serving_file]:
+            if f is not None:
+                f.close()
+        self._files, self._wait_file, self._probe_file, self._serving_file = [], None, None, None
+        self._held, self._waiting, self._pid, self._serving = set(), 0, None, False
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # the parent's may have been held by another thread
+        self._close()  # the parent's descriptors: holding them would keep its locks alive
+
+    def _take(self) -> PodSlot | None:
+        self._open()
+        start = os.getpid() % self.count  # processes start apart: fewer failed tries
+        for step in range(self.count):
+            index = (start + step) % self.count
+            if index in self._held:
+                continue
+            try:
+                fcntl.flock(self._files[index], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            self._held.add(index)
+            return PodSlot(self, index, self._pid)
+        return None
+
+    def _release(self, slot: PodSlot) -> None:
+        with self._lock:
+            if slot.released:
+                return
+            slot.released = True
+            if slot.pid != os.getpid() or self._pid != slot.pid or slot.index not in self._held:
+                return  # taken before a fork: this process never held it
+            fcntl.flock(self._files[slot.index], fcntl.LOCK_UN)
+            self._held.discard(slot.index)
+        if self._wake is not None:
+            try:
+                self._wake.release()
+            except ValueError:  # already `count` posts pending: enough to wake every waiter
+                pass
+
+    def _someone_waits(self) -> bool:
+        if self._waiting:
+            return True
+        try:  # conflicts with any process's shared lock on the waiting file
+            fcntl.flock(self._probe_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._probe_file, fcntl.LOCK_UN)
+        return False
+
+    def _join_waiting(self) -> None:
+        with self._lock:
+            self._open()
+            self._waiting += 1
+            if self._waiting == 1:
+                fcntl.flock(self._wait_file, fcntl.LOCK_SH)  # waits only out another's probe
+
+    def _leave_waiting(self) -> None:
+        with self._lock:
+            if self._pid != os.getpid():
+                return
+            self._waiting -= 1
+            if self._waiting == 0:
+                fcntl.flock(self._wait_file, fcntl.LOCK_UN)
+
+    def _probed_state(self) -> PodState:
+        """Without /proc/locks: each slot not held here tried with a shared lock and let go."""
+        with self._lock:
+            self._open()
+            busy = len(self._held)
+            for index, f in enumerate(self._files):
+                if index in self._held:
+                    continue
+                try:
+                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    busy += 1
+                    continue
+                fcntl.flock(f, fcntl.LOCK_UN)
+            here = len(self._held)
+        return PodState(busy, {os.getpid(): here} if here else {}, int(self._waiting > 0))
+
+
+_INSTANCES: "weakref.WeakSet[PodSlots]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for slots in list(_INSTANCES):
+        slots._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,297 @@
+"""The tile executor: parallel tiles give the serial engine's bits for blocks and losses and
+the seed loops' accumulated gradient; slots are taken only when free, one tile at a time,
+and given back at tile boundaries, so a request arriving meanwhile gets one."""
+import threading
+
+import pytest
+import torch
+
+from app.core.engine import add_to_vectors, chunk_gradients, plan_bands
+from app.core.executor import (PARALLEL_TILE_ELEMENTS, LocalExecutor, SerialExecutor,
+                               tile_elements)
+from app.core.slots import ThreadSlots
+from app.core.objectives import OBJECTIVES
+from app.core.settings import Settings
+
+from tools.reference import reference_accumulated, reference_blocks
+
+TOLERANCE = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float64: dict(rtol=1e-12, atol=1e-12)}
+WAIT_S = 60.0  # bounds on every wait; never reached unless something is broken
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread per process, as in a worker: bitwise comparisons need it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class CountingSlots(ThreadSlots):
+    """ThreadSlots that count what was taken: tries, grants, most held at once."""
+
+    def __init__(self, count: int):
+        super().__init__(count)
+        self.tries = self.grants = self.most_busy = 0
+
+    def try_acquire(self):
+        self.tries += 1
+        slot = super().try_acquire()
+        if slot is not None:
+            self.grants += 1
+            self.most_busy = max(self.most_busy, self.busy)
+        return slot
+
+
+def tiles_of(n, dim, factor, max_elements):
+    return [chunk for band in plan_bands(n, dim, factor, max_elements) for chunk in band]
+
+
+def serial_pass(vectors, tiles, objective, offset):
+    results, accumulated = [], torch.zeros_like(vectors)
+    for chunk in tiles:
+        result = chunk_gradients(vectors, chunk, OBJECTIVES[objective], offset)
+        add_to_vectors(accumulated, result)
+        results.append(result)
+    return results, accumulated
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+def test_parallel_tiles_are_the_serial_bits_and_the_seed_loops_accumulated(objective, dtype):
+    torch.manual_seed(5)
+    vectors = torch.randn(61, 3, dtype=dtype) * 3  # 61 = 9 x 6 + 7: the remainder blocks too
+    factor, offset = 9, 2.5
+    tiles = tiles_of(61, 3, factor, 300)  # many tiles of a few blocks each
+    slots = CountingSlots(3)
+    own = slots.try_acquire()  # the request's own slot, as the gate hands it over
+    executor = LocalExecutor(slots, slots_per_request=3)
+    try:
+        run = executor.pass_one(vectors, tiles, OBJECTIVES[objective], offset)
+        parallel = list(run)
+        accumulated = run.accumulated()
+    finally:
+        executor.shutdown()
+        own.release()
+    assert slots.grants > 0, "no tile ran on an extra slot"
+    assert slots.busy == 0
+    expected, serial_accumulated = serial_pass(vectors, tiles, objective, offset)
+    assert [t.result.chunk for t in parallel] == tiles  # in the plan's order
+    for got, want in zip(parallel, expected):
+        assert torch.equal(got.result.losses, want.losses)
+        assert torch.equal(got.result.gradient, want.gradient)
+        assert bool(got.surely_finite)
+    torch.testing.assert_close(accumulated, serial_accumulated, **TOLERANCE[dtype])
+    torch.testing.assert_close(accumulated, reference_accumulated(vectors, factor, objective, offset),
+                               **TOLERANCE[dtype])
+    # Blocks against the literal loops: row-block-major, (r, c) -> the seed's order j * F + i.
+    seed = reference_blocks(vectors, factor, objective, offset)
+    for tile in parallel:
+        chunk = tile.result.chunk
+        for i, r in enumerate(chunk.rows):
+            for j, c in enumerate(chunk.cols):
+                loss, gradient = seed[r * factor + c]
+                torch.testing.assert_close(tile.result.losses[i, j], loss, **TOLERANCE[dtype])
+                torch.testing.assert_close(tile.result.gradient[i, j], gradient, **TOLERANCE[dtype])
+
+
+def test_serial_executor_is_the_engine_exactly():
+    torch.manual_seed(1)
+    vectors = torch.randn(40, 4)
+    tiles = tiles_of(40, 4, 7, 500)
+    run = SerialExecutor().pass_one(vectors, tiles, OBJECTIVES["logsumexp"], 1.0)
+    results = list(run)
+    expected, accumulated = serial_pass(vectors, tiles, "logsumexp", 1.0)
+    assert all(torch.equal(a.result.gradient, b.gradient) for a, b in zip(results, expected))
+    assert torch.equal(run.accumulated(), accumulated)  # one lane: the serial order of additions
+
+
+def test_one_slot_per_request_is_serial_and_bitwise_the_engine():
+    torch.manual_seed(2)
+    vectors = torch.randn(40, 4)
+    tiles = tiles_of(40, 4, 7, 500)
+    slots = CountingSlots(4)
+    executor = LocalExecutor(slots, slots_per_request=1)
+    run = executor.pass_one(vectors, tiles, OBJECTIVES["sum_of_squares"], 0.0)
+    list(run)
+    assert slots.tries == 0
+    assert torch.equal(run.accumulated(), serial_pass(vectors, tiles, "sum_of_squares", 0.0)[1])
+
+
+def test_a_request_of_one_tile_runs_inline_with_no_hand_over():
+    slots = CountingSlots(2)
+    executor = LocalExecutor(slots, slots_per_request=2)
+    try:
+        caller = threading.get_ident()
+        threads = list(executor.map_tiles(lambda tile: threading.get_ident(), ["only"]))
+        tiles = tiles_of(10, 5, 2, 10 ** 6)
+        assert len(tiles) == 1  # the seed's 10 x 5 example is one tile
+        list(executor.pass_one(torch.randn(10, 5), tiles, OBJECTIVES["sum"], 0.0))
+    finally:
+        executor.shutdown()
+    assert threads == [caller]
+    assert slots.tries == 0
+
+
+def test_two_tiles_compute_at_the_same_time():
+    """Each of the first two tiles waits for the other: only two lanes at once get past."""
+    barrier = threading.Barrier(2, timeout=WAIT_S)
+    slots = CountingSlots(2)
+    own = slots.try_acquire()
+    executor = LocalExecutor(slots, slots_per_request=2)
+
+    def tile(k):
+        if k < 2:
+            barrier.wait()
+        return k
+
+    try:
+        assert list(executor.map_tiles(tile, range(6))) == list(range(6))
+    finally:
+        executor.shutdown()
+        own.release()
+    assert not barrier.broken
+
+
+def test_the_cap_bounds_the_slots_one_request_takes():
+    slots = CountingSlots(5)
+    own = slots.try_acquire()
+    executor = LocalExecutor(slots, slots_per_request=3, threads=4)
+    in_flight, most, lock = [0], [0], threading.Lock()
+
+    def tile(k):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        threading.Event().wait(0.01)
+        with lock:
+            in_flight[0] -= 1
+        return k
+
+    try:
+        assert list(executor.map_tiles(tile, range(40))) == list(range(40))
+    finally:
+        executor.shutdown()
+        own.release()
+    assert slots.grants > 0
+    assert slots.most_busy <= 3  # the request's own slot and at most two extras
+    assert most[0] <= 3
+    assert slots.busy == 0
+
+
+def test_a_request_arriving_meanwhile_gets_a_slot_at_the_next_tile_boundary():
+    """Two slots, one request holding both (its own and an extra, tile after tile); another
+    request waits for one. It gets the extra when a tile ends, and from then on the first
+    request takes no extra slot: it goes on alone, on its own slot."""
+    slots = CountingSlots(2)
+    own = slots.try_acquire()
+    executor = LocalExecutor(slots, slots_per_request=2)
+    computed, state = [], {}
+    arrived = threading.Event()
+
+    def other_request():
+        slot = slots.acquire(timeout=WAIT_S)
+        state["at"], state["grants"] = len(computed), slots.grants
+        state["slot"] = slot
+
+    def tile(k):
+        computed.append(k)
+        if k == 4 and "thread" not in state:
+            state["thread"] = threading.Thread(target=other_request)
+            state["thread"].start()
+            arrived.set()
+        threading.Event().wait(0.005)  # tiles that take a while, so the arrival is mid-request
+        return k
+
+    try:
+        assert list(executor.map_tiles(tile, range(200))) == list(range(200))
+        state["thread"].join(WAIT_S)
+    finally:
+        executor.shutdown()
+        own.release()
+    assert state["slot"] is not None
+    assert state["at"] < 200, "the waiting request got a slot only once the first had finished"
+    assert slots.grants == state["grants"], "an extra slot was taken while the other request held one"
+    state["slot"].release()
+    assert slots.busy == 0
+
+
+def test_closing_early_waits_for_tiles_in_flight_and_gives_their_slots_back():
+    slots = CountingSlots(3)
+    own = slots.try_acquire()
+    executor = LocalExecutor(slots, slots_per_request=3)
+    running = []
+
+    def tile(k):
+        running.append(k)
+        threading.Event().wait(0.01)
+        running.remove(k)
+        return k
+
+    try:
+        results = executor.map_tiles(tile, range(50))
+        assert next(results) == 0
+        results.close()  # a deadline or a gone client stops the request
+        assert running == []
+        assert slots.busy == 1  # only the request's own
+    finally:
+        executor.shutdown()
+        own.release()
+
+
+def test_a_failing_tile_raises_in_the_caller_and_frees_the_slots():
+    slots = CountingSlots(2)
+    executor = LocalExecutor(slots, slots_per_request=2)
+
+    def tile(k):
+        if k == 3:
+            raise RuntimeError("tile 3")
+        return k
+
+    try:
+        with pytest.raises(RuntimeError, match="tile 3"):
+            list(executor.map_tiles(tile, range(10)))
+    finally:
+        executor.shutdown()
+    assert slots.busy == 0
+
+
+def test_tiles_are_cache_sized_only_when_they_may_run_in_parallel():
+    assert tile_elements(1024 * 1024, parallel=True) == PARALLEL_TILE_ELEMENTS
+    assert tile_elements(1024 * 1024, parallel=False) == 1024 * 1024
+    assert tile_elements(1000, parallel=True) == 1000
+
+
+def test_slots_per_request_setting():
+    assert Settings.from_env({}).slots_per_request is None  # all the pod's slots
+    assert Settings.from_env({"BLOCKGRAD_SLOTS_PER_REQUEST": "1"}).slots_per_request == 1
+    with pytest.raises(ValueError, match="BLOCKGRAD_SLOTS_PER_REQUEST"):
+        Settings.from_env({"BLOCKGRAD_SLOTS_PER_REQUEST": "0"})
+
+
+def test_closing_pass_one_early_gives_the_extra_slots_back():
+    torch.manual_seed(4)
+    vectors = torch.randn(64, 4)
+    tiles = tiles_of(64, 4, 16, 200)
+    slots = CountingSlots(3)
+    own = slots.try_acquire()
+    executor = LocalExecutor(slots, slots_per_request=3)
+    try:
+        run = executor.pass_one(vectors, tiles, OBJECTIVES["mean"], 0.0)
+        first = next(iter(run))
+        assert first.result.chunk == tiles[0]
+        run.close()
+        assert slots.busy == 1
+    finally:
+        executor.shutdown()
+        own.release()
+    assert slots.grants > 0
+
+
+def test_bench_overlap_counts_only_time_both_intervals_ran():
+    from bench.cores import overlap_seconds
+
+    assert overlap_seconds([(0, 2), (3, 4)], [(1, 3.5)]) == 1 + 0.5
+    assert overlap_seconds([(0, 1)], [(1, 2)]) == 0
+    assert overlap_seconds([], [(0, 1)]) == 0
