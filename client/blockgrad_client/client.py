@@ -4,6 +4,8 @@ and retries only where they are safe.
 Safe to retry (nothing ran, nothing was answered):
 - the connection failed before any byte of an answer came back;
 - 503 `overloaded` (the server refused the request before starting it);
+- 503 `cluster_unavailable` (a job route could not reach the Dask scheduler: nothing was submitted,
+  and a job submission carries an Idempotency-Key);
 - 503 `deadline_exceeded` only when `details.queued` is true (it waited in the queue
   and never started).
 Each waits the answer's Retry-After (else a short backoff), at most `retries` times
@@ -24,7 +26,7 @@ from .errors import ERROR_BODY_BYTES, BlockgradError, error_from_answer
 from .gradients import GradientResult, collect, iter_gradient_answer
 from .jobs import Job, submit_job
 
-RETRYABLE_CODES = {"overloaded"}
+RETRYABLE_CODES = {"overloaded", "cluster_unavailable"}
 BACKOFF_S = (0.2, 0.5, 1.0, 2.0)  # waits when the answer gives no Retry-After
 GRADIENTS_PATH = "/v1/gradients"
 INFER_PATH = f"/v2/models/{codec.MODEL_NAME}/infer"
