@@ -231,7 +231,7 @@ def test_head_and_body_must_arrive_within_the_read_timeout_of_the_connection(bou
                 break
     elapsed = time.monotonic() - start
     assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
-    assert 20 <= elapsed < 28
+    assert 20 <= elapsed < 31  # from accept: 20 s; from the body it would be 32 s
 
 
 def test_the_default_bound_holds_the_flood_the_service_is_sized_for(monkeypatch):

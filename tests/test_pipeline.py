@@ -101,6 +101,16 @@ def test_v1_reads_a_body_without_content_type_as_json(client):
                      415, "unsupported_media_type")
 
 
+def test_a_job_body_without_content_type_is_read_as_json_too(client):
+    """POST /v1/jobs takes /v1's body rules: no Content-Type is JSON (here refused by its field
+    rules before any cluster is asked), other types 415."""
+    error = assert_error(client.post("/v1/jobs", data=orjson.dumps({"vectors": VECTORS, "outputs": ["blocks"]})),
+                         422, "validation_error")
+    assert "outputs" in error["details"]["fields"]
+    assert_error(client.post("/v1/jobs", data=orjson.dumps({"vectors": VECTORS}), content_type="text/plain"),
+                 415, "unsupported_media_type")
+
+
 @pytest.mark.parametrize("factor", [0, -1, 4])
 def test_a_factor_out_of_range_gets_one_message_naming_n(client, factor):
     error = assert_error(client.post("/v1/gradients", json={"vectors": VECTORS, "factor": factor}),

@@ -130,7 +130,7 @@ def job_request() -> GradientRequest:
         except RequestEntityTooLarge:
             raise job_body_too_large(limit) from None
         req = query_request(load_npy(data))
-    elif is_json_mimetype(mimetype):
+    elif not mimetype or is_json_mimetype(mimetype):  # no Content-Type: JSON, as on /v1/gradients
         try:
             req = JOB_SCHEMA.load(decode_json(read_body(request)))
         except ValidationError as exc:
