@@ -27,9 +27,8 @@ from .errors import non_finite_accumulated, non_finite_block
 from .objectives import OBJECTIVES
 
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
-# Numbers (pairs x 2D) one tile task computes: at ~20 ms of scheduling per task, a tile of
-# 256M numbers (a second or so of one core) keeps that overhead to a few percent, and a
-# cancelled job frees its worker within about that time (a running task is not interrupted).
+# Numbers (pairs x 2D) one tile task computes: large against a task's scheduling overhead,
+# small enough that a cancelled job frees its worker soon (docs/jobs.md).
 TILE_NUMBERS = 256 * 1024 * 1024
 TILES_PER_WORKER = 4  # at least this many tiles per worker when the blocks allow it
 REDUCE_FAN_IN = 8  # partials summed by one reduction task

@@ -18,7 +18,7 @@ def torch_threads(workers: int) -> int:
 def limit_malloc_arenas() -> None:
     """glibc gives each new thread its own malloc arena (up to 8 per core): with a pool of
     threads parsing bodies, every arena would grow to a large request's size and the worker's
-    memory with them. One is enough: one computation at a time, and torch's own work does not
+    memory with them. One is enough: a worker computes on few lanes, and torch's own work does not
     allocate per element. Not glibc: skip."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, MALLOC_ARENAS)
