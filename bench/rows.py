@@ -437,13 +437,25 @@ def default_factor_http_vs_floor(bench: Bench) -> list[Result]:
                            f"default F={factor}, both outputs, sum", f"<= {target}x", target, repeats=5)]
 
 
+def same_answer(served: bytes, floor: bytes) -> bool:
+    """The same document, blocks and losses to the bit; the accumulated gradient within float
+    rounding, since tiles on the pod's free slots sum it in another order (docs/cores.md)."""
+    if served == floor:
+        return True
+    a, b = orjson.loads(served), orjson.loads(floor)
+    acc_a, acc_b = np.array(a.pop("accumulated", [])), np.array(b.pop("accumulated", []))
+    a.pop("device", None), b.pop("device", None)
+    scale = max(1.0, float(np.abs(acc_b).max(initial=0.0)))
+    return a == b and acc_a.shape == acc_b.shape and bool(np.all(np.abs(acc_a - acc_b) <= 1e-5 * scale))
+
+
 def http_floor_row(bench: Bench, n: int, dim: int, factor: int, objective: str, name: str, target_text: str,
                    target: float | None, repeats: int) -> Result:
     server = bench.server()
     req = inprocess.request(workloads.vectors(n, dim), factor, objective=objective)
     body = workloads.body(req.vectors, factor=factor, objective=objective)
     floor = inprocess.floor_body(req)
-    if post_for_body(server.url, body) != floor:  # warm-up, and proof both are the same answer
+    if not same_answer(post_for_body(server.url, body), floor):  # warm-up, and proof both are the same answer
         raise RuntimeError(f"N={n} F={factor}, {objective}: the service's body differs from the in-process floor's")
     session = requests.Session()
     times = paired(lambda: post(session, server.url, body), lambda: inprocess.floor_body(req), repeats=repeats)
