@@ -3,8 +3,9 @@
 Standard library only: gunicorn's master calls `start_embedded` from on_starting and
 `stop_embedded` from on_exit, and must create no Dask object and no thread (it forks
 workers at every recycle), so the cluster is plain subprocesses. They stay in the
-master's process group and get SIGTERM from the kernel when the master dies, SIGKILL
-included (PR_SET_PDEATHSIG). Workers run at nice 19, so that job tasks yield the CPU to
+master's process group and get SIGKILL from the kernel when the master dies, SIGKILL
+included (PR_SET_PDEATHSIG): a niced worker's graceful shutdown can take long on a busy
+machine, and a dead master's jobs are gone anyway. Workers run at nice 19, so that job tasks yield the CPU to
 synchronous requests. Each gunicorn worker connects its own Client after the fork
 (app/jobs/client.py), to the address this exports as BLOCKGRAD_DASK_SCHEDULER.
 """
@@ -39,10 +40,10 @@ def free_port() -> int:
 
 
 def die_with_parent(nice: int = 0):
-    """preexec_fn: SIGTERM when the parent dies (Linux), then lower the priority."""
+    """preexec_fn: SIGKILL when the parent dies (Linux), then lower the priority."""
     def setup():
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         except (OSError, AttributeError):
             pass  # not Linux: stop_embedded still stops them on a clean exit
         if nice:
