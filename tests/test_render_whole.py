@@ -2,11 +2,10 @@
 would have joined to (head, then each block with its own loss tensor)."""
 import numpy as np
 
-from app.api.v1.render import render_result, stream_with_blocks
+from app.api.v1.render import answer_head, render_result, stream_with_blocks
 from app.core.request import build_request
 from app.core.run import run
 from app.core.settings import Settings
-from app.http.streaming import to_numpy
 
 V = np.array([[0.5, -1.0, 3.0], [2.0, 0.25, -0.125], [1.5, 3.0, 7.0], [1e-3, -2.5, 0.1], [4.0, 0.0, -1.0]])
 
@@ -21,17 +20,6 @@ def test_the_whole_answer_is_the_streamed_answer_joined():
         assert result.kept is not None
         whole = render_result(result)
         assert isinstance(whole, bytes)
-        streamed = b"".join(stream_with_blocks(head_of(result), iter(result.kept)))
+        streamed = b"".join(stream_with_blocks(answer_head(result), iter(result.kept)))
         assert whole == streamed
         assert whole.count(b'"gradient"') == factor * factor
-
-
-def head_of(result):
-    req = result.request
-    head = {"n": req.n, "dim": req.dim, "factor": req.factor, "bounds": result.bounds,
-            "objective": req.objective, "dtype": req.dtype, "device": str(result.device)}
-    if "accumulated" in req.outputs:
-        head["accumulated"] = to_numpy(result.accumulated)
-    if "losses" in req.outputs:
-        head["losses"] = to_numpy(result.losses)
-    return head

@@ -14,19 +14,20 @@ from ..extensions import services
 def reserve_for_request(nbytes: int) -> None:
     """Hold `nbytes` for this request (replacing what it held): limit_exceeded (413) over the
     budget alone, overloaded (503, Retry-After) when only the other requests are in the way."""
-    held = g.get("memory_reservation")
-    if held is None:
-        g.memory_reservation = services().ledger.reserve(nbytes)
-    else:
-        held.resize(nbytes)
+    hold(nbytes, services().ledger.reserve)
 
 
 def hold_for_upload(nbytes: int) -> None:
     """Hold `nbytes` for this request's body while more of it is to come: within the budget and
     the uploads' share (overloaded when other bodies still arriving fill it)."""
+    hold(nbytes, services().ledger.reserve_upload)
+
+
+def hold(nbytes: int, reserve) -> None:
+    """Resize this request's reservation to `nbytes`, or take one with `reserve`."""
     held = g.get("memory_reservation")
     if held is None:
-        g.memory_reservation = services().ledger.reserve_upload(nbytes)
+        g.memory_reservation = reserve(nbytes)
     else:
         held.resize(nbytes)
 

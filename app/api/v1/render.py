@@ -36,9 +36,8 @@ def head_json(head: dict) -> bytes:
     return orjson.dumps(head, option=NUMPY)
 
 
-def render_result(result: Result, timed: Callable[[Iterable], Iterator] = iter) -> bytes | Iterator[bytes]:
-    """The whole document; streamed (an iterator) when it holds blocks, unless it is small
-    and they are all computed. `timed` wraps the blocks as they are taken (compute time)."""
+def answer_head(result: Result) -> dict:
+    """Every field of the answer but its blocks."""
     req = result.request
     head = {"n": req.n, "dim": req.dim, "factor": req.factor, "bounds": result.bounds,
             "objective": req.objective, "dtype": req.dtype, "device": str(result.device)}
@@ -46,6 +45,14 @@ def render_result(result: Result, timed: Callable[[Iterable], Iterator] = iter) 
         head["accumulated"] = to_numpy(result.accumulated)
     if "losses" in req.outputs:
         head["losses"] = to_numpy(result.losses)
+    return head
+
+
+def render_result(result: Result, timed: Callable[[Iterable], Iterator] = iter) -> bytes | Iterator[bytes]:
+    """The whole document; streamed (an iterator) when it holds blocks, unless it is small
+    and they are all computed. `timed` wraps the blocks as they are taken (compute time)."""
+    req = result.request
+    head = answer_head(result)
     if "blocks" not in req.outputs:
         return head_json(head)
     numbers = output_elements(req.n, req.dim, req.factor, req.outputs)
