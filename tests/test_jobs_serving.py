@@ -43,9 +43,13 @@ def test_gunicorn_runs_jobs_on_its_embedded_cluster_which_dies_with_the_master()
         roles = sorted(cmdline(pid).split(" -m dask ")[1].split()[0] for pid in dask)
         assert roles == ["scheduler", "worker"], [cmdline(pid) for pid in dask]
         assert all("--no-dashboard" in cmdline(pid) and "127.0.0.1" in cmdline(pid) for pid in dask)
-        worker = next(pid for pid in dask if " worker " in cmdline(pid))
+        worker = next(pid for pid in dask if " worker " in cmdline(pid))  # the nanny
         assert nice(worker) == 19
         assert os.getpgid(worker) == os.getpgid(server.pid)  # in the master's process group
+        assert wait_until(lambda: children(worker), JOB_S, 0.5)
+        inner = children(worker)  # the worker process the nanny runs (and restarts)
+        assert all(nice(pid) == 19 and os.getpgid(pid) == os.getpgid(server.pid) for pid in inner)
+        dask += inner  # they die with the master too
         vectors = np.random.default_rng(1).standard_normal((30, 3))
         body = {"vectors": vectors.tolist(), "factor": 4, "dtype": "float64"}
         answers = []

@@ -112,9 +112,11 @@ def cluster_report(address: str | None) -> dict:
     return {"scheduler": address, "connected": connected, "workers": workers}
 
 
-def close_clients() -> None:
+def close_clients(address: str | None = None) -> None:
+    """This process's Clients (of `address` only, if given)."""
     with _lock:
-        for (pid, _), client in list(_clients.items()):
-            if pid == os.getpid():
-                client.close(timeout=CALL_TIMEOUT_S)
-        _clients.clear()
+        for key, client in list(_clients.items()):
+            if address is None or key[1] == address:
+                if key[0] == os.getpid():
+                    client.close(timeout=CALL_TIMEOUT_S)
+                del _clients[key]
