@@ -232,6 +232,8 @@ def test_running_job_409_then_cancelled_and_max_jobs(cluster):
     def released():
         return not any(big["id"] in str(key) for keys in dask.processing().values() for key in keys)
     assert wait_until(released, JOB_S, 0.2)  # a running tile finishes; no other starts
+    [gone] = dask.run_on_scheduler(snapshots, [big["id"]]).values()  # its tiles, as the scheduler has them now
+    assert gone["progress"]["done"] < record["progress"]["blocks_total"]  # forgotten is not done
     after = client.post("/v1/jobs", json=small)
     assert after.status_code == 202, after.get_json()
     assert wait_for_job(client, after.get_json()["id"])["status"] == "succeeded"
@@ -430,6 +432,8 @@ def test_a_record_whose_graph_never_came_expires(cluster):
     job_id = out.stdout.split()[0]
     record = dask.get_metadata([JOBS, job_id])
     assert record["submitted"] is False
+    [snapshot] = dask.run_on_scheduler(snapshots, [job_id]).values()
+    assert snapshot["progress"]["done"] == 0  # none of its tasks exists: none is done
     assert wait_until(lambda: time.time() > record["submit_by"], 60, 0.2)
     small = {"vectors": [[1.0, 2.0], [3.0, 4.0]], "factor": 2}
     after = client.post("/v1/jobs", json=small)  # the abandoned record is not one of BLOCKGRAD_MAX_JOBS = 1
@@ -552,7 +556,8 @@ def test_a_scheduler_restarted_mid_job_loses_its_jobs_and_v1_serves_throughout()
             answers.append(client.get(f"/v1/jobs/{job['id']}"))
             return answers[-1].status_code != 503
         assert wait_until(answered, CLUSTER_START_S, 0.5)
-        for response in (answers[-1], client.get(f"/v1/jobs/{job['id']}/result"), client.delete(f"/v1/jobs/{job['id']}")):
+        lost = f"/v1/jobs/{job['id']}"
+        for response in (answers[-1], client.get(lost + "/result"), client.delete(lost)):
             assert response.status_code == 404 and response.get_json()["error"]["code"] == "job_not_found"
     finally:
         close_clients(own.address)

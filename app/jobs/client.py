@@ -76,7 +76,13 @@ def cluster_client(address: str):
     from distributed import Client
 
     key = (os.getpid(), address)
-    with _lock:
+    client = _clients.get(key)
+    if client is not None and client.status not in ("closed", "closing"):
+        return client
+    # One thread connects; the others wait for it within their own deadlines.
+    if not _lock.acquire(timeout=time_left(address, CONNECT_TIMEOUT_S)):
+        raise cluster_unavailable(address)
+    try:
         client = _clients.get(key)
         if client is not None and client.status not in ("closed", "closing"):
             return client
@@ -87,6 +93,8 @@ def cluster_client(address: str):
             raise cluster_unavailable(address) from None
         _clients[key] = client
         return client
+    finally:
+        _lock.release()
 
 
 def call(client, coroutine_function, *args, timeout_s: float = CALL_TIMEOUT_S, **kwargs):

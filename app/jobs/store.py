@@ -29,7 +29,7 @@ ID_PATTERN = re.compile(r"[0-9a-f]{32}")  # 128 random bits
 ACTIVE = ("queued", "running")
 TERMINAL = ("succeeded", "failed", "cancelled")
 RESULT_TIMEOUT_S = 60.0  # fetching a retained result (up to hundreds of MiB) from a worker
-RESULT_BYTES_PER_S = 20e6  # a result's transfer from a niced worker: the route's deadline grows by its size at this rate
+RESULT_BYTES_PER_S = 20e6  # fetching a result from a niced worker: the route's deadline grows by its size at this rate
 # A record whose graph was never published (the gunicorn worker died between the two) is
 # removed this long after its submission's own deadline: clocks of pods may differ a little.
 SUBMIT_GRACE_S = 60.0

@@ -186,7 +186,8 @@ def delete_job(job_id: str):
 @blp.route("/jobs/<job_id>/result", methods=["GET"])
 @blp.response(200, JobResultSchema, description=f"JSON; or, when Accept is exactly {NPZ}, a .npz file of the "
                                                 "outputs asked for and bounds.")
-@documents_errors(blp, "unauthorized", "job_not_found", "job_not_done", "cluster_unavailable", "internal_error")
+@documents_errors(blp, "unauthorized", "job_not_found", "job_not_done", "limit_exceeded", "overloaded",
+                  "cluster_unavailable", "internal_error")
 def get_result(job_id: str):
     """A succeeded job's result: the shapes and number formatting of /v1/gradients."""
     binary = request.headers.get("Accept", "").strip() == NPZ
