@@ -28,6 +28,8 @@ OFF = "off"  # BLOCKGRAD_DASK_SCHEDULER=off: no cluster at all, job routes answe
 WORKER_NICE = 19
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10
+# Without a dashboard each process still serves HTTP (health, metrics): on loopback, like the rest.
+LOOPBACK_ANY_PORT = "127.0.0.1:0"
 
 
 @dataclass
@@ -68,7 +70,8 @@ def dask_command(*args: str) -> list[str]:
 
 def start_scheduler(port: int) -> subprocess.Popen:
     """A `dask scheduler` on 127.0.0.1:port (a fresh one, at the same address, after a restart)."""
-    return subprocess.Popen(dask_command("scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"),
+    return subprocess.Popen(dask_command("scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
+                                          "--dashboard-address", LOOPBACK_ANY_PORT),
                             env=cluster_env(), cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent())
 
 
@@ -83,7 +86,7 @@ def start_embedded(workers: int, memory_limit: str = "auto") -> EmbeddedCluster:
     for _ in range(workers):
         cluster.processes.append(subprocess.Popen(
             dask_command("worker", address, "--host", "127.0.0.1", "--nthreads", "1",
-                         "--no-dashboard", "--memory-limit", memory_limit,
+                         "--no-dashboard", "--dashboard-address", LOOPBACK_ANY_PORT, "--memory-limit", memory_limit,
                          "--preload", "app.core.job_tasks"),  # torch loaded before the first job
             env=cluster_env(), cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(WORKER_NICE)))
     return cluster
