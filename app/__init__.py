@@ -13,8 +13,9 @@ def create_app(overrides: Mapping[str, Any] | None = None):
     are Flask config (e.g. TESTING)."""
     from .api import register_front_ends
     from .http.app import build_app, finish_app
+    from .jobs.store import JobStore
     from .serving import slots
 
-    app, api = build_app(overrides or {}, slots.installed())  # the pod's compute slots under gunicorn
+    app, api = build_app(overrides or {}, slots.installed(), JobStore)  # the pod's compute slots under gunicorn
     register_front_ends(app, api)
     return finish_app(app, api)

@@ -3,8 +3,9 @@
 Flask's `app.extensions` holds them under one key; `services()` is how request code reads
 them, `services_of(app)` how a test or a hook outside a request does.
 """
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from flask import Flask, current_app
 
@@ -17,6 +18,16 @@ from .core.settings import Settings
 KEY = "blockgrad"
 
 
+class Jobs(Protocol):
+    """The jobs on the Dask cluster (app/jobs/store.py's JobStore), as routes and probes use them."""
+
+    def submit(self, req: Any, idempotency_key: str | None = None) -> tuple[dict, bool]: ...
+    def view(self, job_id: str) -> dict: ...
+    def result(self, job_id: str, before_fetch: Callable[[dict], None] = ...) -> tuple[dict, Any]: ...
+    def cancel(self, job_id: str) -> dict | None: ...
+    def cluster_report(self) -> dict: ...
+
+
 @dataclass(frozen=True)
 class Services:
     settings: Settings
@@ -26,6 +37,7 @@ class Services:
     executor: TileExecutor  # runs a request's tiles over the free slots (one pool per worker)
     # URL prefix -> how errors under it look (app/http/errors.py's ErrorStyle), by front end.
     error_styles: dict[str, object] = field(default_factory=dict)
+    jobs: Jobs | None = None  # the app factory's; holds no connection until the first job route
 
 
 def install_services(app: Flask, services: Services) -> None:

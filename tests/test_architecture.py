@@ -59,6 +59,18 @@ def test_http_glue_imports_no_front_end():
             assert not {i for i in imported if i.startswith("app.api")}, f"{name} imports a front end"
 
 
+def test_only_the_job_routes_and_the_factory_import_the_jobs():
+    """app/jobs is the Dask side, below the web: the HTTP glue, Services and the other front ends
+    (health's cluster report included) reach it through Services; app/jobs imports no web layer."""
+    users = {"app", "app.api.v1.jobs", "app.api.v1.job_schemas", "app.serving.hooks"}
+    for name, imported in IMPORTS.items():
+        if name.startswith("app.jobs"):
+            web = {i for i in imported if i.startswith(("app.http", "app.api", "app.extensions", "app.serving"))}
+            assert not web, f"{name} imports {web}"
+        elif name not in users:
+            assert not {i for i in imported if i.startswith("app.jobs")}, f"{name} imports app.jobs"
+
+
 def test_imports_are_read_inside_functions_too(tmp_path):
     """The reader sees an import that only a function body makes (so the rules above can fail)."""
     source = tmp_path / "probe.py"

@@ -7,7 +7,7 @@ from werkzeug.exceptions import BadRequest, ClientDisconnected
 
 from app import create_app
 from app.api.v2.views import ERROR_STYLE as V2_STYLE
-from app.core.errors import client_closed
+from app.core.errors import client_closed, job_not_done
 from app.core.gate import Gate
 from app.core.deadline import Deadline
 from app.http.errors import ERROR_CODE_HEADER, ERRORS
@@ -61,16 +61,9 @@ class FiredAlarm:
         pass
 
 
-class RunningJobs:
-    """A job store whose every job is still running."""
-
-    def __init__(self, settings):
-        pass
-
-    def result(self, job_id):
-        from app.jobs.errors import job_not_done
-
-        raise job_not_done(job_id, "running")
+def running_job_result(store, job_id, before_fetch=None):
+    """JobStore.result when every job is still running."""
+    raise job_not_done(job_id, "running")
 
 
 # code -> (settings, the request that triggers it, patches (target, value), error style)
@@ -99,8 +92,8 @@ TRIGGERS = {
     "overloaded": ({}, post_v1(), [("app.http.pipeline.compute_slot", lambda deadline: full_gate().acquire(deadline))], None),
     "client_closed": ({}, post_v1(), [("app.core.deadline.Deadline", ClientGone)], None),
     "job_not_found": ({}, lambda c: c.get("/v1/jobs/nope"), [], None),
-    "job_not_done": ({}, lambda c: c.get(f"/v1/jobs/{'0' * 32}/result"), [("app.api.v1.jobs.JobStore", RunningJobs)],
-                     None),
+    "job_not_done": ({}, lambda c: c.get(f"/v1/jobs/{'0' * 32}/result"),
+                     [("app.jobs.store.JobStore.result", running_job_result)], None),
     "cluster_unavailable": ({"BLOCKGRAD_DASK_SCHEDULER": "tcp://127.0.0.1:1"}, lambda c: c.get(f"/v1/jobs/{'0' * 32}"),
                             [], None),
 }

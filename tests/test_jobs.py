@@ -7,6 +7,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,9 +16,11 @@ import pytest
 import torch
 
 from app import create_app
+from app.extensions import services_of
+from app.jobs import client as jobs_client
 from app.jobs.client import close_clients, cluster_client
-from app.jobs.cluster import free_port, start_embedded, stop_embedded
-from app.jobs.on_scheduler import workers_count
+from app.jobs.cluster import free_port, start_embedded, start_scheduler, stop_embedded
+from app.jobs.on_scheduler import JOBS, forget_records, snapshots, workers_count
 from tools.reference import reference_accumulated, reference_blocks
 from tools.server import wait_until
 
@@ -172,8 +175,12 @@ def test_idempotency_key_returns_the_same_job(client):
 
 def test_readyz_and_metrics_report_the_cluster(client):
     submit(client, vectors=[[1.0], [2.0]], factor=2)  # connects this process and refreshes the gauges
-    cluster = client.get("/readyz").get_json()["cluster"]
-    assert cluster["connected"] is True and cluster["workers"] == 2
+    reports = []
+
+    def both_workers_seen():  # the Client's own view, refreshed every few seconds
+        reports.append(client.get("/readyz").get_json()["cluster"])
+        return reports[-1]["connected"] is True and reports[-1]["workers"] == 2
+    assert wait_until(both_workers_seen, 30, 0.5), reports[-1]
     metrics = client.get("/metrics").get_data(as_text=True)
     assert "blockgrad_cluster_workers 2.0" in metrics
     assert 'blockgrad_job_events_total{event="submitted"}' in metrics
@@ -216,12 +223,17 @@ def test_running_job_409_then_cancelled_and_max_jobs(cluster):
     assert cancelled.status_code == 200 and cancelled.get_json()["status"] == "cancelled"
     record = client.get(f"/v1/jobs/{big['id']}").get_json()
     assert record["status"] == "cancelled" and record["finished_at"] is not None
+    # Its tasks are released or forgotten now: not done. The blocks done stay what they were.
+    assert record["progress"] == cancelled.get_json()["progress"]
+    assert record["progress"]["blocks_done"] < record["progress"]["blocks_total"]
     assert client.get(f"/v1/jobs/{big['id']}/result").get_json()["error"]["details"] == {"status": "cancelled"}
     dask = cluster_client(cluster.address)
 
     def released():
         return not any(big["id"] in str(key) for keys in dask.processing().values() for key in keys)
     assert wait_until(released, JOB_S, 0.2)  # a running tile finishes; no other starts
+    [gone] = dask.run_on_scheduler(snapshots, [big["id"]]).values()  # its tiles, as the scheduler has them now
+    assert gone["progress"]["done"] < record["progress"]["blocks_total"]  # forgotten is not done
     after = client.post("/v1/jobs", json=small)
     assert after.status_code == 202, after.get_json()
     assert wait_for_job(client, after.get_json()["id"])["status"] == "succeeded"
@@ -299,6 +311,139 @@ def test_unreachable_scheduler_is_503_within_5_s_and_v1_unaffected():
     assert ready.status_code == 200 and ready.get_json()["cluster"]["connected"] is False
 
 
+def test_concurrent_posts_with_one_key_make_one_job(cluster, jobs_app):
+    """The key is taken with the record, in one step on the scheduler: POSTs sent at the same
+    moment (each thread its own connection) all get the one job."""
+    body = {"vectors": np.random.default_rng(4).standard_normal((64, 4)).tolist(), "factor": 4}
+    key, count = f"together-{time.time_ns()}", 8
+    start, answers = threading.Barrier(count), []
+
+    def post():
+        own = jobs_app.test_client()
+        start.wait(timeout=60)
+        answers.append(own.post("/v1/jobs", json=body, headers={"Idempotency-Key": key}))
+    threads = [threading.Thread(target=post) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert len(answers) == count and all(a.status_code == 202 for a in answers), [a.get_json() for a in answers]
+    assert len({a.get_json()["id"] for a in answers}) == 1
+    records = cluster_client(cluster.address).get_metadata([JOBS], {})
+    assert sum(record.get("idempotency_key") == key for record in records.values()) == 1
+    assert wait_for_job(jobs_app.test_client(), answers[0].get_json()["id"])["status"] == "succeeded"
+
+
+CALL_COST_S = 1.25  # what each cluster call costs on the route's clock, below: four of them are over 5 s
+
+
+def test_each_route_s_cluster_calls_share_one_deadline(cluster, client, monkeypatch):
+    """A slow scheduler, played on the deadlines' clock: each call to it costs CALL_COST_S, or
+    times out at its own timeout if that is shorter. Every job route answers having spent at
+    most the 5 s it promises on its calls together (a 503 cluster_unavailable when they need
+    more), however many calls it makes."""
+    done = wait_for_job(client, submit(client, vectors=[[1.0], [2.0], [3.0]], factor=3).get_json()["id"])
+    assert done["status"] == "succeeded"
+    now, spent = [0.0], []
+    real_sync = type(cluster_client(cluster.address)).sync
+
+    def slow_sync(self, function, *args, callback_timeout=None, **kwargs):
+        cost = min(CALL_COST_S, callback_timeout or CALL_COST_S)
+        now[0] += cost
+        spent[-1] += cost
+        if cost < CALL_COST_S:
+            raise TimeoutError("the call's timeout passed first")
+        return real_sync(self, function, *args, callback_timeout=callback_timeout, **kwargs)
+
+    monkeypatch.setattr(jobs_client, "clock", lambda: now[0])
+    monkeypatch.setattr(type(cluster_client(cluster.address)), "sync", slow_sync)
+    routes = {"POST": lambda: client.post("/v1/jobs", json={"vectors": [[1.0], [2.0]], "factor": 2}),
+              "GET": lambda: client.get(f"/v1/jobs/{done['id']}"),
+              "GET result": lambda: client.get(f"/v1/jobs/{done['id']}/result"),
+              "DELETE": lambda: client.delete(f"/v1/jobs/{done['id']}")}
+    for name, send in routes.items():
+        spent.append(0.0)
+        response = send()
+        assert spent[-1] <= 5.0, (name, spent[-1], response.status_code)
+        assert response.status_code < 300 or response.get_json()["error"]["code"] == "cluster_unavailable", name
+    assert spent[0] > 4 and spent[-1] > 4  # these two needed more calls than fit: cut short, not skipped
+    monkeypatch.undo()
+    dask = cluster_client(cluster.address)
+    for job_id, found in dask.run_on_scheduler(snapshots, None).items():  # the POST cut short left its record
+        if not found["record"]["submitted"]:
+            dask.run_on_scheduler(forget_records, job_id)
+
+
+def test_a_result_is_reserved_in_the_worker_s_memory_ledger(cluster, client):
+    """Sending a result holds the arrays and the body: reserved like /v1's answers, so a
+    result that can never fit is 413 and one that only others' requests keep out is 503."""
+    vectors = np.random.default_rng(9).standard_normal((300, 8))
+    job = wait_for_job(client, submit(client, vectors=vectors.tolist(), factor=6, dtype="float64").get_json()["id"])
+    url, npz = f"/v1/jobs/{job['id']}/result", {"Accept": "application/x-npz"}
+    small = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": cluster.address,
+                        "BLOCKGRAD_WORKER_MEMORY_BYTES": str(16 * 1024)}).test_client()  # under the arrays
+    for headers in ({}, npz):
+        refused = small.get(url, headers=headers)
+        assert refused.status_code == 413, refused.get_json()
+        error = refused.get_json()["error"]
+        assert error["code"] == "limit_exceeded" and error["details"]["limit"] == "BLOCKGRAD_WORKER_MEMORY_BYTES"
+    assert "application/x-npz" in small.get(url).get_json()["error"]["message"]  # JSON's advice: the binary form
+    ledger = services_of(client.application).ledger
+    held = ledger.reserve(ledger.budget - 1024)  # another request's
+    try:
+        busy = client.get(url, headers=npz)
+        assert busy.status_code == 503 and busy.headers["Retry-After"], busy.get_json()
+        assert busy.get_json()["error"]["code"] == "overloaded"
+    finally:
+        held.release()
+    assert client.get(url, headers=npz).status_code == 200
+    assert ledger.reserved == 0  # given back with the answer
+
+
+SUBMIT_DIES_BEFORE_THE_GRAPH = """
+import os, sys
+from app import create_app
+from app.jobs import store
+store.SUBMIT_GRACE_S = 0.0  # expire right after the POST's own deadline
+def die(client, job_id, *args):
+    print(job_id, flush=True)
+    os.kill(os.getpid(), 9)  # the gunicorn worker killed between the record and the graph
+store.submit = die
+client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": sys.argv[1]}).test_client()
+client.post("/v1/jobs", json={"vectors": [[1.0], [2.0]], "factor": 2})
+"""
+
+
+def test_a_record_whose_graph_never_came_expires(cluster):
+    """A POST's process killed after writing the record, before submitting the graph: once its
+    bound has passed, the record counts against BLOCKGRAD_MAX_JOBS no more and is 404."""
+    dask = cluster_client(cluster.address)
+    client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": cluster.address,
+                         "BLOCKGRAD_MAX_JOBS": "1"}).test_client()
+
+    def nothing_active():  # the other tests' jobs have ended
+        return all(s["outcome"] is not None or s["record"].get("cancelled")
+                   for s in dask.run_on_scheduler(snapshots, None).values())
+    assert wait_until(nothing_active, JOB_S, 0.5)
+    out = subprocess.run([sys.executable, "-c", SUBMIT_DIES_BEFORE_THE_GRAPH, cluster.address], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "BLOCKGRAD_LOG_LEVEL": "WARNING"})
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    job_id = out.stdout.split()[0]
+    record = dask.get_metadata([JOBS, job_id])
+    assert record["submitted"] is False
+    [snapshot] = dask.run_on_scheduler(snapshots, [job_id]).values()
+    assert snapshot["progress"]["done"] == 0  # none of its tasks exists: none is done
+    assert wait_until(lambda: time.time() > record["submit_by"], 60, 0.2)
+    small = {"vectors": [[1.0, 2.0], [3.0, 4.0]], "factor": 2}
+    after = client.post("/v1/jobs", json=small)  # the abandoned record is not one of BLOCKGRAD_MAX_JOBS = 1
+    assert after.status_code == 202, after.get_json()
+    missing = client.get(f"/v1/jobs/{job_id}")
+    assert missing.status_code == 404 and missing.get_json()["error"]["code"] == "job_not_found"
+    assert job_id not in dask.get_metadata([JOBS], {})
+    assert wait_for_job(client, after.get_json()["id"])["status"] == "succeeded"
+
+
 @pytest.mark.skipif(os.environ.get("JOBS_LARGE_TEST") != "1", reason="about 100 s on 2 loaded cores: JOBS_LARGE_TEST=1")
 def test_a_large_npy_job_succeeds(client):
     """N = 16,384 > BLOCKGRAD_MAX_N, D = 32, F = 64, `sum`: every gradient entry is 1, so the
@@ -341,8 +486,9 @@ def test_a_job_outlives_the_process_that_accepted_it(cluster, client):
 
 
 def test_a_dask_worker_killed_mid_job_still_gives_the_exact_result(cluster, client):
-    """Runs last: it kills one of the two workers while it runs a tile of the job; the other
-    holds a copy of the vectors (scattered to every worker) and reruns what was lost."""
+    """It kills one of the two workers while it runs a tile of the job; the other holds a copy
+    of the vectors (scattered to every worker) and reruns what was lost. The killed one's
+    nanny starts it again: the cluster is back to two workers, and the next job succeeds."""
     dask = cluster_client(cluster.address)
     vectors = np.random.default_rng(11).standard_normal((1536, 16))
     data = npy(vectors)
@@ -366,4 +512,53 @@ def test_a_dask_worker_killed_mid_job_still_gives_the_exact_result(cluster, clie
         "outputs": ["accumulated", "losses"]}).get_json()
     assert arrays["losses"].tolist() == sync["losses"]
     assert_close(arrays["accumulated"], sync["accumulated"], "float64")
-    assert dask.run_on_scheduler(workers_count) == 1  # the job really lost a worker
+
+    def restarted():
+        workers = dask.run(os.getpid)
+        return len(workers) == 2 and victim not in workers and pids[victim] not in workers.values()
+    assert wait_until(restarted, CLUSTER_START_S, 0.5)  # a new worker process, at a new address
+    small = submit(client, vectors=[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], factor=3).get_json()
+    assert wait_for_job(client, small["id"])["status"] == "succeeded"
+
+
+def test_a_scheduler_restarted_mid_job_loses_its_jobs_and_v1_serves_throughout():
+    """A cluster of its own: its scheduler is SIGKILLed while a job runs. While it is down every
+    job route is 503 cluster_unavailable (its calls bounded by the route's deadline), once a new
+    scheduler listens at the same address the lost job is 404, and /v1/gradients answers
+    throughout."""
+    own = start_embedded(1)
+    try:
+        wait_for_workers(own.address, 1)
+        client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": own.address}).test_client()
+        small = {"vectors": [[1.0, 2.0], [3.0, 4.0]], "factor": 2}
+
+        def v1_serves():
+            assert client.post("/v1/gradients", json=small).status_code == 200
+        vectors = np.random.default_rng(8).standard_normal((6144, 32)).astype(np.float32)
+        job = client.post("/v1/jobs?factor=48&objective=sum_of_squares", data=npy(vectors),
+                          content_type="application/x-npy").get_json()
+        assert wait_until(lambda: client.get(f"/v1/jobs/{job['id']}").get_json()["status"] == "running", JOB_S, 0.1)
+        scheduler = own.processes[0]
+        scheduler.kill()
+        scheduler.wait(30)
+        for method, path in (("post", ""), ("get", f"/{job['id']}"), ("get", f"/{job['id']}/result"),
+                             ("delete", f"/{job['id']}")):
+            kwargs = {"json": small} if method == "post" else {}
+            response = getattr(client, method)(f"/v1/jobs{path}", **kwargs)
+            assert response.status_code == 503 and response.headers["Retry-After"], (method, path)
+            assert response.get_json()["error"]["code"] == "cluster_unavailable"
+            v1_serves()
+        own.processes[0] = start_scheduler(int(own.address.rsplit(":", 1)[1]))
+        answers = []
+
+        def answered():
+            v1_serves()
+            answers.append(client.get(f"/v1/jobs/{job['id']}"))
+            return answers[-1].status_code != 503
+        assert wait_until(answered, CLUSTER_START_S, 0.5)
+        lost = f"/v1/jobs/{job['id']}"
+        for response in (answers[-1], client.get(lost + "/result"), client.delete(lost)):
+            assert response.status_code == 404 and response.get_json()["error"]["code"] == "job_not_found"
+    finally:
+        close_clients(own.address)
+        stop_embedded(own)

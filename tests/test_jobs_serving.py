@@ -36,6 +36,36 @@ def alive(pid: int) -> bool:
         return False
 
 
+def all_children(pid: int) -> list[int]:
+    """Children of every thread of `pid` (a nanny starts its worker process from a thread)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found += [int(child) for child in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
+
+
+def listening_hosts(pid: int) -> set[str]:
+    """The IPv4 addresses `pid` listens on, from /proc (Linux)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    hosts = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+            host = int(fields[1].split(":")[0], 16)
+            hosts.add(".".join(str(host >> shift & 255) for shift in (0, 8, 16, 24)))
+    return hosts
+
+
 def test_gunicorn_runs_jobs_on_its_embedded_cluster_which_dies_with_the_master():
     env = {"BLOCKGRAD_DASK_SCHEDULER": "", "BLOCKGRAD_DASK_WORKERS": "1"}
     with gunicorn_server(workers=2, env=env) as server:
@@ -43,9 +73,18 @@ def test_gunicorn_runs_jobs_on_its_embedded_cluster_which_dies_with_the_master()
         roles = sorted(cmdline(pid).split(" -m dask ")[1].split()[0] for pid in dask)
         assert roles == ["scheduler", "worker"], [cmdline(pid) for pid in dask]
         assert all("--no-dashboard" in cmdline(pid) and "127.0.0.1" in cmdline(pid) for pid in dask)
-        worker = next(pid for pid in dask if " worker " in cmdline(pid))
+        worker = next(pid for pid in dask if " worker " in cmdline(pid))  # the nanny
         assert nice(worker) == 19
         assert os.getpgid(worker) == os.getpgid(server.pid)  # in the master's process group
+        def spawned():  # the worker process the nanny runs (and restarts), beside multiprocessing's tracker
+            return [pid for pid in all_children(worker) if "spawn_main" in cmdline(pid)]
+        assert wait_until(spawned, JOB_S, 0.5)
+        inner = all_children(worker)
+        assert "torch" not in Path(f"/proc/{worker}/maps").read_text()  # only the worker process loads it
+        assert all(nice(pid) == 19 and os.getpgid(pid) == os.getpgid(server.pid) for pid in inner)
+        dask += inner  # they die with the master too
+        for pid in dask:  # Dask's processes serve HTTP (health, metrics) even without a dashboard
+            assert listening_hosts(pid) <= {"127.0.0.1"}, (cmdline(pid), listening_hosts(pid))
         vectors = np.random.default_rng(1).standard_normal((30, 3))
         body = {"vectors": vectors.tolist(), "factor": 4, "dtype": "float64"}
         answers = []

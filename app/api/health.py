@@ -5,7 +5,6 @@ from ..core.device import ready_device
 from ..http.docs import OPEN_ROUTE, documents_errors
 from ..http.parsing import ApiBlueprint
 from ..extensions import services
-from ..jobs.client import cluster_report
 from flask import g
 
 blp = ApiBlueprint("health", __name__, description="Liveness and readiness probes.")
@@ -45,4 +44,4 @@ def readyz():
     settings = services().settings
     device = ready_device(settings.device)  # not_ready if it cannot
     g.device = str(device)  # for the device metric (app/http/request_record.py)
-    return {"status": "ready", "device": str(device), "cluster": cluster_report(settings.dask_scheduler)}
+    return {"status": "ready", "device": str(device), "cluster": services().jobs.cluster_report()}

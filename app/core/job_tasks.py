@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .dtypes import TORCH_DTYPES
 from .engine import Chunk, block_bounds, chain_rule_sums, chunk_gradients, shape_groups, split
 from .errors import non_finite_accumulated, non_finite_block
 from .objectives import OBJECTIVES
 
-TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # Numbers (pairs x 2D) one tile task computes: large against a task's scheduling overhead,
 # small enough that a cancelled job frees its worker soon (docs/jobs.md).
 TILE_NUMBERS = 256 * 1024 * 1024

@@ -1,7 +1,7 @@
 """The Flask app's shared HTTP glue: settings, per-worker services, hooks; the front ends are
 registered on it by the app factory (app/__init__.py), between `build_app` and `finish_app`."""
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from flask import Flask
@@ -13,7 +13,7 @@ from ..core.memory import MemoryLedger
 from ..core.served_objectives import served_objectives
 from ..core.settings import COMPUTE_SLOTS, Settings
 from ..core.slots import SlotSource, ThreadSlots
-from ..extensions import Services, install_services, services_of
+from ..extensions import Jobs, Services, install_services, services_of
 from . import request_record
 from .auth import install_auth
 from .docs import ErrorSchema, register_docs, spec_options
@@ -37,9 +37,11 @@ class BlockgradApi(Api):
     ERROR_SCHEMA = ErrorSchema  # the OpenAPI document shows our error object
 
 
-def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None) -> tuple[Flask, Api]:
+def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
+              jobs: Callable[[Settings], Jobs] | None = None) -> tuple[Flask, Api]:
     """The app with its glue, and the Api its front ends register their blueprints on.
-    `slots`: the compute slots (the pod's under gunicorn); None: COMPUTE_SLOTS of this process's own."""
+    `slots`: the compute slots (the pod's under gunicorn); None: COMPUTE_SLOTS of this process's own.
+    `jobs`: makes the job store from the settings."""
     settings = Settings.from_env({**os.environ, **{k: v for k, v in overrides.items() if k.startswith("BLOCKGRAD_")}})
     # Models are loaded and checked here, once per process (in each worker: no preload_app);
     # a file that fails raises ModelError and the service does not start.
@@ -56,7 +58,7 @@ def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None) -> 
     install_services(app, Services(
         settings, objectives, Gate(settings.queue_depth, slots=slots, listener=MetricsListener()),
         MemoryLedger(settings.worker_memory_bytes, settings.upload_memory_share),
-        tile_executor(slots, settings)))
+        tile_executor(slots, settings), jobs=jobs(settings) if jobs else None))
     configure_logging(settings.log_level)
     request_record.init_app(app)  # first, so that its hooks see every request
 

@@ -21,7 +21,6 @@ from ..core import errors as core
 from ..core.errors import BlockgradError, cut_text
 from ..extensions import services_of
 from .connection import drop_connection
-from ..jobs import errors as jobs
 
 log = logging.getLogger("blockgrad")
 
@@ -191,13 +190,13 @@ ERRORS: dict[str, ErrorCode] = {
                             lambda: core.overloaded(4), RETRY_AFTER),
     # Jobs (docs/jobs.md).
     "job_not_found": ErrorCode(404, "/v1/jobs: no such job (unknown, or forgotten after BLOCKGRAD_JOB_TTL_S, a DELETE "
-                                    "or a scheduler restart)", lambda: jobs.job_not_found("nope")),
+                                    "or a scheduler restart)", lambda: core.job_not_found("nope")),
     "job_not_done": ErrorCode(409, "/v1/jobs/{id}/result before the job succeeded; `details.status` says where it is "
                                    "(with Retry-After while queued or running)",
-                              lambda: jobs.job_not_done("0" * 32, "running"), RETRY_AFTER),
+                              lambda: core.job_not_done("0" * 32, "running"), RETRY_AFTER),
     "cluster_unavailable": ErrorCode(503, "/v1/jobs: the Dask scheduler did not answer within a few seconds "
                                           "(synchronous routes are unaffected; see Retry-After)",
-                                     lambda: jobs.cluster_unavailable("tcp://127.0.0.1:1"), RETRY_AFTER),
+                                     lambda: core.cluster_unavailable("tcp://127.0.0.1:1"), RETRY_AFTER),
     "client_closed": ErrorCode(499, "never sent: the client closed (or half-closed) the connection before the "
                                     "answer was complete; the computation stopped and the connection is closed "
                                     "without a byte more (logged and counted under this code)",

@@ -5,9 +5,12 @@ Standard library only: gunicorn's master calls `start_embedded` from on_starting
 workers at every recycle), so the cluster is plain subprocesses. They stay in the
 master's process group and get SIGKILL from the kernel when the master dies, SIGKILL
 included (PR_SET_PDEATHSIG): a niced worker's graceful shutdown can take long on a busy
-machine, and a dead master's jobs are gone anyway. Workers run at nice 19, so that job tasks yield the CPU to
-synchronous requests. Each gunicorn worker connects its own Client after the fork
-(app/jobs/client.py), to the address this exports as BLOCKGRAD_DASK_SCHEDULER.
+machine, and a dead master's jobs are gone anyway. Each `dask worker` is a nanny that
+restarts its worker process when it dies (the worker process exits when its nanny does), so
+the cluster keeps its workers without the master watching them. Workers run at nice 19, so
+that job tasks yield the CPU to synchronous requests. Each gunicorn worker connects its own
+Client after the fork (app/jobs/client.py), to the address this exports as
+BLOCKGRAD_DASK_SCHEDULER.
 """
 import ctypes
 import os
@@ -25,6 +28,8 @@ OFF = "off"  # BLOCKGRAD_DASK_SCHEDULER=off: no cluster at all, job routes answe
 WORKER_NICE = 19
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10
+# Without a dashboard each process still serves HTTP (health, metrics): on loopback, like the rest.
+LOOPBACK_ANY_PORT = "127.0.0.1:0"
 
 
 @dataclass
@@ -63,21 +68,28 @@ def dask_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "dask", *args]
 
 
+def start_scheduler(port: int) -> subprocess.Popen:
+    """A `dask scheduler` on 127.0.0.1:port (a fresh one, at the same address, after a restart)."""
+    return subprocess.Popen(dask_command("scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
+                                          "--dashboard-address", LOOPBACK_ANY_PORT),
+                            env=cluster_env(), cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent())
+
+
 def start_embedded(workers: int, memory_limit: str = "auto") -> EmbeddedCluster:
-    """Spawn a scheduler and `workers` single-threaded workers; returns at once (workers
-    join within seconds; a job route before that sees a cluster with no workers yet)."""
+    """Spawn a scheduler and `workers` single-threaded workers, each under its nanny; returns
+    at once (workers join within seconds; a job route before that sees a cluster with no
+    workers yet)."""
     port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    env = cluster_env()
     cluster = EmbeddedCluster(address)
-    cluster.processes.append(subprocess.Popen(
-        dask_command("scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard"),
-        env=env, cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent()))
+    cluster.processes.append(start_scheduler(port))
+    # torch loaded before the first job, by the worker process only: `--preload` would have the
+    # nanny's command line import it too (to check its arguments), 180 MiB for nothing.
+    env = {**cluster_env(), "DASK_DISTRIBUTED__WORKER__PRELOAD": '["app.core.job_tasks"]'}
     for _ in range(workers):
         cluster.processes.append(subprocess.Popen(
-            dask_command("worker", address, "--host", "127.0.0.1", "--nthreads", "1", "--no-nanny",
-                         "--no-dashboard", "--memory-limit", memory_limit,
-                         "--preload", "app.core.job_tasks"),  # torch loaded before the first job
+            dask_command("worker", address, "--host", "127.0.0.1", "--nthreads", "1",
+                         "--no-dashboard", "--dashboard-address", LOOPBACK_ANY_PORT, "--memory-limit", memory_limit),
             env=env, cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(WORKER_NICE)))
     return cluster
 

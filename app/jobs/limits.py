@@ -2,10 +2,9 @@
 limits do not apply to jobs)."""
 import math
 
-from ..core.errors import limit_exceeded
 from ..core.admission import block_elements
+from ..core.errors import job_too_many_vectors, limit_exceeded
 from ..core.settings import Settings
-from .errors import job_too_many_vectors
 
 
 def fitting_factor(n: int, dim: int, allowed: int) -> int | None:

@@ -3,7 +3,6 @@ a job's task states or removes its records. Standard library only: the scheduler
 this module by name."""
 
 JOBS, OUTCOMES, IDEMPOTENCY = "blockgrad-jobs", "blockgrad-outcomes", "blockgrad-idempotency"
-DONE_STATES = ("memory", "released", "forgotten", None)  # a tile consumed by a finished sum is forgotten
 
 
 def tile_key(job_id: str, index: int) -> str:
@@ -32,8 +31,16 @@ def snapshots(job_ids=None, dask_scheduler=None) -> dict:
 
 
 def job_progress(job_id: str, tile_blocks: list, dask_scheduler=None) -> dict:
-    """Blocks of the tiles done, whether any tile is processing, the final tasks' states."""
+    """Blocks of the tiles finished, whether any tile is processing, the final tasks' states.
+    A tile is finished while its result is in memory or a task that consumed it is (a sum, up
+    to the outcome): a released tile counts only so; a cancelled or lost one does not."""
     tasks = dask_scheduler.tasks
+    finished: dict = {}
+
+    def is_finished(ts) -> bool:
+        if ts.key not in finished:
+            finished[ts.key] = ts.state == "memory" or any(is_finished(d) for d in ts.dependents)
+        return finished[ts.key]
 
     def state(key):
         ts = tasks.get(key)
@@ -42,11 +49,27 @@ def job_progress(job_id: str, tile_blocks: list, dask_scheduler=None) -> dict:
     outcome, finish = state(outcome_key(job_id)), state(finish_key(job_id))
     done, processing = 0, False
     for index, blocks in enumerate(tile_blocks):
-        tile = state(tile_key(job_id, index))
-        processing = processing or tile == "processing"
-        if outcome == "memory" or tile in DONE_STATES:
+        tile = tasks.get(tile_key(job_id, index))
+        processing = processing or (tile is not None and tile.state == "processing")
+        if outcome == "memory" or (tile is not None and is_finished(tile)):
             done += blocks
     return {"done": done, "processing": processing, "finish": finish, "outcome": outcome}
+
+
+def create_record(job_id: str, record: dict, idempotency_key=None, dask_scheduler=None) -> str:
+    """A new job's record, unless its Idempotency-Key already names a job: one step of the
+    scheduler's event loop, so that two POSTs with the same key make one job. Returns the
+    key's job id (this one, when new)."""
+    metadata = dask_scheduler.task_metadata
+    records = metadata.setdefault(JOBS, {})
+    if idempotency_key is not None:
+        keys = metadata.setdefault(IDEMPOTENCY, {})
+        known = keys.get(idempotency_key)
+        if known is not None and known in records:
+            return known
+        keys[idempotency_key] = job_id
+    records[job_id] = record
+    return job_id
 
 
 def forget_records(job_id: str, dask_scheduler=None) -> None:

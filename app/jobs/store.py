@@ -2,32 +2,37 @@
 graph's final tasks published under the job's name, its end written by the graph itself.
 Any gunicorn worker, of any pod sharing the scheduler, sees the same job; a scheduler
 that restarts forgets its jobs (they are then 404)."""
+import functools
 import logging
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..core.engine import elements_per_chunk
-from ..core.errors import BlockgradError
+from ..core.errors import BlockgradError, job_not_done, job_not_found, no_cluster, too_many_jobs
 from ..core.job_tasks import JobOutcome, JobSpec
 from ..core.request import GradientRequest
 from ..core.settings import Settings
-from .client import call, cluster_client
-from .errors import job_not_done, job_not_found, no_cluster, too_many_jobs
+from .client import call, cluster_client, cluster_deadline, cluster_report, current_deadline
 from .cluster import OFF
-from .graph import dataset_name, plan, submit
+from .graph import SCATTER_BYTES_PER_S, dataset_name, plan, submit
 from .metrics import observe_event, observe_jobs, observe_workers
-from .on_scheduler import IDEMPOTENCY, JOBS, forget_records, snapshots, workers_count
+from .on_scheduler import IDEMPOTENCY, JOBS, create_record, forget_records, snapshots, workers_count
 
 log = logging.getLogger("blockgrad.jobs")
 ID_PATTERN = re.compile(r"[0-9a-f]{32}")  # 128 random bits
 ACTIVE = ("queued", "running")
 TERMINAL = ("succeeded", "failed", "cancelled")
 RESULT_TIMEOUT_S = 60.0  # fetching a retained result (up to hundreds of MiB) from a worker
+RESULT_BYTES_PER_S = 20e6  # fetching a result from a niced worker: the route's deadline grows by its size at this rate
+# A record whose graph was never published (the gunicorn worker died between the two) is
+# removed this long after its submission's own deadline: clocks of pods may differ a little.
+SUBMIT_GRACE_S = 60.0
 TASK_FAILED = {"code": "internal_error", "message": "A task of this job failed on the cluster; the cluster's log "
                                                     "has the traceback.", "details": {}}
 
@@ -52,7 +57,7 @@ class JobState:
 
     @property
     def status(self) -> str:
-        if self.record.get("cancelled_at") is not None:
+        if self.record.get("cancelled") is not None:
             return "cancelled"
         if self.outcome is not None:
             return self.outcome["status"]
@@ -66,9 +71,13 @@ class JobState:
 
     @property
     def finished_at(self) -> float | None:
-        if self.record.get("cancelled_at") is not None:
-            return self.record["cancelled_at"]
+        if self.record.get("cancelled") is not None:
+            return self.record["cancelled"]["at"]
         return (self.outcome or {}).get("finished_at")
+
+    def abandoned(self, now: float) -> bool:
+        """Never submitted, and past the bound of the POST that wrote it: that one died."""
+        return not self.record.get("submitted") and now > self.record.get("submit_by", float("inf"))
 
     def public(self) -> dict[str, Any]:
         """The job record of the API."""
@@ -77,13 +86,27 @@ class JobState:
         if status == "failed" and error is None:
             error = TASK_FAILED
         total = record["blocks_total"]
-        done = total if status == "succeeded" else min(total, self.progress["done"])
+        if status == "succeeded":
+            done = total
+        elif status == "cancelled":  # its tasks are gone: what was done when it was cancelled
+            done = record["cancelled"]["blocks_done"]
+        else:
+            done = min(total, self.progress["done"])
         started = (self.outcome or {}).get("started_at") or record.get("started_at")
         return {"id": self.job_id, "status": status, "n": record["n"], "dim": record["dim"],
                 "factor": record["factor"], "objective": record["objective"], "dtype": record["dtype"],
                 "outputs": list(record["outputs"]), "progress": {"blocks_done": done, "blocks_total": total},
                 "created_at": rfc3339(record["created_at"]), "started_at": rfc3339(started),
                 "finished_at": rfc3339(self.finished_at if status in TERMINAL else None), "error": error}
+
+
+def bounded(method):
+    """A job route's operation: its cluster calls share one deadline (client.py)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with cluster_deadline():
+            return method(self, *args, **kwargs)
+    return run
 
 
 class JobStore:
@@ -102,11 +125,18 @@ class JobStore:
         found = call(client, client._run_on_scheduler, snapshots, job_ids)
         return {job_id: JobState(job_id, s["record"], s["outcome"], s["progress"]) for job_id, s in found.items()}
 
+    def cluster_report(self) -> dict:
+        """The cluster as this process last saw it, without asking it (/readyz)."""
+        return cluster_report(self.address)
+
     def state(self, job_id: str) -> tuple[Any, JobState]:
         if not ID_PATTERN.fullmatch(job_id):
             raise job_not_found(job_id)
         client = self.client()
         found = self.states(client, [job_id]).get(job_id)
+        if found is not None and found.abandoned(time.time()):
+            self.forget_abandoned(client, found)
+            found = None
         if found is None:
             raise job_not_found(job_id)
         if found.status == "running" and found.record.get("started_at") is None:
@@ -116,19 +146,26 @@ class JobStore:
             log.info("job_started", extra={"fields": {"job": job_id, "blocks_done": found.progress["done"]}})
         return client, found
 
+    @bounded
     def view(self, job_id: str) -> dict[str, Any]:
         return self.state(job_id)[1].public()
 
+    def known_job(self, client, job_id: str | None) -> dict[str, Any] | None:
+        found = self.states(client, [job_id]).get(job_id) if job_id is not None else None
+        return None if found is None else found.public()
+
+    @bounded
     def submit(self, req: GradientRequest, idempotency_key: str | None = None) -> tuple[dict[str, Any], bool]:
         """(the job record, whether it is new). A retried POST with the same
-        Idempotency-Key gets the job the first made."""
+        Idempotency-Key gets the job the first made; so does one sent at the same moment
+        (the key is taken with the record, in one step on the scheduler)."""
         client = self.client()
-        if idempotency_key:
-            known = call(client, client.scheduler.get_metadata, keys=[IDEMPOTENCY, idempotency_key], default=None)
+        deadline = current_deadline()
+        if idempotency_key:  # a retry costs one call more, and no sweep
+            known = self.known_job(client, call(client, client.scheduler.get_metadata,
+                                                keys=[IDEMPOTENCY, idempotency_key], default=None))
             if known is not None:
-                found = self.states(client, [known]).get(known)
-                if found is not None:
-                    return found.public(), False
+                return known, False
         active = self.sweep(client)
         if active >= self.settings.max_jobs:
             raise too_many_jobs(active, self.settings.max_jobs)
@@ -141,19 +178,28 @@ class JobStore:
                                           vectors.itemsize))
         tiles = plan(spec, workers)
         job_id = new_job_id()
+        deadline.extend(vectors.nbytes / SCATTER_BYTES_PER_S)  # the scatter's share, by the vectors' size
         result_numbers = sum({"accumulated": req.n * req.dim, "losses": req.factor ** 2}[o] for o in req.outputs)
+        now = time.time()
         record = {"n": req.n, "dim": req.dim, "factor": req.factor, "objective": req.objective,
                   "offset": float(req.offset), "dtype": req.dtype, "outputs": list(req.outputs),
-                  "created_at": time.time(), "started_at": None, "cancelled_at": None, "submitted": False,
+                  "created_at": now, "started_at": None, "cancelled": None, "submitted": False,
+                  "submit_by": now + deadline.remaining() + SUBMIT_GRACE_S,
                   "blocks_total": req.factor ** 2, "tile_blocks": [tile.blocks for tile in tiles],
                   "result_bytes": result_numbers * vectors.itemsize, "idempotency_key": idempotency_key}
         # The record first: the graph's last task writes the outcome only beside an existing one.
-        call(client, client.scheduler.set_metadata, keys=[JOBS, job_id], value=record)
+        for _ in range(2):  # the key's job may be forgotten between the two calls: its key is then free
+            owner = call(client, client._run_on_scheduler, create_record, job_id, record, idempotency_key)
+            if owner == job_id:
+                break
+            known = self.known_job(client, owner)  # the same key's POST, at the same moment, was first
+            if known is not None:
+                return known, False
+        else:
+            raise job_not_found(owner)
         try:
             submit(client, job_id, vectors, spec, tiles)
             call(client, client.scheduler.set_metadata, keys=[JOBS, job_id, "submitted"], value=True)
-            if idempotency_key:
-                call(client, client.scheduler.set_metadata, keys=[IDEMPOTENCY, idempotency_key], value=job_id)
         except BaseException:
             self.forget(client, job_id, quiet=True)
             raise
@@ -165,13 +211,19 @@ class JobStore:
         return JobState(job_id, record, None, {"done": 0, "processing": False, "finish": "waiting",
                                                "outcome": "waiting"}).public(), True
 
-    def result(self, job_id: str) -> tuple[dict[str, Any], JobOutcome]:
+    @bounded
+    def result(self, job_id: str, before_fetch: Callable[[dict], None] = lambda record: None
+               ) -> tuple[dict[str, Any], JobOutcome]:
+        """A succeeded job's record and outcome; `before_fetch(record)` runs before the result
+        is fetched (to reserve the memory it takes)."""
         client, found = self.state(job_id)
         if found.status != "succeeded":
             raise job_not_done(job_id, found.status)
+        before_fetch(found.record)
         futures = call(client, client._get_dataset, dataset_name(job_id), default=None)
         if futures is None:
             raise job_not_found(job_id)
+        current_deadline().extend(found.record["result_bytes"] / RESULT_BYTES_PER_S)
         try:
             [outcome] = call(client, client._gather, [futures[0]], timeout_s=RESULT_TIMEOUT_S)
         except BlockgradError:
@@ -182,6 +234,7 @@ class JobStore:
             raise job_not_found(job_id) from None
         return found.record, outcome
 
+    @bounded
     def cancel(self, job_id: str) -> dict[str, Any] | None:
         """A queued or running job: cancelled, its record returned. A finished one: forgotten (None)."""
         client, found = self.state(job_id)
@@ -189,9 +242,9 @@ class JobStore:
             self.forget(client, job_id)
             return None
         futures = call(client, client._get_dataset, dataset_name(job_id), default=None) or []
-        found.record["cancelled_at"] = time.time()
-        call(client, client.scheduler.set_metadata, keys=[JOBS, job_id, "cancelled_at"],
-             value=found.record["cancelled_at"])
+        found.record["cancelled"] = {"at": time.time(), "blocks_done": min(found.record["blocks_total"],
+                                                                             found.progress["done"])}
+        call(client, client.scheduler.set_metadata, keys=[JOBS, job_id, "cancelled"], value=found.record["cancelled"])
         call(client, client._cancel, futures, force=True, reason="job cancelled")
         call(client, client._unpublish_dataset, dataset_name(job_id))
         observe_event("cancelled")
@@ -208,12 +261,22 @@ class JobStore:
             if not quiet:
                 raise
 
+    def forget_abandoned(self, client, found: JobState) -> None:
+        log.warning("job_abandoned", extra={"fields": {"job": found.job_id, "created_at": rfc3339(
+            found.record["created_at"])}})
+        self.forget(client, found.job_id)
+
     def sweep(self, client) -> int:
-        """Forget finished jobs past BLOCKGRAD_JOB_TTL_S, then the oldest finished results over
-        BLOCKGRAD_MAX_JOB_RESULTS_BYTES; returns the jobs queued or running."""
+        """Forget abandoned submissions, finished jobs past BLOCKGRAD_JOB_TTL_S, then the oldest
+        finished results over BLOCKGRAD_MAX_JOB_RESULTS_BYTES; returns the jobs queued or running."""
+        now = time.time()
         states = self.states(client, None)
+        for job_id, found in list(states.items()):
+            if found.abandoned(now):
+                self.forget_abandoned(client, found)
+                del states[job_id]
         observe_jobs(states.values())
-        now, active, kept = time.time(), 0, []
+        active, kept = 0, []
         for job_id, found in states.items():
             if found.status in ACTIVE:
                 active += 1

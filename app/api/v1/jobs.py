@@ -8,22 +8,23 @@ import io
 
 import numpy as np
 import orjson
-from flask import Response, current_app, request
+from flask import Response, request
 from marshmallow import ValidationError
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from ...core.dtypes import DTYPES
 from ...core.engine import block_bounds
-from ...core.errors import field_error, validation_error
+from ...core.errors import field_error, job_result_too_large, validation_error
 from ...core.objectives import OBJECTIVES
 from ...core.request import GradientRequest, build_request
 from ...core.vectors import MatrixError, check_matrix
 from ...http.docs import documents_errors
 from ...http.errors import HttpError, bad_request, unsupported_media_type
 from ...http.parsing import ApiBlueprint, decode_json, is_json_mimetype, read_body
-from ...extensions import services
+from ...extensions import Jobs, services
+from ...http.memory import reserve_for_request
 from ...http.streaming import NUMPY
 from ...jobs.limits import admit_job
-from ...jobs.store import JobStore
 from .job_schemas import JOB_OUTPUTS, JobRequestSchema, JobResultSchema, JobSchema, job_output
 
 blp = ApiBlueprint("jobs", __name__, url_prefix="/v1",
@@ -31,10 +32,14 @@ blp = ApiBlueprint("jobs", __name__, url_prefix="/v1",
 
 NPY = "application/x-npy"
 NPZ = "application/x-npz"
-STORE = "blockgrad_jobs"
 QUERY_FIELDS = ("factor", "objective", "offset", "outputs", "dtype")
 JOB_SCHEMA = JobRequestSchema()
-NPY_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
+DTYPE_OF_ITEM_BYTES = {dtype.item_bytes: name for name, dtype in DTYPES.items()}  # a .npy's float width
+# A result at its peak while it is sent: the arrays fetched and their transfer buffers, then
+# the body (the .npz's buffer and its copy, or the JSON text); run-to-run noise on top.
+RESULT_ARRAY_COPIES = 2
+NPZ_BODY_COPIES = 2
+RESULT_MARGIN = 1.5
 REQUEST_BODY = {"required": True, "content": {
     "application/json": {"schema": JobRequestSchema},
     NPY: {"schema": {"type": "string", "format": "binary",
@@ -43,12 +48,8 @@ REQUEST_BODY = {"required": True, "content": {
                                     "query parameters. At most BLOCKGRAD_MAX_JOB_BODY_BYTES."}}}}
 
 
-def job_store() -> JobStore:
-    """One per app (and process): holds no connection until the first job route."""
-    store = current_app.extensions.get(STORE)
-    if store is None:
-        store = current_app.extensions[STORE] = JobStore(services().settings)
-    return store
+def job_store() -> Jobs:
+    return services().jobs
 
 
 def json_response(body, status: int = 200, headers: dict | None = None) -> Response:
@@ -72,7 +73,7 @@ def load_npy(data: bytes) -> np.ndarray:
         raise bad_request(f"The body is not a readable .npy file ({exc}); send numpy.save's output.") from None
     except (EOFError, OSError) as exc:
         raise bad_request(f"The body is not a complete .npy file ({exc}); send numpy.save's output.") from None
-    if array.dtype.kind != "f" or array.dtype.itemsize not in (4, 8):
+    if array.dtype.kind != "f" or array.dtype.itemsize not in DTYPE_OF_ITEM_BYTES:
         raise field_error("vectors", f"The .npy holds {array.dtype}; send float32 or float64.")
     if array.ndim != 2:
         raise field_error("vectors", f"The .npy has shape {array.shape}; send (N, D).")
@@ -87,7 +88,7 @@ def query_request(vectors: np.ndarray) -> GradientRequest:
         raise validation_error({name: ["Unknown query parameter."] for name in unknown},
                                f"Unknown query parameters {', '.join(unknown)}; they are {', '.join(QUERY_FIELDS)}.")
     errors, values = {}, {}
-    file_dtype = NPY_DTYPES[vectors.dtype]
+    file_dtype = DTYPE_OF_ITEM_BYTES[vectors.dtype.itemsize]
     values["dtype"] = args.get("dtype", file_dtype)
     if values["dtype"] != file_dtype:
         errors["dtype"] = [f"The .npy holds {file_dtype}: a .npy job's dtype is its file's; leave dtype out."]
@@ -185,17 +186,37 @@ def delete_job(job_id: str):
 @blp.route("/jobs/<job_id>/result", methods=["GET"])
 @blp.response(200, JobResultSchema, description=f"JSON; or, when Accept is exactly {NPZ}, a .npz file of the "
                                                 "outputs asked for and bounds.")
-@documents_errors(blp, "unauthorized", "job_not_found", "job_not_done", "cluster_unavailable", "internal_error")
+@documents_errors(blp, "unauthorized", "job_not_found", "job_not_done", "limit_exceeded", "overloaded",
+                  "cluster_unavailable", "internal_error")
 def get_result(job_id: str):
     """A succeeded job's result: the shapes and number formatting of /v1/gradients."""
-    record, outcome = job_store().result(job_id)
+    binary = request.headers.get("Accept", "").strip() == NPZ
+    record, outcome = job_store().result(job_id, lambda record: reserve_result(record, binary))
     outputs = list(record["outputs"])
     bounds = block_bounds(record["n"], record["factor"])
     arrays = {name: getattr(outcome, name) for name in outputs}
-    if request.headers.get("Accept", "").strip() == NPZ:
+    if binary:
         buffer = io.BytesIO()
         np.savez(buffer, bounds=np.asarray(bounds, dtype=np.int64), **arrays)
         return Response(buffer.getvalue(), mimetype=NPZ)
     head = {"n": record["n"], "dim": record["dim"], "factor": record["factor"], "bounds": bounds,
             "objective": record["objective"], "dtype": record["dtype"], "device": "cpu", **arrays}
     return json_response(head)
+
+
+def result_bytes(record: dict, binary: bool) -> int:
+    """What sending a job's result holds at its peak, from its record."""
+    dtype = DTYPES[record["dtype"]]
+    arrays = record["result_bytes"]
+    body = NPZ_BODY_COPIES * arrays if binary else arrays // dtype.item_bytes * dtype.text_bytes
+    return int((RESULT_ARRAY_COPIES * arrays + body) * RESULT_MARGIN)
+
+
+def reserve_result(record: dict, binary: bool) -> None:
+    """In this worker's memory ledger, as /v1's answers are, before the result is fetched:
+    413 limit_exceeded if it can never fit, 503 overloaded while other requests hold the memory."""
+    nbytes = result_bytes(record, binary)
+    budget = services().ledger.budget
+    if nbytes > budget:
+        raise job_result_too_large(nbytes, budget, binary)
+    reserve_for_request(nbytes)
