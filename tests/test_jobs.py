@@ -19,10 +19,10 @@ from app import create_app
 from app.extensions import services_of
 from app.jobs import client as jobs_client
 from app.jobs.client import close_clients, cluster_client
-from app.jobs.cluster import free_port, start_embedded, start_scheduler, stop_embedded
+from app.jobs.cluster import free_port, start_embedded, stop_embedded
 from app.jobs.on_scheduler import JOBS, forget_records, snapshots, workers_count
 from tools.reference import reference_accumulated, reference_blocks
-from tools.server import wait_until
+from tools.server import children, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER_START_S = 90  # bounded: two workers importing torch on a loaded 2-core machine
@@ -522,11 +522,13 @@ def test_a_dask_worker_killed_mid_job_still_gives_the_exact_result(cluster, clie
 
 
 def test_a_scheduler_restarted_mid_job_loses_its_jobs_and_v1_serves_throughout():
-    """A cluster of its own: its scheduler is SIGKILLed while a job runs. While it is down every
-    job route is 503 cluster_unavailable (its calls bounded by the route's deadline), once a new
-    scheduler listens at the same address the lost job is 404, and /v1/gradients answers
-    throughout."""
+    """A cluster of its own: its scheduler is SIGKILLed while a job runs (its supervisor held
+    stopped meanwhile, so that the scheduler stays down). While it is down every job route is
+    503 cluster_unavailable (its calls bounded by the route's deadline); the supervisor then
+    starts a scheduler at the same address by itself, the lost job is 404, the workers rejoin
+    and a new job succeeds; /v1/gradients answers throughout."""
     own = start_embedded(1)
+    [supervisor] = own.processes
     try:
         wait_for_workers(own.address, 1)
         client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": own.address}).test_client()
@@ -538,17 +540,20 @@ def test_a_scheduler_restarted_mid_job_loses_its_jobs_and_v1_serves_throughout()
         job = client.post("/v1/jobs?factor=48&objective=sum_of_squares", data=npy(vectors),
                           content_type="application/x-npy").get_json()
         assert wait_until(lambda: client.get(f"/v1/jobs/{job['id']}").get_json()["status"] == "running", JOB_S, 0.1)
-        scheduler = own.processes[0]
-        scheduler.kill()
-        scheduler.wait(30)
-        for method, path in (("post", ""), ("get", f"/{job['id']}"), ("get", f"/{job['id']}/result"),
-                             ("delete", f"/{job['id']}")):
-            kwargs = {"json": small} if method == "post" else {}
-            response = getattr(client, method)(f"/v1/jobs{path}", **kwargs)
-            assert response.status_code == 503 and response.headers["Retry-After"], (method, path)
-            assert response.get_json()["error"]["code"] == "cluster_unavailable"
-            v1_serves()
-        own.processes[0] = start_scheduler(int(own.address.rsplit(":", 1)[1]))
+        [scheduler] = supervised(supervisor.pid, "scheduler")
+        os.kill(supervisor.pid, signal.SIGSTOP)
+        try:
+            os.kill(scheduler, signal.SIGKILL)
+            assert wait_until(lambda: client.get(f"/v1/jobs/{job['id']}").status_code == 503, CLUSTER_START_S, 0.2)
+            for method, path in (("post", ""), ("get", f"/{job['id']}"), ("get", f"/{job['id']}/result"),
+                                 ("delete", f"/{job['id']}")):
+                kwargs = {"json": small} if method == "post" else {}
+                response = getattr(client, method)(f"/v1/jobs{path}", **kwargs)
+                assert response.status_code == 503 and response.headers["Retry-After"], (method, path)
+                assert response.get_json()["error"]["code"] == "cluster_unavailable"
+                v1_serves()
+        finally:
+            os.kill(supervisor.pid, signal.SIGCONT)
         answers = []
 
         def answered():
@@ -559,6 +564,32 @@ def test_a_scheduler_restarted_mid_job_loses_its_jobs_and_v1_serves_throughout()
         lost = f"/v1/jobs/{job['id']}"
         for response in (answers[-1], client.get(lost + "/result"), client.delete(lost)):
             assert response.status_code == 404 and response.get_json()["error"]["code"] == "job_not_found"
+        wait_for_workers(own.address, 1)
+        created = []
+
+        def submitted():  # the first POSTs may meet a scheduler with no worker yet: 503, as documented
+            created.append(client.post("/v1/jobs", json={"vectors": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "factor": 3}))
+            return created[-1].status_code == 202
+        assert wait_until(submitted, CLUSTER_START_S, 0.5)
+        assert wait_for_job(client, created[-1].get_json()["id"])["status"] == "succeeded"
+        [nanny] = supervised(supervisor.pid, "worker")
+        os.kill(nanny, signal.SIGKILL)  # a worker's nanny itself: the supervisor starts another
+        assert wait_until(lambda: supervised(supervisor.pid, "worker") not in ([], [nanny]), CLUSTER_START_S, 0.2)
     finally:
         close_clients(own.address)
         stop_embedded(own)
+    assert supervisor.returncode is not None
+
+
+def supervised(supervisor: int, role: str) -> list[int]:
+    """The supervisor's live `dask <role>` children."""
+    found = []
+    for pid in children(supervisor):
+        try:
+            line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if f" -m dask {role} " in line and state != "Z":
+            found.append(pid)
+    return found

@@ -69,7 +69,9 @@ def listening_hosts(pid: int) -> set[str]:
 def test_gunicorn_runs_jobs_on_its_embedded_cluster_which_dies_with_the_master():
     env = {"BLOCKGRAD_DASK_SCHEDULER": "", "BLOCKGRAD_DASK_WORKERS": "1"}
     with gunicorn_server(workers=2, env=env) as server:
-        dask = [pid for pid in children(server.pid) if " -m dask " in cmdline(pid)]
+        [supervisor] = [pid for pid in children(server.pid) if " -m app.jobs.supervisor " in cmdline(pid)]
+        assert wait_until(lambda: len(children(supervisor)) == 2, JOB_S, 0.2)
+        dask = [pid for pid in children(supervisor) if " -m dask " in cmdline(pid)]
         roles = sorted(cmdline(pid).split(" -m dask ")[1].split()[0] for pid in dask)
         assert roles == ["scheduler", "worker"], [cmdline(pid) for pid in dask]
         assert all("--no-dashboard" in cmdline(pid) and "127.0.0.1" in cmdline(pid) for pid in dask)
@@ -82,7 +84,7 @@ def test_gunicorn_runs_jobs_on_its_embedded_cluster_which_dies_with_the_master()
         inner = all_children(worker)
         assert "torch" not in Path(f"/proc/{worker}/maps").read_text()  # only the worker process loads it
         assert all(nice(pid) == 19 and os.getpgid(pid) == os.getpgid(server.pid) for pid in inner)
-        dask += inner  # they die with the master too
+        dask += inner + [supervisor]  # they die with the master too
         for pid in dask:  # Dask's processes serve HTTP (health, metrics) even without a dashboard
             assert listening_hosts(pid) <= {"127.0.0.1"}, (cmdline(pid), listening_hosts(pid))
         vectors = np.random.default_rng(1).standard_normal((30, 3))

@@ -57,10 +57,12 @@ def children(pid: int) -> list[int]:
 
 
 def is_dask_process(pid: int) -> bool:
+    """The embedded cluster's supervisor or one of its Dask processes."""
     try:
-        return b" -m dask " in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        line = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
     except OSError:
         return False
+    return b" -m dask " in line or b" -m app.jobs.supervisor " in line
 
 
 def status_kib(pid: int, field: str) -> int:

@@ -2,15 +2,15 @@
 
 Standard library only: gunicorn's master calls `start_embedded` from on_starting and
 `stop_embedded` from on_exit, and must create no Dask object and no thread (it forks
-workers at every recycle), so the cluster is plain subprocesses. They stay in the
-master's process group and get SIGKILL from the kernel when the master dies, SIGKILL
+workers at every recycle), so the cluster is plain subprocesses under one supervisor
+process (app/jobs/supervisor.py) that starts again whichever of them exits. They stay in the
+master's process group and get SIGKILL from the kernel when their parent dies, SIGKILL
 included (PR_SET_PDEATHSIG): a niced worker's graceful shutdown can take long on a busy
 machine, and a dead master's jobs are gone anyway. Each `dask worker` is a nanny that
-restarts its worker process when it dies (the worker process exits when its nanny does), so
-the cluster keeps its workers without the master watching them. Workers run at nice 19, so
-that job tasks yield the CPU to synchronous requests. Each gunicorn worker connects its own
-Client after the fork (app/jobs/client.py), to the address this exports as
-BLOCKGRAD_DASK_SCHEDULER.
+restarts its worker process when it dies (the worker process exits when its nanny does).
+Workers run at nice 19, so that job tasks yield the CPU to synchronous requests. Each
+gunicorn worker connects its own Client after the fork (app/jobs/client.py), to the address
+this exports as BLOCKGRAD_DASK_SCHEDULER.
 """
 import ctypes
 import os
@@ -75,39 +75,45 @@ def start_scheduler(port: int) -> subprocess.Popen:
                             env=cluster_env(), cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent())
 
 
-def start_embedded(workers: int, memory_limit: str = "auto") -> EmbeddedCluster:
-    """Spawn a scheduler and `workers` single-threaded workers, each under its nanny; returns
-    at once (workers join within seconds; a job route before that sees a cluster with no
-    workers yet)."""
-    port = free_port()
-    address = f"tcp://127.0.0.1:{port}"
-    cluster = EmbeddedCluster(address)
-    cluster.processes.append(start_scheduler(port))
+def start_worker(address: str, memory_limit: str) -> subprocess.Popen:
+    """A single-threaded `dask worker` under its nanny, niced, joining `address`."""
     # torch loaded before the first job, by the worker process only: `--preload` would have the
     # nanny's command line import it too (to check its arguments), 180 MiB for nothing.
     env = {**cluster_env(), "DASK_DISTRIBUTED__WORKER__PRELOAD": '["app.core.job_tasks"]'}
-    for _ in range(workers):
-        cluster.processes.append(subprocess.Popen(
-            dask_command("worker", address, "--host", "127.0.0.1", "--nthreads", "1",
-                         "--no-dashboard", "--dashboard-address", LOOPBACK_ANY_PORT, "--memory-limit", memory_limit),
-            env=env, cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(WORKER_NICE)))
-    return cluster
+    return subprocess.Popen(
+        dask_command("worker", address, "--host", "127.0.0.1", "--nthreads", "1",
+                     "--no-dashboard", "--dashboard-address", LOOPBACK_ANY_PORT, "--memory-limit", memory_limit),
+        env=env, cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(WORKER_NICE))
 
 
-def stop_embedded(cluster: EmbeddedCluster | None, timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM every process (workers first), then SIGKILL what is left after timeout_s."""
-    if cluster is None:
-        return
-    for process in reversed(cluster.processes):
+def stop_processes(processes: list[subprocess.Popen], timeout_s: float) -> None:
+    """SIGTERM every process (the last first), then SIGKILL what is left after timeout_s."""
+    for process in reversed(processes):
         if process.poll() is None:
             process.terminate()
     deadline = time.monotonic() + timeout_s
-    for process in cluster.processes:
+    for process in processes:
         try:
             process.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(5)
+
+
+def start_embedded(workers: int, memory_limit: str = "auto") -> EmbeddedCluster:
+    """Spawn the supervisor (app/jobs/supervisor.py) of a scheduler and `workers` nannied
+    workers; returns at once (workers join within seconds; a job route before that sees a
+    cluster with no workers yet)."""
+    port = free_port()
+    supervisor = subprocess.Popen([sys.executable, "-m", "app.jobs.supervisor", str(port), str(workers), memory_limit],
+                                  env=cluster_env(), cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent())
+    return EmbeddedCluster(f"tcp://127.0.0.1:{port}", [supervisor])
+
+
+def stop_embedded(cluster: EmbeddedCluster | None, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """Stop the supervisor, which stops the cluster (SIGKILL after timeout_s; its children then die with it)."""
+    if cluster is not None:
+        stop_processes(cluster.processes, timeout_s + 5)
 
 
 def start_for_gunicorn(workers: int) -> EmbeddedCluster | None:

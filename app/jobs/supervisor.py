@@ -1,0 +1,70 @@
+"""`python -m app.jobs.supervisor PORT WORKERS MEMORY_LIMIT`: keeps the embedded cluster up.
+
+gunicorn's master may start no thread and reaps every child of its own (it forks workers
+at every recycle), so it spawns this one process and leaves the cluster to it: a `dask
+scheduler` on 127.0.0.1:PORT and WORKERS nannied `dask worker`s, each started again when
+it exits (a scheduler at the same address: the gunicorn workers' Clients reconnect to it;
+the workers it lost with the old one rejoin). Restarts of one process are spaced out, so a
+process that cannot start does not spin. On SIGTERM it stops the cluster (workers first)
+and exits. Its children get SIGKILL when it dies, and it when the master dies
+(cluster.die_with_parent), so nothing outlives the service.
+"""
+import signal
+import subprocess
+import sys
+import time
+
+from .cluster import STOP_TIMEOUT_S, start_scheduler, start_worker, stop_processes
+
+POLL_S = 0.5
+FIRST_BACKOFF_S = 1.0
+MOST_BACKOFF_S = 30.0
+# A process that ran this long before it exited was healthy: its next restart is immediate.
+HEALTHY_RUN_S = 60.0
+
+
+class Supervised:
+    """One process kept running: `start` again after each exit, later each time it fails fast."""
+
+    def __init__(self, name: str, start):
+        self.name, self._start = name, start
+        self.process: subprocess.Popen | None = None
+        self.started_at = 0.0
+        self.backoff = 0.0
+        self.next_start = 0.0
+        self.restarts = 0
+
+    def check(self, now: float) -> None:
+        if self.process is not None and self.process.poll() is None:
+            return
+        if self.process is not None:  # it exited: when may it start again?
+            ran = now - self.started_at
+            self.backoff = 0.0 if ran >= HEALTHY_RUN_S else min(MOST_BACKOFF_S, max(FIRST_BACKOFF_S, 2 * self.backoff))
+            self.next_start = now + self.backoff
+            print(f"blockgrad supervisor: {self.name} exited ({self.process.returncode}) after {ran:.1f} s; "
+                  f"starting it again in {self.backoff:.1f} s", file=sys.stderr, flush=True)
+            self.process = None
+            self.restarts += 1
+        if now >= self.next_start:
+            self.process, self.started_at = self._start(), now
+
+
+def supervise(port: int, workers: int, memory_limit: str) -> None:
+    address = f"tcp://127.0.0.1:{port}"
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+    signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
+    members = [Supervised("scheduler", lambda: start_scheduler(port))]
+    members += [Supervised(f"worker {k}", lambda: start_worker(address, memory_limit)) for k in range(workers)]
+    try:
+        while not stopping:
+            now = time.monotonic()
+            for member in members:
+                member.check(now)
+            time.sleep(POLL_S)
+    finally:
+        stop_processes([m.process for m in members if m.process is not None], STOP_TIMEOUT_S)
+
+
+if __name__ == "__main__":
+    supervise(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
