@@ -28,7 +28,7 @@ import time
 import requests
 import torch
 
-from app.core.engine import DEFAULT_CHUNK_ELEMENTS, chain_rule_sums, chunk_gradients, plan_bands
+from app.core.engine import DEFAULT_CHUNK_ELEMENTS, add_to_vectors, chain_rule_sums, chunk_gradients, plan_bands
 from app.core.executor import LocalExecutor, SerialExecutor, tile_elements
 from app.core.objectives import OBJECTIVES
 from app.core.slots import ThreadSlots
@@ -72,15 +72,24 @@ def timed_with_cpu(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def two_at_once(fn) -> float:
-    """Seconds until both of two concurrent calls of fn have returned."""
+def on_a_thread(fn):
+    """fn() on a thread of its own, as a gunicorn worker computes (in a pool thread, never
+    the main one: glibc serves the main thread's temporaries from another arena, which here
+    page-faults a 1M chunk's temporaries in afresh every chunk; docs/cores.md)."""
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join()
+
+
+def two_at_once(fn, args=((), ())) -> float:
+    """Seconds until both of two concurrent calls fn(*args[0]), fn(*args[1]) have returned."""
     start = threading.Barrier(3)
 
-    def one():
+    def one(arg):
         start.wait()
-        fn()
+        fn(*arg)
 
-    threads = [threading.Thread(target=one) for _ in range(2)]
+    threads = [threading.Thread(target=one, args=(arg,)) for arg in args]
     for thread in threads:
         thread.start()
     start.wait()
@@ -90,14 +99,26 @@ def two_at_once(fn) -> float:
     return time.perf_counter() - began
 
 
+def plain_loop(vectors: torch.Tensor, plan: list, objective: str = "sum") -> None:
+    """The bound: the engine's work on the tiles and nothing else (no executor, no slots,
+    no results consumed), one partial accumulated gradient."""
+    partial, fn = torch.zeros_like(vectors), OBJECTIVES[objective]
+    for chunk in plan:
+        add_to_vectors(partial, chunk_gradients(vectors, chunk, fn, 5.0))
+
+
 def lone_request_speedup(bench=None, n: int = 2048, dim: int = 64, factor: int = 32,
                          repeats: int = 5) -> list[Result]:
-    """`bench` unused: the signature of bench/rows.py's rows."""
+    """`bench` unused: the signature of bench/rows.py's rows. Every run on a thread other
+    than the main one, as in a worker. Beside S_lone, the bound: a plain loop of the engine
+    over the same parallel tiles, on one thread against two threads each taking every other
+    tile (S_plain)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     slots = ThreadSlots(2)
     own = slots.try_acquire()  # the request's own, as the gate hands it over
     executor = LocalExecutor(slots, slots_per_request=2)
+    load = os.getloadavg()[0]
     try:
         vectors = torch.as_tensor(random_vectors(n, dim), dtype=torch.float32)  # (N, D)
         serial_plan, parallel_plan = tiles(n, dim, factor, False), tiles(n, dim, factor, True)
@@ -109,25 +130,30 @@ def lone_request_speedup(bench=None, n: int = 2048, dim: int = 64, factor: int =
             return pass_one(executor, vectors, parallel_plan)
 
         torch.testing.assert_close(on_two(), alone(), rtol=2e-5, atol=2e-5)  # warm-up, and the same answer
-        one, two, pair, cpu_share = [], [], [], []
+        one, two, pair, cpu_share, plain_one, plain_two = [], [], [], [], [], []
         for _ in range(repeats):  # interleaved: each kind sees the same load
-            one.append(timed_with_cpu(alone)[0])
-            wall, cpu = timed_with_cpu(on_two)
+            one.append(timed_with_cpu(lambda: on_a_thread(alone))[0])
+            wall, cpu = timed_with_cpu(lambda: on_a_thread(on_two))
             two.append(wall)
             cpu_share.append(cpu / wall)
             pair.append(two_at_once(alone))
+            plain_one.append(timed_with_cpu(lambda: on_a_thread(lambda: plain_loop(vectors, parallel_plan)))[0])
+            plain_two.append(two_at_once(plain_loop, ((vectors, parallel_plan[0::2]), (vectors, parallel_plan[1::2]))))
     finally:
         own.release()
         executor.shutdown()
         torch.set_num_threads(threads)
     t1, t2, tp = statistics.median(one), statistics.median(two), statistics.median(pair)
-    s_lone, s_pair = t1 / t2, 2 * t1 / tp
+    p1, p2 = statistics.median(plain_one), statistics.median(plain_two)
+    s_lone, s_pair, s_plain = t1 / t2, 2 * t1 / tp, p1 / p2
     return [Result(f"cores. lone request on 2 slots (in process), N={n} D={dim} F={factor} accumulated",
                    f"S_lone >= {TARGET_SHARE} x S_pair", f"{s_lone:.2f} vs {s_pair:.2f} ({s_lone / s_pair:.2f})",
                    at_least(s_lone, TARGET_SHARE * s_pair),
                    f"t(1 slot) {t1 * 1e3:.0f} ms, t(2 slots) {t2 * 1e3:.0f} ms, pair of 1-slot runs "
                    f"{tp * 1e3:.0f} ms; CPU/wall on 2 slots {statistics.median(cpu_share):.2f}; "
-                   f"tiles {len(serial_plan)} serial, {len(parallel_plan)} parallel")]
+                   f"tiles {len(serial_plan)} serial, {len(parallel_plan)} parallel; bound: a plain loop on "
+                   f"the parallel tiles {p1 * 1e3:.0f} ms on 1 thread, {p2 * 1e3:.0f} ms on 2 (S_plain "
+                   f"{s_plain:.2f}; 2 slots vs 2 plain threads {p2 / t2:.2f}); load average {load:.2f}")]
 
 
 def served_body(n: int = 2048, dim: int = 64, factor: int = 32) -> bytes:
