@@ -4,19 +4,22 @@ S_lone = t(1 slot) / t(2 slots): one request's pass one (what an `accumulated` r
 computes) serially on the default chunks, then on two slots with cache-sized tiles.
 S_pair = 2 x t(one alone, 1 slot) / t(until both of two concurrent 1-slot runs finish):
 what the second core gives two independent requests on this machine, the bound S_lone is
-measured against. Medians of `repeats`. One torch thread per process, as in a worker.
+measured against. Beside them the bound of the tiles themselves: a plain loop of the engine
+over the parallel tiles on one thread against two (S_plain). Medians of `repeats`, every run
+on a thread other than the main one, one torch thread, as in a worker.
 
 Served rows (`make bench`, gunicorn as `make serve` runs it): `concurrent_pairs_balance`, 20
 pairs of the same request over HTTP on fresh connections, sent at the same moment, the slower
 of each pair against the faster (the issue: at most 1.3x, none one after the other); and
 `lone_request_cpu`, the CPU time of the master's descendants during a lone request over its
-wall time (at least 1.7 on 2 cores).
+wall time (at least 1.7 on 2 cores); `four_concurrent_requests`, four such requests at once,
+total throughput with the default BLOCKGRAD_SLOTS_PER_REQUEST against 1 (at least 1.0).
 
 `--tiles`: the tile-size probe instead: the engine's chunks of several sizes on one thread
 and on two threads (every other tile each), with CPU time and how much the threads overlap:
 on a loaded machine those say more than wall time.
 
-Usage: python -m bench.cores [--repeats 5] [--n 2048] [--dim 64] [--factor 32] [--tiles]
+Usage: python -m bench.cores [--repeats 5] [--n 2048] [--dim 64] [--factor 32] [--tiles | --served]
 """
 import argparse
 import json
@@ -33,7 +36,7 @@ from app.core.executor import LocalExecutor, SerialExecutor, tile_elements
 from app.core.objectives import OBJECTIVES
 from app.core.slots import ThreadSlots
 
-from tools.server import children, cpu_ticks
+from tools.server import children, cpu_ticks, gunicorn_server
 
 from .measure import Result, at_least, at_most
 from .workloads import vectors as random_vectors
@@ -42,6 +45,8 @@ TARGET_SHARE = 0.9  # S_lone >= 0.9 x S_pair
 PAIRS = 20
 TARGET_PAIR_RATIO = 1.3  # the slower of a pair at most 1.3x the faster
 TARGET_CPU_SHARE = 1.7  # a lone request: CPU of the master's descendants >= 1.7 x wall (2 cores)
+CONCURRENT = 4  # large requests at once
+TARGET_CONCURRENT_RATIO = 1.0  # their throughput on shared slots at least that on one slot each
 
 
 def tiles(n: int, dim: int, factor: int, parallel: bool) -> list:
@@ -199,6 +204,57 @@ def concurrent_pairs_balance(bench, pairs: int = PAIRS) -> list[Result]:
                    f"{pairs} pairs over {TARGET_PAIR_RATIO}")]
 
 
+def all_at_once(url: str, body: bytes, clients: int) -> float:
+    """Seconds until every one of `clients` requests sent at the same moment (fresh
+    connections) has been answered."""
+    barrier = threading.Barrier(clients + 1)
+    errors = []
+
+    def one():
+        barrier.wait()
+        try:
+            timed_post(url, body)
+        except Exception as exc:  # reported below: a failed request is no throughput
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {clients} concurrent requests failed: {errors[0]!r}")
+    return time.perf_counter() - began
+
+
+def four_concurrent_requests(bench, rounds: int = 5, clients: int = CONCURRENT) -> list[Result]:
+    """`clients` concurrent N = 2048 requests on `make serve`'s configuration, total throughput
+    with the default BLOCKGRAD_SLOTS_PER_REQUEST (all the pod's slots) against 1 (one slot a
+    request), on two servers side by side, rounds interleaved; medians of `rounds`."""
+    shared = bench.server()
+    with gunicorn_server(workers=None, device=None, ready_path="/readyz",
+                         env={"BLOCKGRAD_SLOTS_PER_REQUEST": "1"}) as capped:
+        body = served_body()
+        urls = {"shared": shared.url + "/v1/gradients", "capped": capped.url + "/v1/gradients"}
+        for url in urls.values():
+            all_at_once(url, body, clients)  # warm: every worker has run one
+        times: dict[str, list[float]] = {"shared": [], "capped": []}
+        load = os.getloadavg()[0]
+        for _ in range(rounds):
+            for kind, url in urls.items():
+                times[kind].append(all_at_once(url, body, clients))
+    t_shared, t_capped = statistics.median(times["shared"]), statistics.median(times["capped"])
+    ratio = t_capped / t_shared  # throughput shared / throughput capped
+    return [Result(f"cores. {clients} concurrent requests, N=2048 D=64 F=32 accumulated, all slots vs 1 a request",
+                   f"throughput ratio >= {TARGET_CONCURRENT_RATIO}", f"{ratio:.2f}",
+                   at_least(ratio, TARGET_CONCURRENT_RATIO),
+                   f"{clients} answered in {t_shared * 1e3:.0f} ms ({clients / t_shared:.2f} req/s) with the "
+                   f"default, {t_capped * 1e3:.0f} ms ({clients / t_capped:.2f} req/s) with "
+                   f"BLOCKGRAD_SLOTS_PER_REQUEST=1; medians of {rounds}; load average {load:.2f}")]
+
+
 def descendants(pid: int) -> list[int]:
     found, todo = [], [pid]
     while todo:
@@ -289,7 +345,20 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--factor", type=int, default=32)
     parser.add_argument("--tiles", action="store_true", help="the tile-size probe instead")
+    parser.add_argument("--served", action="store_true", help="the served rows instead (gunicorn as make serve)")
     args = parser.parse_args()
+    if args.served:
+        from .rows import Bench
+
+        bench = Bench(torch_threads=1)
+        try:
+            for row in (lone_request_cpu, four_concurrent_requests):
+                for result in row(bench):
+                    print(" | ".join((result.name, result.target, result.measured, result.verdict, result.detail)),
+                          flush=True)
+        finally:
+            bench.close()
+        return
     if args.tiles:
         for line in tile_probe(args.n, args.dim, args.repeats):
             print(line, flush=True)
