@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from .dtypes import DTYPES, WIDEST
-from .engine import elements_per_chunk, largest_block_side, plan_bands
+from .engine import elements_per_chunk, largest_block_side, shape_groups
 from .errors import BlockgradError, limit_exceeded
 from .executor import LOOKAHEAD_PER_LANE, PARALLEL_TILE_ELEMENTS, tile_elements
 from .heap import TRIM_SLACK_BYTES, untrimmed_growth
@@ -97,8 +97,22 @@ def request_lanes(sizes: Sizes, settings: Settings, lanes: int) -> int:
     item = DTYPES.get(sizes.dtype, WIDEST).item_bytes
     activations = SimpleNamespace(bytes_per_pair=sizes.bytes_per_pair)  # what elements_per_chunk reads
     chunk = tile_elements(elements_per_chunk(settings.max_block_elements, activations, sizes.dim, item), True)
-    tiles = sum(len(band) for band in plan_bands(sizes.n, sizes.dim, sizes.factor, chunk))
-    return max(1, min(lanes, tiles))
+    return max(1, min(lanes, planned_chunks(sizes.n, sizes.dim, sizes.factor, chunk)))
+
+
+def planned_chunks(n: int, dim: int, factor: int, max_elements: int) -> int:
+    """How many chunks `plan_bands(n, dim, factor, max_elements)` plans, counted without
+    planning them (a request of 1 x 1 blocks has thousands)."""
+    pair, columns, count = 2 * dim, shape_groups(n, factor), 0
+    for row_group, height in columns:
+        row_numbers = height * n * pair  # one whole block row
+        if row_numbers <= max_elements:
+            count += -(-len(row_group) // (max_elements // row_numbers)) * len(columns)
+            continue
+        for cols_group, width in columns:
+            per_chunk = max(1, max_elements // (height * width * pair))
+            count += len(row_group) * -(-len(cols_group) // per_chunk)
+    return count
 
 
 def predict_peak_bytes(sizes: Sizes, answer: AnswerCost, settings: Settings, lanes: int = 1) -> int:
