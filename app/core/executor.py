@@ -1,9 +1,9 @@
 """Runs a request's tiles (the engine's chunks) over up to k compute slots at once.
 
-The calling thread computes on the slot the request already holds (lane 0). Before
-each tile, the executor takes one more slot if one is free right now and nobody waits
-for one (`SlotSource.try_acquire`), hands that tile to a pool thread (a lane of its
-own), and gives the slot back as soon as the tile is done: a request that arrives
+The calling thread computes on the slot the request already holds (lane 0). Each other
+lane is a pool thread on a slot taken only if one is free right now and nobody waits for
+one (`SlotSource.try_acquire`); it computes tile after tile, giving its slot back at each
+tile boundary and taking one again on the same terms (`TileRun`): a request that arrives
 meanwhile gets a slot at the next tile boundary, and a burst degrades to one slot per
 request. torch releases the GIL inside its kernels, so with one torch thread per
 process (torch.set_num_threads(1)) each lane keeps one core busy.
@@ -21,10 +21,10 @@ when they may run in parallel (PARALLEL_TILE_ELEMENTS; docs/cores.md).
 run `pass_one` and `map_tiles` with these guarantees. Pure: torch and the standard
 library only; the slots (app/core/slots.py, or the pod's: app/serving/slots.py) are supplied.
 """
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
-import threading
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
