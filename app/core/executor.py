@@ -40,6 +40,9 @@ PARALLEL_TILE_ELEMENTS = 256 * 1024
 # Tiles computed ahead of the one the consumer waits for, per lane: bounds the results
 # held while a pool lane is slower than the calling thread.
 LOOKAHEAD_PER_LANE = 2
+# While no extra slot is free, a request tries again after 1, 2, 4 ... at most this many
+# tiles: a try costs a few system calls on the pod's slots, a tile under a millisecond.
+MOST_TILES_BETWEEN_TRIES = 16
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -178,7 +181,8 @@ class TileRun:
     slot back and takes one again only if one is free and nobody waits (so a request that
     arrives meanwhile gets it now). A lane stops when no tile may be claimed (all claimed,
     or LOOKAHEAD_PER_LANE x lanes tiles computed ahead of the consumer) or no slot is
-    free; the caller starts it again, with a fresh slot, when there is work for it."""
+    free; the caller starts it again, with a fresh slot, when there is work for it (and,
+    while slots are scarce, tries for one only every few tiles)."""
 
     def __init__(self, fn: Callable[[T, int], R], tiles: Sequence[T], lanes: int, slots: SlotSource,
                  pool: ThreadPoolExecutor):
@@ -191,6 +195,7 @@ class TileRun:
         self._idle = list(range(lanes - 1, 0, -1))  # pool lanes not running now
         self._started: list[tuple[Future, Slot]] = []
         self._stopped = False
+        self._next_try, self._gap = 0, 1  # no extra slot tried before tile `_next_try` is consumed
 
     def results(self) -> Iterator[R]:
         count = len(self._tiles)
@@ -242,15 +247,19 @@ class TileRun:
             self._cond.notify_all()
 
     def _start_lanes(self) -> None:
-        """Idle lanes on slots free right now, while there are tiles they may claim."""
+        """Idle lanes on slots free right now, while there are tiles they may claim; after a
+        try that found none, the next only some tiles later (MOST_TILES_BETWEEN_TRIES)."""
         while True:
             with self._cond:
                 if not self._idle or self._stopped or self._claimed >= len(self._tiles) \
-                        or self._claimed - self._consumed >= self._window:
+                        or self._claimed - self._consumed >= self._window or self._consumed < self._next_try:
                     return
             slot = self._slots.try_acquire()
             if slot is None:
+                self._next_try = self._consumed + self._gap
+                self._gap = min(2 * self._gap, MOST_TILES_BETWEEN_TRIES)
                 return
+            self._gap = 1
             with self._cond:
                 lane = self._idle.pop()
                 try:
