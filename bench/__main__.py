@@ -40,6 +40,7 @@ ROWS = [
     cores.lone_request_speedup,
     cores.concurrent_pairs_balance,
     cores.lone_request_cpu,
+    cores.four_concurrent_requests,
 ]
 
 

@@ -4,19 +4,22 @@ S_lone = t(1 slot) / t(2 slots): one request's pass one (what an `accumulated` r
 computes) serially on the default chunks, then on two slots with cache-sized tiles.
 S_pair = 2 x t(one alone, 1 slot) / t(until both of two concurrent 1-slot runs finish):
 what the second core gives two independent requests on this machine, the bound S_lone is
-measured against. Medians of `repeats`. One torch thread per process, as in a worker.
+measured against. Beside them the bound of the tiles themselves: a plain loop of the engine
+over the parallel tiles on one thread against two (S_plain). Medians of `repeats`, every run
+on a thread other than the main one, one torch thread, as in a worker.
 
 Served rows (`make bench`, gunicorn as `make serve` runs it): `concurrent_pairs_balance`, 20
 pairs of the same request over HTTP on fresh connections, sent at the same moment, the slower
 of each pair against the faster (the issue: at most 1.3x, none one after the other); and
 `lone_request_cpu`, the CPU time of the master's descendants during a lone request over its
-wall time (at least 1.7 on 2 cores).
+wall time (at least 1.7 on 2 cores); `four_concurrent_requests`, four such requests at once,
+total throughput with the default BLOCKGRAD_SLOTS_PER_REQUEST against 1 (at least 1.0).
 
 `--tiles`: the tile-size probe instead: the engine's chunks of several sizes on one thread
 and on two threads (every other tile each), with CPU time and how much the threads overlap:
 on a loaded machine those say more than wall time.
 
-Usage: python -m bench.cores [--repeats 5] [--n 2048] [--dim 64] [--factor 32] [--tiles]
+Usage: python -m bench.cores [--repeats 5] [--n 2048] [--dim 64] [--factor 32] [--tiles | --served]
 """
 import argparse
 import json
@@ -28,12 +31,12 @@ import time
 import requests
 import torch
 
-from app.core.engine import DEFAULT_CHUNK_ELEMENTS, chain_rule_sums, chunk_gradients, plan_bands
+from app.core.engine import DEFAULT_CHUNK_ELEMENTS, add_to_vectors, chain_rule_sums, chunk_gradients, plan_bands
 from app.core.executor import LocalExecutor, SerialExecutor, tile_elements
 from app.core.objectives import OBJECTIVES
 from app.core.slots import ThreadSlots
 
-from tools.server import children, cpu_ticks
+from tools.server import children, cpu_ticks, gunicorn_server
 
 from .measure import Result, at_least, at_most
 from .workloads import vectors as random_vectors
@@ -42,6 +45,8 @@ TARGET_SHARE = 0.9  # S_lone >= 0.9 x S_pair
 PAIRS = 20
 TARGET_PAIR_RATIO = 1.3  # the slower of a pair at most 1.3x the faster
 TARGET_CPU_SHARE = 1.7  # a lone request: CPU of the master's descendants >= 1.7 x wall (2 cores)
+CONCURRENT = 4  # large requests at once
+TARGET_CONCURRENT_RATIO = 1.0  # their throughput on shared slots at least that on one slot each
 
 
 def tiles(n: int, dim: int, factor: int, parallel: bool) -> list:
@@ -72,15 +77,24 @@ def timed_with_cpu(fn) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def two_at_once(fn) -> float:
-    """Seconds until both of two concurrent calls of fn have returned."""
+def on_a_thread(fn):
+    """fn() on a thread of its own, as a gunicorn worker computes (in a pool thread, never
+    the main one: glibc serves the main thread's temporaries from another arena, which here
+    page-faults a 1M chunk's temporaries in afresh every chunk; docs/cores.md)."""
+    thread = threading.Thread(target=fn)
+    thread.start()
+    thread.join()
+
+
+def two_at_once(fn, args=((), ())) -> float:
+    """Seconds until both of two concurrent calls fn(*args[0]), fn(*args[1]) have returned."""
     start = threading.Barrier(3)
 
-    def one():
+    def one(arg):
         start.wait()
-        fn()
+        fn(*arg)
 
-    threads = [threading.Thread(target=one) for _ in range(2)]
+    threads = [threading.Thread(target=one, args=(arg,)) for arg in args]
     for thread in threads:
         thread.start()
     start.wait()
@@ -90,14 +104,26 @@ def two_at_once(fn) -> float:
     return time.perf_counter() - began
 
 
+def plain_loop(vectors: torch.Tensor, plan: list, objective: str = "sum") -> None:
+    """The bound: the engine's work on the tiles and nothing else (no executor, no slots,
+    no results consumed), one partial accumulated gradient."""
+    partial, fn = torch.zeros_like(vectors), OBJECTIVES[objective]
+    for chunk in plan:
+        add_to_vectors(partial, chunk_gradients(vectors, chunk, fn, 5.0))
+
+
 def lone_request_speedup(bench=None, n: int = 2048, dim: int = 64, factor: int = 32,
                          repeats: int = 5) -> list[Result]:
-    """`bench` unused: the signature of bench/rows.py's rows."""
+    """`bench` unused: the signature of bench/rows.py's rows. Every run on a thread other
+    than the main one, as in a worker. Beside S_lone, the bound: a plain loop of the engine
+    over the same parallel tiles, on one thread against two threads each taking every other
+    tile (S_plain)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     slots = ThreadSlots(2)
     own = slots.try_acquire()  # the request's own, as the gate hands it over
     executor = LocalExecutor(slots, slots_per_request=2)
+    load = os.getloadavg()[0]
     try:
         vectors = torch.as_tensor(random_vectors(n, dim), dtype=torch.float32)  # (N, D)
         serial_plan, parallel_plan = tiles(n, dim, factor, False), tiles(n, dim, factor, True)
@@ -109,25 +135,30 @@ def lone_request_speedup(bench=None, n: int = 2048, dim: int = 64, factor: int =
             return pass_one(executor, vectors, parallel_plan)
 
         torch.testing.assert_close(on_two(), alone(), rtol=2e-5, atol=2e-5)  # warm-up, and the same answer
-        one, two, pair, cpu_share = [], [], [], []
+        one, two, pair, cpu_share, plain_one, plain_two = [], [], [], [], [], []
         for _ in range(repeats):  # interleaved: each kind sees the same load
-            one.append(timed_with_cpu(alone)[0])
-            wall, cpu = timed_with_cpu(on_two)
+            one.append(timed_with_cpu(lambda: on_a_thread(alone))[0])
+            wall, cpu = timed_with_cpu(lambda: on_a_thread(on_two))
             two.append(wall)
             cpu_share.append(cpu / wall)
             pair.append(two_at_once(alone))
+            plain_one.append(timed_with_cpu(lambda: on_a_thread(lambda: plain_loop(vectors, parallel_plan)))[0])
+            plain_two.append(two_at_once(plain_loop, ((vectors, parallel_plan[0::2]), (vectors, parallel_plan[1::2]))))
     finally:
         own.release()
         executor.shutdown()
         torch.set_num_threads(threads)
     t1, t2, tp = statistics.median(one), statistics.median(two), statistics.median(pair)
-    s_lone, s_pair = t1 / t2, 2 * t1 / tp
+    p1, p2 = statistics.median(plain_one), statistics.median(plain_two)
+    s_lone, s_pair, s_plain = t1 / t2, 2 * t1 / tp, p1 / p2
     return [Result(f"cores. lone request on 2 slots (in process), N={n} D={dim} F={factor} accumulated",
                    f"S_lone >= {TARGET_SHARE} x S_pair", f"{s_lone:.2f} vs {s_pair:.2f} ({s_lone / s_pair:.2f})",
                    at_least(s_lone, TARGET_SHARE * s_pair),
                    f"t(1 slot) {t1 * 1e3:.0f} ms, t(2 slots) {t2 * 1e3:.0f} ms, pair of 1-slot runs "
                    f"{tp * 1e3:.0f} ms; CPU/wall on 2 slots {statistics.median(cpu_share):.2f}; "
-                   f"tiles {len(serial_plan)} serial, {len(parallel_plan)} parallel")]
+                   f"tiles {len(serial_plan)} serial, {len(parallel_plan)} parallel; bound: a plain loop on "
+                   f"the parallel tiles {p1 * 1e3:.0f} ms on 1 thread, {p2 * 1e3:.0f} ms on 2 (S_plain "
+                   f"{s_plain:.2f}; 2 slots vs 2 plain threads {p2 / t2:.2f}); load average {load:.2f}")]
 
 
 def served_body(n: int = 2048, dim: int = 64, factor: int = 32) -> bytes:
@@ -171,6 +202,57 @@ def concurrent_pairs_balance(bench, pairs: int = PAIRS) -> list[Result]:
                    at_most(worst, TARGET_PAIR_RATIO),
                    f"median {statistics.median(ratios):.2f}; {sum(r > TARGET_PAIR_RATIO for r in ratios)} of "
                    f"{pairs} pairs over {TARGET_PAIR_RATIO}")]
+
+
+def all_at_once(url: str, body: bytes, clients: int) -> float:
+    """Seconds until every one of `clients` requests sent at the same moment (fresh
+    connections) has been answered."""
+    barrier = threading.Barrier(clients + 1)
+    errors = []
+
+    def one():
+        barrier.wait()
+        try:
+            timed_post(url, body)
+        except Exception as exc:  # reported below: a failed request is no throughput
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {clients} concurrent requests failed: {errors[0]!r}")
+    return time.perf_counter() - began
+
+
+def four_concurrent_requests(bench, rounds: int = 5, clients: int = CONCURRENT) -> list[Result]:
+    """`clients` concurrent N = 2048 requests on `make serve`'s configuration, total throughput
+    with the default BLOCKGRAD_SLOTS_PER_REQUEST (all the pod's slots) against 1 (one slot a
+    request), on two servers side by side, rounds interleaved; medians of `rounds`."""
+    shared = bench.server()
+    with gunicorn_server(workers=None, device=None, ready_path="/readyz",
+                         env={"BLOCKGRAD_SLOTS_PER_REQUEST": "1"}) as capped:
+        body = served_body()
+        urls = {"shared": shared.url + "/v1/gradients", "capped": capped.url + "/v1/gradients"}
+        for url in urls.values():
+            all_at_once(url, body, clients)  # warm: every worker has run one
+        times: dict[str, list[float]] = {"shared": [], "capped": []}
+        load = os.getloadavg()[0]
+        for _ in range(rounds):
+            for kind, url in urls.items():
+                times[kind].append(all_at_once(url, body, clients))
+    t_shared, t_capped = statistics.median(times["shared"]), statistics.median(times["capped"])
+    ratio = t_capped / t_shared  # throughput shared / throughput capped
+    return [Result(f"cores. {clients} concurrent requests, N=2048 D=64 F=32 accumulated, all slots vs 1 a request",
+                   f"throughput ratio >= {TARGET_CONCURRENT_RATIO}", f"{ratio:.2f}",
+                   at_least(ratio, TARGET_CONCURRENT_RATIO),
+                   f"{clients} answered in {t_shared * 1e3:.0f} ms ({clients / t_shared:.2f} req/s) with the "
+                   f"default, {t_capped * 1e3:.0f} ms ({clients / t_capped:.2f} req/s) with "
+                   f"BLOCKGRAD_SLOTS_PER_REQUEST=1; medians of {rounds}; load average {load:.2f}")]
 
 
 def descendants(pid: int) -> list[int]:
@@ -263,7 +345,20 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--factor", type=int, default=32)
     parser.add_argument("--tiles", action="store_true", help="the tile-size probe instead")
+    parser.add_argument("--served", action="store_true", help="the served rows instead (gunicorn as make serve)")
     args = parser.parse_args()
+    if args.served:
+        from .rows import Bench
+
+        bench = Bench(torch_threads=1)
+        try:
+            for row in (lone_request_cpu, four_concurrent_requests):
+                for result in row(bench):
+                    print(" | ".join((result.name, result.target, result.measured, result.verdict, result.detail)),
+                          flush=True)
+        finally:
+            bench.close()
+        return
     if args.tiles:
         for line in tile_probe(args.n, args.dim, args.repeats):
             print(line, flush=True)

@@ -78,3 +78,48 @@ def test_a_request_on_several_slots_gives_the_reference_numbers(eight_slots):
     expected = reference_accumulated(torch.tensor(vectors), 15, "logsumexp", 1.0).numpy()
     np.testing.assert_allclose(np.asarray(response.json["accumulated"]), expected, rtol=1e-12, atol=1e-12)
     assert services_of(app).gate.source.busy == 0  # every slot given back
+
+
+def reserved_bytes(app, monkeypatch, body: dict) -> int:
+    """The bytes the pipeline reserved for `body`'s prediction (what the ledger then holds)."""
+    from app.http import pipeline
+
+    held, real = [], pipeline.reserve_for_request
+    monkeypatch.setattr(pipeline, "reserve_for_request", lambda nbytes: (held.append(nbytes), real(nbytes))[1])
+    assert app.test_client().post("/v1/gradients", json=body).status_code == 200
+    monkeypatch.setattr(pipeline, "reserve_for_request", real)
+    assert len(held) == 1
+    assert services_of(app).ledger.reserved == 0  # given back with the answer
+    return held[0]
+
+
+@pytest.mark.parametrize("factor,tiles", [(2, 1), (3, 4)])
+def test_the_reservation_follows_the_lanes_a_request_may_take(eight_slots, monkeypatch, factor, tiles):
+    """The seed's 10 x 5 example is one tile at its default factor 2 (inline, one lane): it
+    reserves what it does on one slot. At factor 3 the remainder blocks make four tiles of
+    another shape, which four lanes may compute at once: it reserves for four, not eight."""
+    from app.core.engine import plan_bands
+    from app.core.executor import tile_elements
+
+    assert sum(len(band) for band in plan_bands(10, 5, factor, tile_elements(2 ** 20, True))) == tiles
+    body = {"vectors": np.arange(50.0).reshape(10, 5).tolist(), "factor": factor, "outputs": ["accumulated"]}
+    on_eight = reserved_bytes(create_app({"TESTING": True}), monkeypatch, body)
+    on_one = reserved_bytes(create_app({"TESTING": True, "BLOCKGRAD_SLOTS_PER_REQUEST": "1"}), monkeypatch, body)
+    capped = reserved_bytes(create_app({"TESTING": True, "BLOCKGRAD_SLOTS_PER_REQUEST": str(tiles)}), monkeypatch,
+                            body)
+    assert on_eight == capped  # no more lanes than tiles
+    if tiles == 1:
+        assert on_eight == on_one
+    else:
+        assert on_eight > on_one
+
+
+def test_the_planned_chunks_are_counted_as_plan_bands_plans_them():
+    from app.core.engine import plan_bands
+    from app.core.memory import planned_chunks
+
+    for n, dim, factor in [(10, 5, 2), (10, 5, 3), (61, 3, 9), (64, 16, 1), (300, 64, 7), (2048, 64, 32),
+                           (257, 8, 256), (1000, 2, 999), (97, 64, 13)]:
+        for max_elements in (1, 100, 1000, 300_000, 2 ** 18, 2 ** 20, 4 * 2 ** 20):
+            planned = sum(len(band) for band in plan_bands(n, dim, factor, max_elements))
+            assert planned_chunks(n, dim, factor, max_elements) == planned, (n, dim, factor, max_elements)

@@ -295,3 +295,42 @@ def test_bench_overlap_counts_only_time_both_intervals_ran():
     assert overlap_seconds([(0, 2), (3, 4)], [(1, 3.5)]) == 1 + 0.5
     assert overlap_seconds([(0, 1)], [(1, 2)]) == 0
     assert overlap_seconds([], [(0, 1)]) == 0
+
+
+def test_an_extra_lane_goes_on_from_tile_to_tile_while_the_caller_computes_one():
+    """The pool lane does not wait for the calling thread to hand it each tile: while the
+    caller sits in its first tile, the lane computes every other tile the window allows
+    (LOOKAHEAD_PER_LANE x 2 lanes, less the caller's), giving its slot back between them."""
+    from app.core.executor import LOOKAHEAD_PER_LANE
+
+    slots = CountingSlots(2)
+    own = slots.try_acquire()
+    executor = LocalExecutor(slots, slots_per_request=2)
+    caller, on_pool, lock = threading.get_ident(), [], threading.Lock()
+    started, enough = threading.Event(), threading.Event()
+    ahead = 2 * LOOKAHEAD_PER_LANE - 1
+    seen = {}
+
+    def tile(k):
+        if threading.get_ident() == caller:
+            if not started.is_set():
+                started.set()
+                seen["ran on its own"] = enough.wait(WAIT_S)
+                seen["pool tiles meanwhile"] = len(on_pool)
+        else:
+            started.wait(WAIT_S)  # the pool's first tile ends only once the caller is inside one
+            with lock:
+                on_pool.append(k)
+                if len(on_pool) >= ahead:
+                    enough.set()
+        return k
+
+    try:
+        assert list(executor.map_tiles(tile, range(20))) == list(range(20))
+    finally:
+        executor.shutdown()
+        own.release()
+    assert seen["ran on its own"], seen
+    assert seen["pool tiles meanwhile"] == ahead  # and no more: the window bounds what is held
+    assert slots.grants >= ahead  # a slot taken again at each tile boundary
+    assert slots.busy == 0

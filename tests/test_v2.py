@@ -692,19 +692,23 @@ def test_gradient_rows_are_the_grid_one_block_row_at_a_time():
 
 
 @pytest.mark.parametrize("objective,recomputed", [("sum_of_squares", True), ("sum", False)])
-def test_a_grid_holds_the_slot_while_written_only_when_its_blocks_are_recomputed(objective, recomputed):
-    """Dense gradients over one block's memory are recomputed as written, so the computation
-    (and its slot) lasts until the body ends; kept blocks are only copied: the slot is free."""
+def test_a_grid_takes_a_slot_while_written_only_to_recompute_its_blocks(objective, recomputed):
+    """Dense gradients over one block's memory are recomputed as written, a band at a time,
+    each band on a slot taken again (Gate.resume); kept blocks are only copied. Either way no
+    slot is held while the answer waits for its reader."""
     app = create_app({"TESTING": True, "BLOCKGRAD_MAX_BLOCK_ELEMENTS": 1000})  # keeps <= 1000 numbers of gradients
     gate = app.extensions["blockgrad"].gate
+    resumed, real = [], gate.resume
+    gate.resume = lambda deadline: resumed.append(deadline) or real(deadline)
     vectors = torch.randn(40, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
     body, headers = binary_request(vectors.numpy(), "FP64", {"factor": 4, "objective": objective},
                                    [{"name": "block_gradients"}])
     response = app.test_client().post(INFER, data=body, headers=headers, buffered=False)
     assert response.status_code == 200
-    assert gate.busy == (1 if recomputed else 0)
+    assert gate.busy == 0
     _, tensors = read_response(response)
     assert gate.busy == 0
+    assert bool(resumed) == recomputed
     assert list(tensors) == ["block_gradients"]
     assert_matches(tensors["block_gradients"], reference_grid(vectors, 4, objective), "float64")
 

@@ -1,9 +1,9 @@
 """Runs a request's tiles (the engine's chunks) over up to k compute slots at once.
 
-The calling thread computes on the slot the request already holds (lane 0). Before
-each tile, the executor takes one more slot if one is free right now and nobody waits
-for one (`SlotSource.try_acquire`), hands that tile to a pool thread (a lane of its
-own), and gives the slot back as soon as the tile is done: a request that arrives
+The calling thread computes on the slot the request already holds (lane 0). Each other
+lane is a pool thread on a slot taken only if one is free right now and nobody waits for
+one (`SlotSource.try_acquire`); it computes tile after tile, giving its slot back at each
+tile boundary and taking one again on the same terms (`TileRun`): a request that arrives
 meanwhile gets a slot at the next tile boundary, and a burst degrades to one slot per
 request. torch releases the GIL inside its kernels, so with one torch thread per
 process (torch.set_num_threads(1)) each lane keeps one core busy.
@@ -21,6 +21,7 @@ when they may run in parallel (PARALLEL_TILE_ELEMENTS; docs/cores.md).
 run `pass_one` and `map_tiles` with these guarantees. Pure: torch and the standard
 library only; the slots (app/core/slots.py, or the pod's: app/serving/slots.py) are supplied.
 """
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for_futures
@@ -39,6 +40,9 @@ PARALLEL_TILE_ELEMENTS = 256 * 1024
 # Tiles computed ahead of the one the consumer waits for, per lane: bounds the results
 # held while a pool lane is slower than the calling thread.
 LOOKAHEAD_PER_LANE = 2
+# While no extra slot is free, a request tries again after 1, 2, 4 ... at most this many
+# tiles: a try costs a few system calls on the pod's slots, a tile under a millisecond.
+MOST_TILES_BETWEEN_TRIES = 16
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -155,50 +159,133 @@ class LocalExecutor:
         return max(1, min(self.slots_per_request, count)) if self.parallel else 1
 
     def _map(self, fn: Callable[[T, int], R], tiles: Sequence[T]) -> Iterator[R]:
-        count, lanes = len(tiles), self.lanes_for(len(tiles))
+        lanes = self.lanes_for(len(tiles))
         if lanes == 1:
             for tile in tiles:
                 yield fn(tile, 0)
             return
-        window = LOOKAHEAD_PER_LANE * lanes
-        extras: dict[int, tuple[Future, int, Slot]] = {}  # tile index -> (future, lane, slot)
-        inline: dict[int, R] = {}  # tile index -> result computed by this thread
-        issued = done = 0  # tiles started; tiles handed to the consumer
+        run = TileRun(fn, tiles, lanes, self.slots, self._pool)
         try:
-            while done < count:
-                busy = {lane for future, lane, _ in extras.values() if not future.done()}
-                while issued < count and issued - done < window and len(busy) < lanes - 1:
-                    slot = self.slots.try_acquire()
-                    if slot is None:
-                        break
-                    lane = min(set(range(1, lanes)) - busy)
-                    extras[issued] = (self._pool.submit(on_slot, fn, tiles[issued], lane, slot), lane, slot)
-                    busy.add(lane)
-                    issued += 1
-                if done in inline:
-                    yield inline.pop(done)
-                elif done in extras and extras[done][0].done():
-                    yield extras.pop(done)[0].result()
-                elif issued < count and issued - done < window:
-                    inline[issued] = fn(tiles[issued], 0)
-                    issued += 1
-                    continue
-                else:
-                    yield extras.pop(done)[0].result()  # nothing left to do here: wait for it
-                done += 1
+            yield from run.results()
         finally:
-            for future, _, _ in extras.values():
-                future.cancel()
-            wait_for_futures([future for future, _, _ in extras.values()])
-            for _, _, slot in extras.values():
-                slot.release()  # the cancelled ones never ran to release theirs
+            run.stop()
 
 
-def on_slot(fn: Callable[[T, int], R], tile: T, lane: int, slot: Slot) -> R:
-    try:
-        return fn(tile, lane)
-    finally:
-        slot.release()  # at the tile boundary, so that a waiting request gets it now
+class TileRun:
+    """One request's tiles over its lanes, results in the tiles' order.
+
+    Lane 0 is the calling thread, on the request's own slot; it consumes the results and,
+    whenever the next result is not ready, computes the next unclaimed tile itself. Each
+    other lane is a pool thread on a slot of its own that takes the next unclaimed tile,
+    one after another, without waiting for the caller: at each tile boundary it gives its
+    slot back and takes one again only if one is free and nobody waits (so a request that
+    arrives meanwhile gets it now). A lane stops when no tile may be claimed (all claimed,
+    or LOOKAHEAD_PER_LANE x lanes tiles computed ahead of the consumer) or no slot is
+    free; the caller starts it again, with a fresh slot, when there is work for it (and,
+    while slots are scarce, tries for one only every few tiles)."""
+
+    def __init__(self, fn: Callable[[T, int], R], tiles: Sequence[T], lanes: int, slots: SlotSource,
+                 pool: ThreadPoolExecutor):
+        self._fn, self._tiles, self._slots, self._pool = fn, tiles, slots, pool
+        self._window = LOOKAHEAD_PER_LANE * lanes
+        self._cond = threading.Condition()
+        self._claimed = 0  # tiles claimed by a lane, in order
+        self._consumed = 0  # tiles handed to the consumer
+        self._ready: dict[int, tuple[bool, object]] = {}  # tile index -> (ok, result or exception)
+        self._idle = list(range(lanes - 1, 0, -1))  # pool lanes not running now
+        self._started: list[tuple[Future, Slot]] = []
+        self._stopped = False
+        self._next_try, self._gap = 0, 1  # no extra slot tried before tile `_next_try` is consumed
+
+    def results(self) -> Iterator[R]:
+        count = len(self._tiles)
+        while self._consumed < count:
+            self._start_lanes()
+            with self._cond:
+                index = self._consumed
+                if index not in self._ready:
+                    claim = self._claim()
+                    if claim is None:  # every tile up to the window is on a lane: wait for this one
+                        self._cond.wait_for(lambda: index in self._ready)
+                if index in self._ready:
+                    ok, value = self._ready.pop(index)
+                    self._consumed += 1
+                    self._cond.notify_all()  # the window moved: a lane may claim again
+                else:
+                    ok = None
+            if ok is None:
+                self._compute(claim, 0)
+            elif ok:
+                yield value
+            else:
+                raise value
+
+    def stop(self) -> None:
+        """No more tiles are claimed; waits for the lanes' tiles in flight, frees their slots."""
+        with self._cond:
+            self._stopped = True
+            started = list(self._started)
+        for future, slot in started:
+            if future.cancel():
+                slot.release()  # never ran to release its own
+        wait_for_futures([future for future, _ in started])
+
+    def _claim(self) -> int | None:
+        """The next tile to compute, under the lock; None when none may be claimed now."""
+        if self._stopped or self._claimed >= len(self._tiles) or self._claimed - self._consumed >= self._window:
+            return None
+        self._claimed += 1
+        return self._claimed - 1
+
+    def _compute(self, index: int, lane: int) -> None:
+        try:
+            outcome = (True, self._fn(self._tiles[index], lane))
+        except BaseException as exc:  # raised in the consumer, in order
+            outcome = (False, exc)
+        with self._cond:
+            self._ready[index] = outcome
+            self._cond.notify_all()
+
+    def _start_lanes(self) -> None:
+        """Idle lanes on slots free right now, while there are tiles they may claim; after a
+        try that found none, the next only some tiles later (MOST_TILES_BETWEEN_TRIES)."""
+        while True:
+            with self._cond:
+                if not self._idle or self._stopped or self._claimed >= len(self._tiles) \
+                        or self._claimed - self._consumed >= self._window or self._consumed < self._next_try:
+                    return
+            slot = self._slots.try_acquire()
+            if slot is None:
+                self._next_try = self._consumed + self._gap
+                self._gap = min(2 * self._gap, MOST_TILES_BETWEEN_TRIES)
+                return
+            self._gap = 1
+            with self._cond:
+                lane = self._idle.pop()
+                try:
+                    self._started.append((self._pool.submit(self._lane, lane, slot), slot))
+                except BaseException:  # the pool shut down: the slot was never handed over
+                    self._idle.append(lane)
+                    slot.release()
+                    raise
+
+    def _lane(self, lane: int, slot: Slot) -> None:
+        try:
+            while True:
+                with self._cond:
+                    index = self._claim()
+                if index is None:
+                    return
+                self._compute(index, lane)
+                slot.release()  # the tile boundary: a request waiting for a slot takes it now
+                slot = self._slots.try_acquire()
+                if slot is None:
+                    return
+        finally:
+            if slot is not None:
+                slot.release()
+            with self._cond:
+                self._idle.append(lane)
 
 
 class SerialExecutor:

@@ -94,6 +94,26 @@ class Gate:
             token = object()
             self._queue.append(token)
             self.listener.waiting(len(self._queue))
+        ticket = self._in_line(token, deadline)
+        self.listener.waited(time.monotonic() - start)
+        return ticket
+
+    def resume(self, deadline: "Deadline") -> Ticket:
+        """A slot again for a request that is already answering (a stream between the bands
+        it recomputes): never refused for a full line, and next in it, behind only the first
+        (already waiting on the slots). Not a request's wait: the listener hears nothing of it."""
+        with self._lock:
+            slot = self.source.try_acquire()
+            if slot is not None:
+                self._busy += 1
+                return Ticket(self, slot)
+            token = object()
+            self._queue.insert(1 if self._queue else 0, token)
+            self.listener.waiting(len(self._queue))
+        return self._in_line(token, deadline)
+
+    def _in_line(self, token: object, deadline: "Deadline") -> Ticket:
+        """The ticket of `token`, queued under the lock: waited for, then out of the line."""
         try:
             slot = self._wait_in_line(token, deadline)
         finally:
@@ -101,7 +121,6 @@ class Gate:
                 self._queue.remove(token)
                 self.listener.waiting(len(self._queue))
                 self._lock.notify_all()  # the next in line may now be first
-        self.listener.waited(time.monotonic() - start)
         return Ticket(self, slot)
 
     def _wait_in_line(self, token: object, deadline: "Deadline") -> Slot:

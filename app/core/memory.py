@@ -26,11 +26,12 @@ whose body has arrived.
 """
 import threading
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from .dtypes import DTYPES, WIDEST
-from .engine import largest_block_side
+from .engine import elements_per_chunk, largest_block_side, shape_groups
 from .errors import BlockgradError, limit_exceeded
-from .executor import LOOKAHEAD_PER_LANE, PARALLEL_TILE_ELEMENTS
+from .executor import LOOKAHEAD_PER_LANE, PARALLEL_TILE_ELEMENTS, tile_elements
 from .heap import TRIM_SLACK_BYTES, untrimmed_growth
 from .settings import Settings
 from .sizes import Sizes
@@ -78,15 +79,40 @@ def working_set_bytes(sizes: Sizes, settings: Settings, lanes: int = 1) -> int:
     per_chunk = CHUNKS_IN_FLIGHT.get(sizes.objective, DEFAULT_CHUNKS_IN_FLIGHT)
     chunk = chunk_numbers(n, dim, factor, settings)
     serial = per_chunk * chunk * item
-    if lanes <= 1:
+    lanes = request_lanes(sizes, settings, lanes)
+    if lanes <= 1:  # one slot, or one tile: inline, as serially
         return serial
     side = largest_block_side(n, factor)
     tile = max(side * side * 2 * dim, min(PARALLEL_TILE_ELEMENTS, chunk))  # a block is never split
-    lanes = min(lanes, -(-(n * n * 2 * dim) // tile))  # no more lanes than tiles
-    if lanes <= 1:  # one tile runs inline, as serially
-        return serial
     parallel = lanes * (per_chunk + LOOKAHEAD_PER_LANE) * tile * item + (lanes - 1) * n * dim * item
     return max(serial, parallel)
+
+
+def request_lanes(sizes: Sizes, settings: Settings, lanes: int) -> int:
+    """The most lanes a request may take on `lanes` slots: no more than its tiles as run()
+    plans them for several slots (app/core/run.py), so a request of one tile, which runs
+    inline, reserves for one lane only."""
+    if lanes <= 1 or not sizes.outputs:
+        return 1
+    item = DTYPES.get(sizes.dtype, WIDEST).item_bytes
+    activations = SimpleNamespace(bytes_per_pair=sizes.bytes_per_pair)  # what elements_per_chunk reads
+    chunk = tile_elements(elements_per_chunk(settings.max_block_elements, activations, sizes.dim, item), True)
+    return max(1, min(lanes, planned_chunks(sizes.n, sizes.dim, sizes.factor, chunk)))
+
+
+def planned_chunks(n: int, dim: int, factor: int, max_elements: int) -> int:
+    """How many chunks `plan_bands(n, dim, factor, max_elements)` plans, counted without
+    planning them (a request of 1 x 1 blocks has thousands)."""
+    pair, columns, count = 2 * dim, shape_groups(n, factor), 0
+    for row_group, height in columns:
+        row_numbers = height * n * pair  # one whole block row
+        if row_numbers <= max_elements:
+            count += -(-len(row_group) // (max_elements // row_numbers)) * len(columns)
+            continue
+        for cols_group, width in columns:
+            per_chunk = max(1, max_elements // (height * width * pair))
+            count += len(row_group) * -(-len(cols_group) // per_chunk)
+    return count
 
 
 def predict_peak_bytes(sizes: Sizes, answer: AnswerCost, settings: Settings, lanes: int = 1) -> int:

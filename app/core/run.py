@@ -11,8 +11,8 @@ consumed (app/core/engine.py), so that memory stays bounded by a chunk, not by
 N x N x 2D.
 """
 import itertools
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +20,7 @@ import torch
 from .deadline import Deadline
 from .device import release_device_memory, resolve_device
 from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, band_blocks, block_bounds, chunk_gradients, elements_per_chunk,
-                     iter_bands, plan_bands)
+                     plan_bands)
 from .errors import device_out_of_memory, non_finite_accumulated, non_finite_block
 from .executor import SerialExecutor, TileExecutor, tile_elements
 from .heap import watch_for
@@ -53,19 +53,24 @@ class Result:
     deadline: Deadline = field(repr=False)
     kept: list[Block] | None = field(default=None, repr=False)  # every block, when they fit
     chunk_elements: int = field(default=DEFAULT_CHUNK_ELEMENTS, repr=False)  # numbers per chunk
+    # Held while a band is recomputed, not while its blocks are written: a compute slot,
+    # supplied by whoever owns the slots (app/http/slot.py); nothing by default.
+    band_slot: Callable[[], AbstractContextManager] = field(default=nullcontext, repr=False)
 
     def blocks(self) -> Iterator[Block]:
         """Every block, row-block-major: kept, or recomputed a band of chunks at a time as
-        consumed, the deadline then checked between blocks. Kept blocks are not checked: the
-        deadline is for computing, not for a client's download (a stalled one meets the send
-        timeout)."""
+        consumed (each band on `band_slot`), the deadline then checked between blocks. Kept
+        blocks are not checked: the deadline is for computing, not for a client's download
+        (a stalled one meets the send timeout)."""
         req = self.request
         with device_memory_guard():
             if self.kept is not None:
                 yield from self.kept
                 return
-            for band in iter_bands(self.vectors, req.factor, req.objective_fn, req.offset, self.chunk_elements):
-                for block in band_blocks(band):
+            for band in plan_bands(req.n, req.dim, req.factor, self.chunk_elements):
+                with self.band_slot():
+                    results = [chunk_gradients(self.vectors, chunk, req.objective_fn, req.offset) for chunk in band]
+                for block in band_blocks(results):
                     yield block
                     self.deadline.check()
 

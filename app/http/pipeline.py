@@ -4,8 +4,9 @@
 read the body -> decode the document or header -> admit once from the sizes, before any
 number is converted (the body's memory reservation resized to the prediction, for the most
 compute slots the request may take) -> convert -> take a compute slot -> run (the
-executor spreads the tiles over free slots) -> render -> hold the slot while computed
-blocks stream -> record (request_record.py, when the last byte is written).
+executor spreads the tiles over free slots) -> render -> stream, holding a slot only while
+a band of blocks is recomputed (app/http/slot.py) -> record (request_record.py, when the
+last byte is written).
 
 A front end supplies `accept`, `decode`, `convert` and `render` (`FrontEnd`), nothing else.
 """
@@ -29,7 +30,7 @@ from .connection import cancel_probe
 from .memory import reserve_for_request
 from . import parsing  # parsing.read_body looked up per request (tests replace it)
 from .request_record import RequestRecord
-from .slot import held_until_written
+from .slot import BandSlots
 
 
 @dataclass(frozen=True)
@@ -92,14 +93,11 @@ def serve(front_end: FrontEnd) -> Response:
     try:
         with record.computing():
             result = run(req, settings, deadline, services().executor)
+        result.band_slot = BandSlots(services().gate, deadline, ticket)  # blocks recomputed as written
         g.device = str(result.device)
-        rendered = front_end.render(job, result, result.device, record.timed)
-    except BaseException:
-        ticket.release()
-        raise
-    response = rendered.response
-    response.response = held_until_written(response.response, ticket, computes=rendered.computes)
-    return response
+        return front_end.render(job, result, result.device, record.timed).response
+    finally:
+        ticket.release()  # the answer is written without it; recomputed bands take one each
 
 
 def compute_slot(deadline: deadline_module.Deadline) -> Ticket:

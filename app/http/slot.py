@@ -1,13 +1,14 @@
-"""The worker's compute slot as the pipeline uses it: its metrics, and a body that keeps the
-slot until the server has written (or dropped) the last computed block.
+"""The compute slot as the pipeline uses it: its metrics, and the slots of a stream that
+recomputes its blocks as it writes them.
 
 Probes, /metrics and the docs never come here: only computing requests wait.
 """
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from ..core.gate import GateListener, Ticket
+from ..core.deadline import Deadline
+from ..core.gate import Gate, GateListener, Ticket
 from . import metrics
-from .streaming import close_body
 
 
 class MetricsListener(GateListener):
@@ -21,32 +22,21 @@ class MetricsListener(GateListener):
         metrics.SHED.inc()
 
 
-class HeldBody:
-    """A streamed body that holds the slot while its blocks are computed and written; the
-    slot is released when it ends or when the server closes it (client gone, write failed)."""
+class BandSlots:
+    """`Result.band_slot` of a request: a compute slot while each band of blocks is
+    recomputed, none while the band is written. The first band computes on the slot the
+    request already holds; each later one takes a slot again (`Gate.resume`: ahead of the
+    line, never refused, against the request's deadline). So a client that reads slowly
+    holds its thread, never a compute slot: another request computes meanwhile."""
 
-    def __init__(self, body: Iterable[bytes], ticket: Ticket):
-        self.body, self.ticket = body, ticket
+    def __init__(self, gate: Gate, deadline: Deadline, ticket: Ticket):
+        self.gate, self.deadline, self.ticket = gate, deadline, ticket
 
-    def __iter__(self) -> Iterator[bytes]:
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        if self.ticket.released:
+            self.ticket = self.gate.resume(self.deadline)
         try:
-            yield from self.body
+            yield
         finally:
-            self.ticket.release()
-
-    def close(self) -> None:
-        try:
-            close_body(self.body)
-        finally:
-            self.ticket.release()
-
-
-def held_until_written(body: Iterable[bytes], ticket: Ticket, computes: bool) -> Iterable[bytes]:
-    """`body` with the slot held while it is written; `computes`: whether producing it still
-    runs the engine (blocks recomputed as they are streamed). When all is computed the slot
-    goes to the next request now: a client that reads slowly then holds its thread (up to
-    BLOCKGRAD_SEND_TIMEOUT_S without progress), never the worker's compute slot."""
-    if not computes:
-        ticket.release()
-        return body
-    return HeldBody(body, ticket)
+            self.ticket.release()  # before the band's blocks go to the socket
