@@ -17,7 +17,10 @@ would a shared multiprocessing.Condition (a holder killed inside it leaves it lo
 docs/cores.md says why this mechanism.
 
 `pod_state()` reads /proc/locks: which processes hold how many slots and how many
-wait, without touching the locks (a probe would make a concurrent try fail).
+wait, without touching the locks (a probe would make a concurrent try fail), and which
+workers are ready (a shared flock on `ready`, taken once booted) and serving (one on
+`serving`): the two marks by which a busy worker leaves a new connection to a sibling
+(`sibling_should_take`). A dead worker's marks go with its process.
 
 Standard library only: the master imports this, never torch or Flask.
 """
@@ -35,6 +38,7 @@ POLL_S = 0.05  # longest a waiter sleeps without a wake-up (a killed holder post
 SLOT_PREFIX = "slot-"
 WAITING_NAME = "waiting"
 SERVING_NAME = "serving"  # a shared flock on it: this worker has connections being served
+READY_NAME = "ready"  # a shared flock on it: this worker has booted and takes connections
 PROC_LOCKS = "/proc/locks"
 
 
@@ -48,6 +52,7 @@ def create(count: int, parent: str | None = None) -> "PodSlots":
         open(os.path.join(path, f"{SLOT_PREFIX}{index}"), "w").close()
     open(os.path.join(path, WAITING_NAME), "w").close()
     open(os.path.join(path, SERVING_NAME), "w").close()
+    open(os.path.join(path, READY_NAME), "w").close()
     # Starts at 0; bounded by count, so releases nobody waited for leave at most count
     # stale posts. The fork context unlinks its name at once: nothing to clean up.
     wake = multiprocessing.get_context("fork").BoundedSemaphore(count)
@@ -82,6 +87,7 @@ class PodState:
     holders: dict[int, int]  # pid -> slots it holds
     waiting_processes: int  # processes with at least one thread waiting for a slot
     serving: frozenset[int] = frozenset()  # pids that marked themselves serving (`mark_serving`)
+    ready: frozenset[int] = frozenset()  # pids that marked themselves ready (`mark_ready`)
 
 
 class PodSlot:
@@ -117,15 +123,14 @@ class PodSlots:
         self._slot_keys = {(os.major(s.st_dev), os.minor(s.st_dev), s.st_ino): i for i, s in enumerate(keys[:-1])}
         waiting = keys[-1]
         self._waiting_key = (os.major(waiting.st_dev), os.minor(waiting.st_dev), waiting.st_ino)
-        serving_path = os.path.join(path, SERVING_NAME)
-        open(serving_path, "a").close()  # a directory made before the marker existed
-        serving = os.stat(serving_path)
-        self._serving_key = (os.major(serving.st_dev), os.minor(serving.st_dev), serving.st_ino)
+        self._serving_key = self._marker_key(SERVING_NAME)
+        self._ready_key = self._marker_key(READY_NAME)
         self._lock = threading.Lock()
         self._pid: int | None = None  # the process that opened the descriptors below
         self._files: list = []
-        self._wait_file = self._probe_file = self._serving_file = None
+        self._wait_file = self._probe_file = self._serving_file = self._ready_file = None
         self._serving = False  # whether this process holds its shared lock on the serving file
+        self._ready = False  # whether it holds its shared lock on the ready file
         self._held: set[int] = set()
         self._waiting = 0  # this process's waiting threads
         _INSTANCES.add(self)
@@ -177,19 +182,6 @@ class PodSlots:
     def busy(self) -> int:  # SlotSource's name for it
         return self.busy_slots()
 
-    def busier_than_siblings(self, workers: int) -> bool:
-        """Whether this process holds more slots than the least busy of the pod's `workers`
-        (those holding none count as 0): then a new connection is better left to a sibling.
-        Reads /proc/locks only while this process holds a slot: cheap enough for every turn
-        of a worker's main loop."""
-        if workers <= 1 or self.held_here() == 0:
-            return False
-        state = self.pod_state()
-        mine = state.holders.get(os.getpid(), 0)
-        others = [count for pid, count in state.holders.items() if pid != os.getpid()]
-        fewest = min(others) if len(others) >= workers - 1 else 0  # a sibling not listed holds none
-        return mine > fewest
-
     def mark_serving(self, serving: bool) -> None:
         """Say (in /proc/locks, as a shared flock) whether this worker is serving connections
         now; the kernel drops the mark of a process that dies. One thread (the worker's main
@@ -200,11 +192,31 @@ class PodSlots:
                 fcntl.flock(self._serving_file, fcntl.LOCK_SH if serving else fcntl.LOCK_UN)
                 self._serving = serving
 
-    def has_idle_sibling(self, workers: int) -> bool:
-        """Whether one of the pod's other `workers - 1` workers is not marked serving."""
-        if workers <= 1:
+    def mark_ready(self, ready: bool) -> None:
+        """Say whether this worker takes new connections: set once it has booted, cleared when
+        it stops; the kernel drops it when the process dies. Only ready siblings are left a
+        connection (`sibling_should_take`): a booting or dead one would never accept it."""
+        with self._lock:
+            self._open()
+            if ready != self._ready:
+                fcntl.flock(self._ready_file, fcntl.LOCK_SH if ready else fcntl.LOCK_UN)
+                self._ready = ready
+
+    def sibling_should_take(self) -> bool:
+        """Whether a new connection is better left to a ready sibling than taken by this busy
+        worker: a sibling is ready and not serving, or this process holds more slots than the
+        least busy ready sibling (a lone request spread over every slot leaves the next one to
+        a sibling, whose request then gets a slot at the next tile boundary). One read of
+        /proc/locks; the worker asks only when a connection is waiting and it is serving."""
+        state = self.pod_state()
+        me = os.getpid()
+        siblings = state.ready - {me}
+        if not siblings:
             return False
-        return len(self.pod_state().serving - {os.getpid()}) < workers - 1
+        if siblings - state.serving:
+            return True
+        mine = state.holders.get(me, 0)
+        return mine > 0 and mine > min(state.holders.get(pid, 0) for pid in siblings)
 
     def pod_state(self) -> PodState:
         try:
@@ -213,7 +225,7 @@ class PodSlots:
         except OSError:
             return self._probed_state()
         held: dict[int, int] = {}  # slot index -> pid
-        waiting, serving = set(), set()
+        waiting, serving, ready = set(), set(), set()
         for line in text.splitlines():
             parts = line.split()
             if len(parts) < 6 or parts[1] != "FLOCK":  # "->" lines are blocked requests
@@ -230,10 +242,12 @@ class PodSlots:
                 waiting.add(pid)
             elif key == self._serving_key:
                 serving.add(pid)
+            elif key == self._ready_key:
+                ready.add(pid)
         holders: dict[int, int] = {}
         for pid in held.values():
             holders[pid] = holders.get(pid, 0) + 1
-        return PodState(len(held), holders, len(waiting), frozenset(serving))
+        return PodState(len(held), holders, len(waiting), frozenset(serving), frozenset(ready))
 
     def close(self) -> None:
         """This process's descriptors (and so any slot it still holds)."""
@@ -241,6 +255,12 @@ class PodSlots:
             self._close()
 
     # --- inside -----------------------------------------------------------------------
+    def _marker_key(self, name: str) -> tuple[int, int, int]:
+        marker = os.path.join(self.path, name)
+        open(marker, "a").close()  # a directory made before the marker existed
+        st = os.stat(marker)
+        return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+
     def _open(self) -> None:
         """This process's own descriptors, opened on first use in each process."""
         if self._pid == os.getpid():
@@ -249,15 +269,16 @@ class PodSlots:
         self._wait_file = open(os.path.join(self.path, WAITING_NAME), "r")
         self._probe_file = open(os.path.join(self.path, WAITING_NAME), "r")  # a description of its own
         self._serving_file = open(os.path.join(self.path, SERVING_NAME), "r")
-        self._held, self._waiting, self._serving = set(), 0, False
+        self._ready_file = open(os.path.join(self.path, READY_NAME), "r")
+        self._held, self._waiting, self._serving, self._ready = set(), 0, False, False
         self._pid = os.getpid()
 
     def _close(self) -> None:
-        for f in self._files + [self._wait_file, self._probe_file, self._serving_file]:
+        for f in self._files + [self._wait_file, self._probe_file, self._serving_file, self._ready_file]:
             if f is not None:
                 f.close()
-        self._files, self._wait_file, self._probe_file, self._serving_file = [], None, None, None
-        self._held, self._waiting, self._pid, self._serving = set(), 0, None, False
+        self._files, self._wait_file, self._probe_file, self._serving_file, self._ready_file = [], None, None, None, None
+        self._held, self._waiting, self._pid, self._serving, self._ready = set(), 0, None, False, False
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # the parent's may have been held by another thread

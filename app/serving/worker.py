@@ -54,9 +54,10 @@ HEAD_BYTES_BUDGET = 64 * 1024 * 1024
 # could cut the answer short (gunicorn's close_graceful, without blocking the loop).
 CLOSE_LINGER_S = 2.0
 CLOSE_DRAIN_BYTES = 64 * 1024
-POLL_S = 1.0  # the longest the loop sleeps: the heartbeat and accepting() are looked at this often
-# The longest it sleeps while leaving new connections to a sibling: a sibling's state changes
-# wake nothing here.
+POLL_S = 1.0  # the longest the loop sleeps: the heartbeat is looked at this often
+HEARTBEAT_S = 1.0  # gunicorn's heartbeat (a file's mtime) at most this often, not every loop turn
+# How long a waiting connection is left to a sibling before this worker looks again: a
+# sibling's state changes wake nothing here.
 BALANCE_POLL_S = 0.02
 SPARE_FILES = 512  # descriptors beyond the connections: the pool's files, metrics, the app's own
 
@@ -154,6 +155,10 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.clock = threading.local()  # the pool thread's request: its clock's start
         self.metrics = None
         self.shown: tuple | None = None
+        self.handed_over: list[Conn] = []  # complete heads, submitted to the pool at the end of the turn
+        self.deferred_until: float | None = None  # leaving new connections to a sibling until then
+        self.notified = -math.inf
+        self.heartbeat_s = min(HEARTBEAT_S, self.cfg.timeout / 4) if self.cfg.timeout else HEARTBEAT_S
 
     @classmethod
     def check_config(cls, cfg, log):
@@ -167,22 +172,30 @@ class ConnectionWorker(gthread.ThreadWorker):
                         "flood the service is sized for (docs/connections.md): raise it to %d",
                         cfg.workers, settings.max_connections, needed, math.ceil(needed / cfg.workers))
 
-    def accepting(self) -> bool:
-        """Whether to take new connections at all (the listening socket is polled only then).
-        A worker serving a connection (accepted and not yet answered, or in a pool thread)
-        says so to the pod (app/serving/slots.py) and leaves new connections to a sibling
-        that serves none, or that holds fewer of the pod's compute slots; kept-alive
-        connections stay where they are. Concurrent fresh connections so land on different
-        workers instead of whichever wins the accept race (docs/cores.md)."""
+    def serving(self) -> bool:
+        """Whether a connection is accepted and not yet answered (new, part of a head, or in a
+        pool thread); idle kept-alive and closing ones do not count."""
+        return self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0
+
+    def leave_to_sibling(self) -> bool:
+        """Asked when a new connection waits on the listener: a worker serving a connection
+        leaves it to a ready sibling that serves none, or that holds fewer of the pod's
+        compute slots (app/serving/slots.py), so that concurrent fresh connections land on
+        different workers instead of whichever wins the accept race (docs/cores.md).
+        Kept-alive connections stay where they are. The pod is read only here."""
         pod = slots.installed()
-        if pod is None:
-            return True
-        serving = self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0
-        pod.mark_serving(serving)
-        if not serving:
-            return True
-        workers = self.cfg.workers
-        return not (pod.has_idle_sibling(workers) or pod.busier_than_siblings(workers))
+        return pod is not None and self.serving() and self.cfg.workers > 1 and pod.sibling_should_take()
+
+    def publish_serving(self) -> None:
+        pod = slots.installed()
+        if pod is not None:
+            pod.mark_serving(self.serving())
+
+    def notify(self):
+        now = time.monotonic()
+        if now - self.notified >= self.heartbeat_s:
+            self.notified = now
+            super().notify()
 
     def init_process(self):
         from . import connection_metrics  # after fork: PROMETHEUS_MULTIPROC_DIR is set
@@ -221,23 +234,50 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def run(self):
         self.poller.register(self.method_queue.fileno(), selectors.EVENT_READ, self.method_queue.run_callbacks)
+        pod = slots.installed()
+        if pod is not None:
+            pod.mark_ready(True)  # booted: siblings may leave connections to this worker
         while self.alive:
-            self.notify()
-            want = self.accepting() and (self.nr_conns < self.max_connections or bool(self.waiting))
-            if want != self._accepting:
-                self.set_accept_enabled(want)
-            self.wait_for_and_dispatch_events(timeout=self.poll_timeout())
+            self.turn(accept=True)
             if not self.is_parent_alive():
                 break
-            self.expire(time.monotonic())
-            self.show_metrics()
         self.stop()
+
+    def turn(self, accept: bool) -> None:
+        """One turn of the main loop. The pool gets this turn's complete heads last, just
+        before the loop sleeps, so that the main thread's own system calls (each letting go
+        of the GIL) do not interleave with the request's."""
+        self.notify()
+        self.publish_serving()
+        if accept:
+            want = self.nr_conns < self.max_connections or bool(self.waiting)
+            if self.deferred_until is not None:
+                if self.serving() and time.monotonic() < self.deferred_until:
+                    want = False
+                else:
+                    self.deferred_until = None
+            if want != self._accepting:
+                self.set_accept_enabled(want)
+        self.submit_handed_over()
+        self.wait_for_and_dispatch_events(timeout=self.poll_timeout())
+        self.expire(time.monotonic())
+        self.show_metrics()
+
+    def submit_handed_over(self) -> None:
+        handed_over, self.handed_over = self.handed_over, []
+        for conn in handed_over:
+            if not conn.closed:
+                self.enqueue_req(conn)
 
     def stop(self):
         """Graceful shutdown: no new connections; connections without a byte of a request get
         gthread's short linger (a request arriving meanwhile is answered with Connection:
         close), the rest finish within graceful_timeout."""
+        pod = slots.installed()
+        if pod is not None:
+            pod.mark_ready(False)  # first: a worker seen not polling its listener is surely not ready
         self.set_accept_enabled(False)
+        self.deferred_until = None
         now = time.monotonic()
         linger = now + gthread.STOP_KEEPALIVE_LINGER
         for conn in list(self.waiting):
@@ -245,10 +285,7 @@ class ConnectionWorker(gthread.ThreadWorker):
                 self.wait(conn, conn.state, linger)
         end = now + self.cfg.graceful_timeout
         while self.nr_conns > 0 and time.monotonic() < end:
-            self.notify()
-            self.wait_for_and_dispatch_events(timeout=self.poll_timeout())
-            self.expire(time.monotonic())
-            self.show_metrics()
+            self.turn(accept=False)
         for conn in list(self.waiting):
             self.close(conn, SHUTDOWN)
         self.show_metrics()
@@ -257,12 +294,17 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.method_queue.close()
 
     def poll_timeout(self) -> float:
-        longest = POLL_S if self._accepting else BALANCE_POLL_S
+        now = time.monotonic()
+        longest = POLL_S if self.deferred_until is None else max(0.0, self.deferred_until - now)
         if not self.deadlines:
             return longest
-        return min(longest, max(0.0, self.deadlines[0][0] - time.monotonic()))
+        return min(longest, max(0.0, self.deadlines[0][0] - now))
 
     def accept(self, listener):
+        if self.leave_to_sibling():  # stop polling the listener for a while; a sibling accepts
+            self.deferred_until = time.monotonic() + BALANCE_POLL_S
+            self.set_accept_enabled(False)
+            return
         try:
             sock, client = listener.accept()
         except OSError as e:
@@ -281,6 +323,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.waiting[conn] = None
         self.push_deadline(conn, now + self.header_timeout_s)
         self.make_room(keep=conn)
+        self.publish_serving()  # at once: a sibling deciding about the next connection reads it
 
     def wait(self, conn: Conn, state: str, due: float) -> None:
         """`conn` (already in the poller) waits in `state` until `due` at the latest."""
@@ -346,7 +389,7 @@ class ConnectionWorker(gthread.ThreadWorker):
     def hand_over(self, conn: Conn) -> None:
         self.leave_poller(conn)
         self.set_state(conn, BUSY)
-        self.enqueue_req(conn)
+        self.handed_over.append(conn)
 
     def leave_poller(self, conn: Conn) -> None:
         if self.waiting.pop(conn, False) is None:
