@@ -218,6 +218,8 @@ def sibling(slots, commands, report):
             slots.mark_ready(on)
         elif what == "serving":
             slots.mark_serving(on)
+        elif what == "connections":
+            slots.mark_connections(on)
         elif on:
             held = slots.try_acquire()
         elif held is not None:
@@ -231,7 +233,7 @@ class Sibling:
         self.process = FORK.Process(target=sibling, args=(slots, self.commands, self.report), daemon=True)
         self.process.start()
 
-    def tell(self, what: str, on: bool = True) -> None:
+    def tell(self, what: str, on: bool | int = True) -> None:
         self.commands.put((what, on))
         assert self.report.get(timeout=WAIT_S) == (what, on)
 
@@ -239,6 +241,7 @@ class Sibling:
 def test_a_busy_worker_leaves_a_connection_only_to_a_ready_sibling(two_slots):
     """The balancing rule: a ready sibling that serves nothing takes it; one that is still
     booting (not ready), stopping (ready cleared) or dead never would, so it does not count."""
+    two_slots.mark_serving(True)  # this process plays the busy worker
     assert not two_slots.sibling_should_take()  # no sibling at all
     other = Sibling(two_slots)
     try:
@@ -265,6 +268,7 @@ def test_a_worker_holding_more_slots_than_a_serving_sibling_leaves_it_the_connec
     """Both serving: the one holding more slots (a lone request spread over the pod) leaves the
     next connection to the other; one each, neither does."""
     other = Sibling(two_slots)
+    two_slots.mark_serving(True)
     try:
         other.tell("ready"), other.tell("serving")
         assert not two_slots.sibling_should_take()  # neither holds a slot
@@ -277,6 +281,29 @@ def test_a_worker_holding_more_slots_than_a_serving_sibling_leaves_it_the_connec
         assert two_slots.pod_state().holders == {os.getpid(): 1, other.process.pid: 1}
         assert not two_slots.sibling_should_take()  # one each
         mine.release()
+        other.commands.put(None)
+    finally:
+        stop(other.process)
+
+
+def test_connections_go_to_the_worker_holding_fewer(two_slots):
+    """Kept-alive clients spread: of two workers in the same state, the one holding more
+    connections leaves a new one to the other, idle or serving alike; serving ranks first."""
+    other = Sibling(two_slots)
+    try:
+        other.tell("ready")
+        two_slots.mark_connections(2)
+        other.tell("connections", 2)
+        assert two_slots.pod_state().connections == {os.getpid(): 2, other.process.pid: 2}
+        assert not two_slots.sibling_should_take()  # even
+        two_slots.mark_connections(3)
+        assert two_slots.sibling_should_take()  # both idle: the sibling holds fewer
+        two_slots.mark_serving(True), other.tell("serving")
+        assert two_slots.sibling_should_take()  # both serving: still fewer there
+        two_slots.mark_serving(False)
+        assert not two_slots.sibling_should_take()  # idle here, the sibling serves: take it
+        two_slots.mark_connections(0)
+        assert two_slots.pod_state().connections == {other.process.pid: 2}
         other.commands.put(None)
     finally:
         stop(other.process)

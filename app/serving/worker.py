@@ -30,7 +30,7 @@ import selectors
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from functools import partial
 
 from gunicorn.http.errors import LimitRequestHeaders
@@ -39,6 +39,7 @@ from gunicorn.workers import gthread
 
 from app.core.settings import Settings
 from app.serving import slots
+from app.serving.coalesce import coalesce
 
 # The instant (time.monotonic()) the request's clock started, read by app/http/connection.py.
 CONN_STARTED_KEY = "blockgrad.conn_started"
@@ -59,6 +60,12 @@ HEARTBEAT_S = 1.0  # gunicorn's heartbeat (a file's mtime) at most this often, n
 # How long a waiting connection is left to a sibling before this worker looks again: a
 # sibling's state changes wake nothing here.
 BALANCE_POLL_S = 0.02
+# A complete head waits at most this long for the request this worker is running to end
+# before it goes to the pool beside it. Two requests' threads in one process take turns on
+# the GIL at every torch call and system call of either; for small requests those hand-offs
+# cost more CPU than running side by side gains (docs/small-requests.md). A longer request
+# only delays the next one by this much, then both run as before.
+HOLD_S = 0.005
 SPARE_FILES = 512  # descriptors beyond the connections: the pool's files, metrics, the app's own
 
 # What a connection is doing. Every state but BUSY waits in the poller (self.waiting).
@@ -155,7 +162,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.clock = threading.local()  # the pool thread's request: its clock's start
         self.metrics = None
         self.shown: tuple | None = None
-        self.handed_over: list[Conn] = []  # complete heads, submitted to the pool at the end of the turn
+        self.ready: deque[tuple[Conn, float]] = deque()  # complete heads not yet in the pool, since when
+        self.running = 0  # connections in the pool
         self.deferred_until: float | None = None  # leaving new connections to a sibling until then
         self.notified = -math.inf
         self.heartbeat_s = min(HEARTBEAT_S, self.cfg.timeout / 4) if self.cfg.timeout else HEARTBEAT_S
@@ -178,18 +186,23 @@ class ConnectionWorker(gthread.ThreadWorker):
         return self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0
 
     def leave_to_sibling(self) -> bool:
-        """Asked when a new connection waits on the listener: a worker serving a connection
-        leaves it to a ready sibling that serves none, or that holds fewer of the pod's
-        compute slots (app/serving/slots.py), so that concurrent fresh connections land on
-        different workers instead of whichever wins the accept race (docs/cores.md).
-        Kept-alive connections stay where they are. The pod is read only here."""
+        """Asked when a new connection waits on the listener: leave it to a ready sibling
+        that serves none while this worker serves one, or that holds fewer of the pod's
+        compute slots, or fewer connections (app/serving/slots.py), so that concurrent
+        fresh connections land on different workers instead of whichever wins the accept
+        race, and kept-alive clients spread evenly (docs/cores.md). Kept-alive connections
+        stay where they are. The pod is read only here."""
         pod = slots.installed()
-        return pod is not None and self.serving() and self.cfg.workers > 1 and pod.sibling_should_take()
+        if pod is None or self.cfg.workers <= 1:
+            return False
+        self.publish_state()
+        return pod.sibling_should_take()
 
-    def publish_serving(self) -> None:
+    def publish_state(self) -> None:
         pod = slots.installed()
         if pod is not None:
             pod.mark_serving(self.serving())
+            pod.mark_connections(self.nr_conns - self.counts[CLOSING])
 
     def notify(self):
         now = time.monotonic()
@@ -215,6 +228,7 @@ class ConnectionWorker(gthread.ThreadWorker):
             started = getattr(clock, "started", None)
             if started is not None:
                 environ[CONN_STARTED_KEY] = started
+            coalesce(start_response)  # a small answer's head and body in one send
             return app(environ, start_response)
         self.wsgi = timed_app
 
@@ -244,11 +258,11 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.stop()
 
     def turn(self, accept: bool) -> None:
-        """One turn of the main loop. The pool gets this turn's complete heads last, just
-        before the loop sleeps, so that the main thread's own system calls (each letting go
-        of the GIL) do not interleave with the request's."""
+        """One turn of the main loop. The pool gets complete heads last, just before the loop
+        sleeps, so that the main thread's own system calls (each letting go of the GIL) do
+        not interleave with the request's."""
         self.notify()
-        self.publish_serving()
+        self.publish_state()
         if accept:
             want = self.nr_conns < self.max_connections or bool(self.waiting)
             if self.deferred_until is not None:
@@ -258,15 +272,21 @@ class ConnectionWorker(gthread.ThreadWorker):
                     self.deferred_until = None
             if want != self._accepting:
                 self.set_accept_enabled(want)
-        self.submit_handed_over()
+        self.submit_ready(time.monotonic())
         self.wait_for_and_dispatch_events(timeout=self.poll_timeout())
         self.expire(time.monotonic())
         self.show_metrics()
 
-    def submit_handed_over(self) -> None:
-        handed_over, self.handed_over = self.handed_over, []
-        for conn in handed_over:
+    def submit_ready(self, now: float) -> None:
+        """Complete heads to the pool in arrival order: the first at once when nothing runs,
+        the others when the running request ends or after HOLD_S."""
+        while self.ready:
+            conn, since = self.ready[0]
+            if not conn.closed and self.running and now - since < HOLD_S:
+                return
+            self.ready.popleft()
             if not conn.closed:
+                self.running += 1
                 self.enqueue_req(conn)
 
     def stop(self):
@@ -296,6 +316,8 @@ class ConnectionWorker(gthread.ThreadWorker):
     def poll_timeout(self) -> float:
         now = time.monotonic()
         longest = POLL_S if self.deferred_until is None else max(0.0, self.deferred_until - now)
+        if self.ready:
+            longest = min(longest, max(0.0, self.ready[0][1] + HOLD_S - now))
         if not self.deadlines:
             return longest
         return min(longest, max(0.0, self.deadlines[0][0] - now))
@@ -323,7 +345,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.waiting[conn] = None
         self.push_deadline(conn, now + self.header_timeout_s)
         self.make_room(keep=conn)
-        self.publish_serving()  # at once: a sibling deciding about the next connection reads it
+        self.publish_state()  # at once: a sibling deciding about the next connection reads it
 
     def wait(self, conn: Conn, state: str, due: float) -> None:
         """`conn` (already in the poller) waits in `state` until `due` at the latest."""
@@ -389,7 +411,7 @@ class ConnectionWorker(gthread.ThreadWorker):
     def hand_over(self, conn: Conn) -> None:
         self.leave_poller(conn)
         self.set_state(conn, BUSY)
-        self.handed_over.append(conn)
+        self.ready.append((conn, time.monotonic()))
 
     def leave_poller(self, conn: Conn) -> None:
         if self.waiting.pop(conn, False) is None:
@@ -407,6 +429,7 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def finish_request(self, conn, fs):
         """A pool thread is done with `conn` (called on the main loop)."""
+        self.running -= 1
         try:
             keep = not fs.cancelled() and fs.result() is True
         except Exception:
@@ -509,6 +532,9 @@ class ConnectionWorker(gthread.ThreadWorker):
         if self.metrics is None:
             return
         shown = (self.nr_conns, self.counts[IDLE], self.counts[NEW] + self.counts[HEAD])
-        if shown != self.shown:
-            self.shown = shown
-            self.metrics.show(*shown)
+        if shown != self.shown:  # only the gauges that changed: a kept-alive request changes one
+            before, self.shown = self.shown or (None, None, None), shown
+            for gauge, old, new in zip((self.metrics.OPEN, self.metrics.IDLE, self.metrics.AWAITING_HEAD),
+                                       before, shown):
+                if old != new:
+                    gauge.set(new)
