@@ -40,6 +40,7 @@ from gunicorn.workers import gthread
 from app.core.settings import Settings
 from app.serving import slots
 from app.serving.coalesce import coalesce
+from app.serving.threads import ServingThreads
 
 # The instant (time.monotonic()) the request's clock started, read by app/http/connection.py.
 CONN_STARTED_KEY = "blockgrad.conn_started"
@@ -234,6 +235,13 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     # -- the pool thread ------------------------------------------------------------------
 
+    def get_thread_pool(self):
+        return ServingThreads(self.cfg.threads, self.handle,
+                              lambda conn, keep: self.method_queue.defer(self.finish_request, conn, keep))
+
+    def enqueue_req(self, conn):
+        self.tpool.submit(conn)
+
     def handle(self, conn):
         """gthread's handle(), with the head this loop read put back in front of the socket."""
         if conn.head:
@@ -427,14 +435,10 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.handle_error(None, conn.sock, conn.client, error)
         self.close_after_answer(conn, counted=True)
 
-    def finish_request(self, conn, fs):
-        """A pool thread is done with `conn` (called on the main loop)."""
+    def finish_request(self, conn, result):
+        """A pool thread is done with `conn` (called on the main loop); `result` True: keep it."""
         self.running -= 1
-        try:
-            keep = not fs.cancelled() and fs.result() is True
-        except Exception:
-            keep = False
-        if not keep or conn.closed:
+        if result is not True or conn.closed:
             self.close_after_answer(conn)
             return
         now = time.monotonic()
