@@ -188,11 +188,11 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def leave_to_sibling(self) -> bool:
         """Asked when a new connection waits on the listener: leave it to a ready sibling
-        that serves none while this worker serves one, or that holds fewer of the pod's
-        compute slots, or fewer connections (app/serving/slots.py), so that concurrent
-        fresh connections land on different workers instead of whichever wins the accept
-        race, and kept-alive clients spread evenly (docs/cores.md). Kept-alive connections
-        stay where they are. The pod is read only here."""
+        ranking before this worker by (serving, slots held, connections held)
+        (app/serving/slots.py), so that concurrent fresh connections land on different
+        workers instead of whichever wins the accept race, and kept-alive clients spread
+        evenly (docs/cores.md). Kept-alive connections stay where they are. The pod is read
+        only here."""
         pod = slots.installed()
         if pod is None or self.cfg.workers <= 1:
             return False
@@ -273,8 +273,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.publish_state()
         if accept:
             want = self.nr_conns < self.max_connections or bool(self.waiting)
-            if self.deferred_until is not None:
-                if self.serving() and time.monotonic() < self.deferred_until:
+            if self.deferred_until is not None:  # left to a sibling: look again once it is over
+                if time.monotonic() < self.deferred_until:
                     want = False
                 else:
                     self.deferred_until = None
