@@ -64,3 +64,13 @@ def test_after_shutdown_a_connection_is_reported_unserved():
     threads.shutdown()
     threads.submit(2)
     assert done.get(timeout=WAIT_S) == (2, None) and handled == [1]
+
+
+def test_a_thread_done_with_one_takes_the_next_held_back_without_a_hand_over():
+    held = [3, 2]  # what the owner holds back, taken last first
+    names = []
+    threads, done = pool(4, lambda conn: names.append(threading.current_thread()) or True)
+    threads.take_next = lambda: held.pop() if held else None
+    threads.submit(1)
+    assert [done.get(timeout=WAIT_S)[0] for _ in range(3)] == [1, 2, 3]
+    assert len(set(names)) == 1 and held == []

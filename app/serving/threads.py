@@ -5,7 +5,10 @@ queue: every hand-over wakes a second idle thread too (the queue's lock passes o
 waiter), which takes the GIL, finds nothing and sleeps again, and each request pays for a
 Future and its callbacks. Here an idle thread waits on a queue of its own; a connection goes
 to the most recently idle one, or to a new thread up to `size`, or waits in a backlog that the
-next thread to finish takes from. Standard library only: the master loads this module.
+next thread to finish takes from. A thread that has finished also asks `take_next` for work
+its owner holds back (the worker's complete heads waiting for the running request to end),
+so that it goes from one request to the next without sleeping. Standard library only: the
+master loads this module.
 """
 import queue
 import threading
@@ -21,8 +24,9 @@ class ServingThreads:
     (result None when handle raised). Daemon threads: a stopping worker waits for its
     connections itself (gthread's graceful timeout), never for idle threads."""
 
-    def __init__(self, size: int, handle: Callable[[Any], Any], done: Callable[[Any, Any], None]):
-        self.size, self.handle, self.done = max(1, size), handle, done
+    def __init__(self, size: int, handle: Callable[[Any], Any], done: Callable[[Any, Any], None],
+                 take_next: Callable[[], Any] = lambda: None):
+        self.size, self.handle, self.done, self.take_next = max(1, size), handle, done, take_next
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue] = []  # LIFO: the most recently idle thread's cache is warm
         self._backlog: deque = deque()
@@ -61,6 +65,10 @@ class ServingThreads:
             except BaseException:  # noqa: BLE001 - the main loop closes the connection
                 result = None
             self.done(conn, result)
+            following = self.take_next()
+            if following is not None:
+                conn = following
+                continue
             with self._lock:
                 if self._backlog:
                     conn = self._backlog.popleft()

@@ -165,6 +165,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.shown: tuple | None = None
         self.ready: deque[tuple[Conn, float]] = deque()  # complete heads not yet in the pool, since when
         self.running = 0  # connections in the pool
+        self.ready_lock = threading.Lock()  # ready and running: a pool thread done with one takes the next
         self.deferred_until: float | None = None  # leaving new connections to a sibling until then
         self.notified = -math.inf
         self.heartbeat_s = min(HEARTBEAT_S, self.cfg.timeout / 4) if self.cfg.timeout else HEARTBEAT_S
@@ -237,7 +238,8 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def get_thread_pool(self):
         return ServingThreads(self.cfg.threads, self.handle,
-                              lambda conn, keep: self.method_queue.defer(self.finish_request, conn, keep))
+                              lambda conn, keep: self.method_queue.defer(self.finish_request, conn, keep),
+                              self.take_next)
 
     def enqueue_req(self, conn):
         self.tpool.submit(conn)
@@ -287,15 +289,31 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def submit_ready(self, now: float) -> None:
         """Complete heads to the pool in arrival order: the first at once when nothing runs,
-        the others when the running request ends or after HOLD_S."""
-        while self.ready:
-            conn, since = self.ready[0]
-            if not conn.closed and self.running and now - since < HOLD_S:
-                return
-            self.ready.popleft()
-            if not conn.closed:
-                self.running += 1
-                self.enqueue_req(conn)
+        the others when the running request ends (its thread takes the next: take_next) or
+        after HOLD_S."""
+        submitted = []
+        with self.ready_lock:
+            while self.ready:
+                conn, since = self.ready[0]
+                if not conn.closed and self.running and now - since < HOLD_S:
+                    break
+                self.ready.popleft()
+                if not conn.closed:
+                    self.running += 1
+                    submitted.append(conn)
+        for conn in submitted:
+            self.enqueue_req(conn)
+
+    def take_next(self) -> Conn | None:
+        """On a pool thread that has just finished a request: the next complete head, if one
+        waits (its request runs on this thread at once, without a hand-over)."""
+        with self.ready_lock:
+            while self.ready:
+                conn, _ = self.ready.popleft()
+                if not conn.closed:
+                    self.running += 1
+                    return conn
+        return None
 
     def stop(self):
         """Graceful shutdown: no new connections; connections without a byte of a request get
@@ -324,8 +342,10 @@ class ConnectionWorker(gthread.ThreadWorker):
     def poll_timeout(self) -> float:
         now = time.monotonic()
         longest = POLL_S if self.deferred_until is None else max(0.0, self.deferred_until - now)
-        if self.ready:
-            longest = min(longest, max(0.0, self.ready[0][1] + HOLD_S - now))
+        with self.ready_lock:  # a pool thread may take the first meanwhile
+            oldest = self.ready[0][1] if self.ready else None
+        if oldest is not None:
+            longest = min(longest, max(0.0, oldest + HOLD_S - now))
         if not self.deadlines:
             return longest
         return min(longest, max(0.0, self.deadlines[0][0] - now))
@@ -419,7 +439,8 @@ class ConnectionWorker(gthread.ThreadWorker):
     def hand_over(self, conn: Conn) -> None:
         self.leave_poller(conn)
         self.set_state(conn, BUSY)
-        self.ready.append((conn, time.monotonic()))
+        with self.ready_lock:
+            self.ready.append((conn, time.monotonic()))
 
     def leave_poller(self, conn: Conn) -> None:
         if self.waiting.pop(conn, False) is None:
@@ -437,7 +458,8 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def finish_request(self, conn, result):
         """A pool thread is done with `conn` (called on the main loop); `result` True: keep it."""
-        self.running -= 1
+        with self.ready_lock:
+            self.running -= 1
         if result is not True or conn.closed:
             self.close_after_answer(conn)
             return
