@@ -7,6 +7,10 @@ a warm-up, then back to back for a phase). The two servers run at once and are m
 alternating rounds, so both see the same load on a shared machine; the ratio is the median
 over rounds. Beside the rate, each app's server CPU time per request, read from /proc: the
 machine's noise moves it much less than the rate.
+
+In the same run, the same comparison with the no-op WSGI app (bench/noop.py) under each app's
+server (the service's gunicorn.conf.py, the peer's sync settings): what the servers alone
+cost, the part of the ratio no change to the app can move (docs/small-requests.md).
 """
 import contextlib
 import os
@@ -34,6 +38,7 @@ PHASE_S = 3.0  # seconds of one app's load in one round, after its warm-up
 TARGET = 1.05
 LOAD_WARM_UP = 5  # requests rows.load sends per client before it starts counting
 PEER_APP = "bench.peer:app"
+NOOP_APP = "bench.noop:app"
 PEER_CONFIG = "bench/peer_gunicorn.py"
 BODY = workloads.body(workloads.SEED_EXAMPLE, factor=2)
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -112,8 +117,28 @@ def medians(pairs: list[tuple[Phase, Phase]], field: str) -> tuple[float, float]
     return (statistics.median(getattr(p, field) for p in service), statistics.median(getattr(p, field) for p in peer))
 
 
+def alternate(first: Server, second: Server, clients: int, rounds: int, seconds: float,
+              path: str = "/v1/gradients") -> list[tuple[Phase, Phase]]:
+    pairs = []
+    for k in range(rounds):
+        pairs.append((phase(first, clients, seconds, path), phase(second, clients, seconds, path)))
+        print(f"  {path} {clients} client(s), round {k + 1}: {pairs[-1][0].rate:.0f} vs {pairs[-1][1].rate:.0f} req/s",
+              file=sys.stderr, flush=True)
+    return pairs
+
+
+def detail(pairs: list[tuple[Phase, Phase]], rounds: int, seconds: float) -> str:
+    rate_s, rate_p = medians(pairs, "rate")
+    cpu_s, cpu_p = medians(pairs, "cpu_ms")
+    client_s, client_p = medians(pairs, "client_cpu_ms")
+    return (f"{rate_s:.0f} vs {rate_p:.0f} req/s, medians of {rounds} alternating rounds of {seconds:g} s, "
+            f"{WORKERS} workers each; CPU per request: workers {cpu_s:.2f} vs {cpu_p:.2f} ms, "
+            f"load driver {client_s:.2f} vs {client_p:.2f} ms")
+
+
 def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S) -> list[Result]:
-    """The service's requests/s over the peer's on the 10x5 example, at 1 and 4 clients."""
+    """The service's requests/s over the peer's on the 10x5 example, at 1 and 4 clients; then
+    the no-op app under each one's server (info rows)."""
     results = []
     with gunicorn_server(workers=WORKERS, device="cpu", ready_path="/readyz") as service, \
             peer_server(WORKERS, bench.torch_threads) as peer:
@@ -121,19 +146,22 @@ def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S
         for server in (service, peer):  # warm-up: every worker has served before the first round
             load(server, "/v1/gradients", BODY, clients=max(CLIENTS), seconds=min(1.0, seconds))
         for clients in CLIENTS:
-            pairs = []
-            for k in range(rounds):
-                pairs.append((phase(service, clients, seconds), phase(peer, clients, seconds)))
-                print(f"  {clients} client(s), round {k + 1}: service {pairs[-1][0].rate:.0f} req/s, "
-                      f"peer {pairs[-1][1].rate:.0f} req/s", file=sys.stderr, flush=True)
+            pairs = alternate(service, peer, clients, rounds, seconds)
             ratio = statistics.median(s.rate / p.rate for s, p in pairs)
-            rate_s, rate_p = medians(pairs, "rate")
-            cpu_s, cpu_p = medians(pairs, "cpu_ms")
-            client_s, client_p = medians(pairs, "client_cpu_ms")
             results.append(Result(
                 f"18. seed 10x5 example, {clients} client{'s' if clients > 1 else ''}: service vs minimal "
                 f"Flask app (sync)", f">= {TARGET}x", f"{ratio:.2f}x", at_least(ratio, TARGET),
-                f"{rate_s:.0f} vs {rate_p:.0f} req/s, medians of {rounds} alternating rounds of {seconds:g} s, "
-                f"{WORKERS} workers each; CPU per request: workers {cpu_s:.2f} vs {cpu_p:.2f} ms, "
-                f"load driver {client_s:.2f} vs {client_p:.2f} ms"))
+                detail(pairs, rounds, seconds)))
+    floor_rounds = max(1, rounds // 2 + 1)
+    with gunicorn_server(workers=WORKERS, device=None, ready_path="/", app=NOOP_APP) as service, \
+            peer_server(WORKERS, bench.torch_threads, app=NOOP_APP) as peer:
+        for server in (service, peer):
+            load(server, "/", BODY, clients=max(CLIENTS), seconds=min(1.0, seconds))
+        for clients in CLIENTS:
+            pairs = alternate(service, peer, clients, floor_rounds, seconds, path="/")
+            ratio = statistics.median(s.rate / p.rate for s, p in pairs)
+            results.append(Result(
+                f"18. no-op WSGI app, {clients} client{'s' if clients > 1 else ''}: the service's server vs the "
+                f"peer's (sync), the servers alone", "- (info)", f"{ratio:.2f}x", "-",
+                detail(pairs, floor_rounds, seconds)))
     return results

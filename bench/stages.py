@@ -215,6 +215,51 @@ def served_rows(seconds: float = 3.0) -> list[tuple[str, float]]:
                 measured = phase(server, clients, seconds, path="/")
                 rows.append((f"{name}, no-op app, {clients} client(s): workers' CPU per request", measured.cpu_ms))
                 rows.append(("  the load driver's CPU per request", measured.client_cpu_ms))
+    rows += thread_rows(seconds)
+    return rows
+
+
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of process `pid`, by thread id."""
+    ticks_per_s = os.sysconf("SC_CLK_TCK")
+    cpu = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            fields = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        cpu[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks_per_s  # utime, stime
+    return cpu
+
+
+def thread_rows(seconds: float) -> list[tuple[str, float]]:
+    """The service serving the row's body, its workers' CPU per request split between the main
+    loop's thread (the poller) and the others (pool threads computing; recycling off, so that
+    every worker's threads are there to read)."""
+    from tools.server import children, gunicorn_server
+
+    from .rows import load
+
+    rows = []
+    with gunicorn_server(workers=2, device="cpu", ready_path="/readyz",
+                         env={"GUNICORN_CMD_ARGS": "--max-requests 0"}) as server:
+        load(server, "/v1/gradients", BODY, clients=4, seconds=1.0)
+        for clients in (1, 4):
+            workers = children(server.pid)
+            before = {pid: thread_cpu_s(pid) for pid in workers}
+            _, latencies, _ = load(server, "/v1/gradients", BODY, clients=clients, seconds=seconds)
+            served = len(latencies) + 5 * clients  # rows.load's warm-up requests too
+            main_s = pool_s = 0.0
+            for pid in workers:
+                for tid, cpu in thread_cpu_s(pid).items():
+                    spent = cpu - before[pid].get(tid, 0.0)
+                    if tid == pid:
+                        main_s += spent
+                    else:
+                        pool_s += spent
+            rows.append((f"service, 10x5 example, {clients} client(s): main loop thread's CPU per request",
+                         1e3 * main_s / served))
+            rows.append(("  the other threads' (pool threads: gunicorn's parser, the app)", 1e3 * pool_s / served))
     return rows
 
 

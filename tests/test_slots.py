@@ -206,21 +206,104 @@ def test_the_executor_runs_tiles_on_the_pods_slots(two_slots):
     assert two_slots.busy_slots() == 0
 
 
-def test_a_process_holding_more_than_an_idle_sibling_is_busier(two_slots):
-    """The balancing rule: busier than the least busy sibling, idle siblings counting 0."""
-    assert not two_slots.busier_than_siblings(workers=2)  # nobody holds anything
-    first = two_slots.try_acquire()
-    assert two_slots.busier_than_siblings(workers=2)  # the sibling holds none
-    assert not two_slots.busier_than_siblings(workers=1)  # no sibling at all
-    first.release()
-    sibling, report, go = start_holder(two_slots)
+def sibling(slots, commands, report):
+    """A worker of the pod that marks itself as told: ("ready" | "serving" | "slot", bool)."""
+    held = None
+    for _ in range(100):
+        command = commands.get(timeout=WAIT_S)
+        if command is None:
+            return
+        what, on = command
+        if what == "ready":
+            slots.mark_ready(on)
+        elif what == "serving":
+            slots.mark_serving(on)
+        elif what == "connections":
+            slots.mark_connections(on)
+        elif on:
+            held = slots.try_acquire()
+        elif held is not None:
+            held.release()
+        report.put(command)
+
+
+class Sibling:
+    def __init__(self, slots):
+        self.commands, self.report = FORK.Queue(), FORK.Queue()
+        self.process = FORK.Process(target=sibling, args=(slots, self.commands, self.report), daemon=True)
+        self.process.start()
+
+    def tell(self, what: str, on: bool | int = True) -> None:
+        self.commands.put((what, on))
+        assert self.report.get(timeout=WAIT_S) == (what, on)
+
+
+def test_a_busy_worker_leaves_a_connection_only_to_a_ready_sibling(two_slots):
+    """The balancing rule: a ready sibling that serves nothing takes it; one that is still
+    booting (not ready), stopping (ready cleared) or dead never would, so it does not count."""
+    two_slots.mark_serving(True)  # this process plays the busy worker
+    assert not two_slots.sibling_should_take()  # no sibling at all
+    other = Sibling(two_slots)
     try:
-        report.get(timeout=WAIT_S)
-        mine = two_slots.try_acquire()
-        assert not two_slots.busier_than_siblings(workers=2)  # one each
-        second = two_slots.try_acquire()
-        assert second is None  # both held: one here, one there
-        mine.release()
-        go.set()
+        assert not two_slots.sibling_should_take()  # alive, not serving, but still booting
+        other.tell("ready")
+        assert two_slots.pod_state().ready == {other.process.pid}
+        assert two_slots.sibling_should_take()  # ready and idle
+        other.tell("serving")
+        assert not two_slots.sibling_should_take()  # ready, serving, and this process holds no slot
+        other.tell("serving", False)
+        other.tell("ready", False)  # stopping gracefully
+        assert not two_slots.sibling_should_take()
+        other.tell("ready")
+        assert two_slots.sibling_should_take()
+        os.kill(other.process.pid, signal.SIGKILL)
+        other.process.join(WAIT_S)
+        assert two_slots.pod_state().ready == frozenset()  # the kernel dropped the dead one's mark
+        assert not two_slots.sibling_should_take()
     finally:
-        stop(sibling)
+        stop(other.process)
+
+
+def test_a_worker_holding_more_slots_than_a_serving_sibling_leaves_it_the_connection(two_slots):
+    """Both serving: the one holding more slots (a lone request spread over the pod) leaves the
+    next connection to the other; one each, neither does."""
+    other = Sibling(two_slots)
+    two_slots.mark_serving(True)
+    try:
+        other.tell("ready"), other.tell("serving")
+        assert not two_slots.sibling_should_take()  # neither holds a slot
+        mine = two_slots.try_acquire()
+        second = two_slots.try_acquire()
+        assert mine is not None and second is not None
+        assert two_slots.sibling_should_take()  # two here, none there
+        second.release()
+        other.tell("slot")
+        assert two_slots.pod_state().holders == {os.getpid(): 1, other.process.pid: 1}
+        assert not two_slots.sibling_should_take()  # one each
+        mine.release()
+        other.commands.put(None)
+    finally:
+        stop(other.process)
+
+
+def test_connections_go_to_the_worker_holding_fewer(two_slots):
+    """Kept-alive clients spread: of two workers in the same state, the one holding more
+    connections leaves a new one to the other, idle or serving alike; serving ranks first."""
+    other = Sibling(two_slots)
+    try:
+        other.tell("ready")
+        two_slots.mark_connections(2)
+        other.tell("connections", 2)
+        assert two_slots.pod_state().connections == {os.getpid(): 2, other.process.pid: 2}
+        assert not two_slots.sibling_should_take()  # even
+        two_slots.mark_connections(3)
+        assert two_slots.sibling_should_take()  # both idle: the sibling holds fewer
+        two_slots.mark_serving(True), other.tell("serving")
+        assert two_slots.sibling_should_take()  # both serving: still fewer there
+        two_slots.mark_serving(False)
+        assert not two_slots.sibling_should_take()  # idle here, the sibling serves: take it
+        two_slots.mark_connections(0)
+        assert two_slots.pod_state().connections == {other.process.pid: 2}
+        other.commands.put(None)
+    finally:
+        stop(other.process)

@@ -19,8 +19,8 @@ import torch
 
 from .deadline import Deadline
 from .device import release_device_memory, resolve_device
-from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, band_blocks, block_bounds, chunk_gradients, elements_per_chunk,
-                     plan_bands)
+from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, Chunk, add_to_vectors, band_blocks, block_bounds, chunk_gradients,
+                     elements_per_chunk, plan_bands)
 from .errors import device_out_of_memory, non_finite_accumulated, non_finite_block
 from .executor import SerialExecutor, TileExecutor, tile_elements
 from .heap import watch_for
@@ -88,7 +88,36 @@ def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = No
         keep_bytes = settings.max_block_elements * vectors.element_size()
         chunk = tile_elements(elements_per_chunk(settings.max_block_elements, req.objective_fn, req.dim,
                                                  vectors.element_size()), executor.parallel)
+        bands = plan_bands(req.n, req.dim, req.factor, chunk)
+        if len(bands) == 1 and len(bands[0]) == 1:
+            whole = one_chunk(req, device, vectors, deadline, keep_bytes, chunk, bands[0][0])
+            if whole is not None:
+                return whole
         return pass_one(req, device, vectors, deadline, keep_bytes, chunk, executor)
+
+
+def one_chunk(req: GradientRequest, device: torch.device, vectors: torch.Tensor, deadline: Deadline,
+              keep_bytes: int, chunk_elements: int, chunk: Chunk) -> Result | None:
+    """Pass one of a request whose blocks all fit in one chunk (the seed's example), with a
+    fraction of pass_one's torch calls: the same chunk computed the same way, so the same
+    bits. One sum proves everything finite: it is finite only if every loss and every entry
+    of accumulated is, and accumulated holds the chain-rule sums of every gradient entry.
+    None when it is not: pass_one then computes the request again and says which block or
+    sum is not finite."""
+    keep = "blocks" in req.outputs
+    heap = watch_for(req.n * req.n * 2 * req.dim * vectors.element_size()) if keep else None  # as pass_one's
+    result = chunk_gradients(vectors, chunk, req.objective_fn, req.offset)
+    keep = keep and result.gradient.untyped_storage().nbytes() <= keep_bytes
+    accumulated = torch.zeros_like(vectors)  # (N, D)
+    add_to_vectors(accumulated, result)
+    if not bool(torch.isfinite(result.losses.sum() + accumulated.sum())):
+        return None
+    if heap is not None:
+        heap.check()
+    deadline.check()
+    return Result(req, device, bounds=block_bounds(req.n, req.factor), losses=result.losses,
+                  accumulated=accumulated, vectors=vectors, deadline=deadline,
+                  kept=list(band_blocks([result])) if keep else None, chunk_elements=chunk_elements)
 
 
 def pass_one(req: GradientRequest, device: torch.device, vectors: torch.Tensor, deadline: Deadline,

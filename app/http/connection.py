@@ -12,6 +12,7 @@ Outside gunicorn (Flask's test client) there is no socket and these do nothing.
 """
 import heapq
 import itertools
+import math
 import os
 import select
 import socket
@@ -81,37 +82,57 @@ class Alarm:
 
 
 class Watchdog:
-    """One daemon thread per process running each armed action at its time, unless cancelled."""
+    """One daemon thread per process running each armed action at its time, unless cancelled.
+
+    Nearly every alarm is cancelled soon after it is armed (the body has arrived): a
+    cancelled alarm at the front of the heap is dropped at once, and the thread is woken
+    only for an alarm due before the one it sleeps for, so that a request costs the thread
+    no wake-up (each would take the GIL from the requests' threads)."""
 
     def __init__(self):
         self._cond = threading.Condition()
         self._heap: list[tuple[float, int, Alarm]] = []
         self._order = itertools.count()
         self._pid: int | None = None
+        self._wakes_at = -math.inf  # when the thread's wait ends; -inf: it is not waiting, it will look
 
     def arm(self, seconds: float, action: Callable[[], None]) -> Alarm:
         alarm = Alarm(time.monotonic() + seconds, action)
         with self._cond:
             if self._pid != os.getpid():  # first use in this (forked) process
-                self._pid, self._heap = os.getpid(), []
+                self._pid, self._heap, self._wakes_at = os.getpid(), [], -math.inf
                 threading.Thread(target=self._run, name="blockgrad-watchdog", daemon=True).start()
             heapq.heappush(self._heap, (alarm.due, next(self._order), alarm))
-            if self._heap[0][2] is alarm:  # due before the one the thread sleeps for: wake it
+            if alarm.due < self._wakes_at:  # due before the thread would look again: wake it
                 self._cond.notify()
         return alarm
 
     def cancel(self, alarm: Alarm) -> None:
         with self._cond:
-            alarm.cancelled = True  # left in the heap; dropped when due
+            alarm.cancelled = True
+            self._drop_cancelled()
+
+    def pending(self) -> int:
+        """Alarms still in the heap (cancelled ones behind a live one included)."""
+        with self._cond:
+            return len(self._heap)
+
+    def _drop_cancelled(self) -> None:
+        while self._heap and self._heap[0][2].cancelled:
+            heapq.heappop(self._heap)
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._heap or self._heap[0][0] > time.monotonic():
-                    self._cond.wait(None if not self._heap else self._heap[0][0] - time.monotonic())
+                while True:
+                    self._drop_cancelled()
+                    now = time.monotonic()
+                    if self._heap and self._heap[0][0] <= now:
+                        break
+                    self._wakes_at = self._heap[0][0] if self._heap else math.inf
+                    self._cond.wait(None if not self._heap else self._wakes_at - now)
+                self._wakes_at = -math.inf
                 _, _, alarm = heapq.heappop(self._heap)
-                if alarm.cancelled:
-                    continue
                 alarm.fired = True
             try:
                 alarm.action()

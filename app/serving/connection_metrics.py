@@ -13,8 +13,3 @@ AWAITING_HEAD = Gauge("blockgrad_connections_awaiting_head",
 CLOSED = Counter("blockgrad_connections_closed", "Connections closed, by reason (docs/connections.md).",
                  ["reason"])
 
-
-def show(open_: int, idle: int, awaiting_head: int) -> None:
-    OPEN.set(open_)
-    IDLE.set(idle)
-    AWAITING_HEAD.set(awaiting_head)

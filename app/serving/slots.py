@@ -17,7 +17,11 @@ would a shared multiprocessing.Condition (a holder killed inside it leaves it lo
 docs/cores.md says why this mechanism.
 
 `pod_state()` reads /proc/locks: which processes hold how many slots and how many
-wait, without touching the locks (a probe would make a concurrent try fail).
+wait, without touching the locks (a probe would make a concurrent try fail), and what
+each worker says of itself with shared flocks on marker files: ready (`ready`, taken once
+booted), serving (`serving`), and how many connections it holds (`conns-1` to
+`conns-<CONN_LEVELS>`, one per connection). By these a worker leaves a new connection to a
+sibling (`sibling_should_take`). A dead worker's marks go with its process.
 
 Standard library only: the master imports this, never torch or Flask.
 """
@@ -29,12 +33,15 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 POLL_S = 0.05  # longest a waiter sleeps without a wake-up (a killed holder posts none)
 SLOT_PREFIX = "slot-"
 WAITING_NAME = "waiting"
 SERVING_NAME = "serving"  # a shared flock on it: this worker has connections being served
+READY_NAME = "ready"  # a shared flock on it: this worker has booted and takes connections
+CONNS_PREFIX = "conns-"  # conns-k: a shared flock on it while this worker holds at least k connections
+CONN_LEVELS = 8  # connections counted per worker at most: past it, workers are even
 PROC_LOCKS = "/proc/locks"
 
 
@@ -48,6 +55,9 @@ def create(count: int, parent: str | None = None) -> "PodSlots":
         open(os.path.join(path, f"{SLOT_PREFIX}{index}"), "w").close()
     open(os.path.join(path, WAITING_NAME), "w").close()
     open(os.path.join(path, SERVING_NAME), "w").close()
+    open(os.path.join(path, READY_NAME), "w").close()
+    for level in range(1, CONN_LEVELS + 1):
+        open(os.path.join(path, f"{CONNS_PREFIX}{level}"), "w").close()
     # Starts at 0; bounded by count, so releases nobody waited for leave at most count
     # stale posts. The fork context unlinks its name at once: nothing to clean up.
     wake = multiprocessing.get_context("fork").BoundedSemaphore(count)
@@ -82,6 +92,8 @@ class PodState:
     holders: dict[int, int]  # pid -> slots it holds
     waiting_processes: int  # processes with at least one thread waiting for a slot
     serving: frozenset[int] = frozenset()  # pids that marked themselves serving (`mark_serving`)
+    ready: frozenset[int] = frozenset()  # pids that marked themselves ready (`mark_ready`)
+    connections: dict[int, int] = field(default_factory=dict)  # pid -> connections (`mark_connections`), capped
 
 
 class PodSlot:
@@ -117,15 +129,17 @@ class PodSlots:
         self._slot_keys = {(os.major(s.st_dev), os.minor(s.st_dev), s.st_ino): i for i, s in enumerate(keys[:-1])}
         waiting = keys[-1]
         self._waiting_key = (os.major(waiting.st_dev), os.minor(waiting.st_dev), waiting.st_ino)
-        serving_path = os.path.join(path, SERVING_NAME)
-        open(serving_path, "a").close()  # a directory made before the marker existed
-        serving = os.stat(serving_path)
-        self._serving_key = (os.major(serving.st_dev), os.minor(serving.st_dev), serving.st_ino)
+        self._serving_key = self._marker_key(SERVING_NAME)
+        self._ready_key = self._marker_key(READY_NAME)
+        self._conns_keys = {self._marker_key(f"{CONNS_PREFIX}{level}"): level for level in range(1, CONN_LEVELS + 1)}
         self._lock = threading.Lock()
         self._pid: int | None = None  # the process that opened the descriptors below
         self._files: list = []
-        self._wait_file = self._probe_file = self._serving_file = None
+        self._wait_file = self._probe_file = self._serving_file = self._ready_file = None
         self._serving = False  # whether this process holds its shared lock on the serving file
+        self._ready = False  # whether it holds its shared lock on the ready file
+        self._conns_files: list = []
+        self._conns = 0  # conns-k files this process holds a shared lock on (k = 1.._conns)
         self._held: set[int] = set()
         self._waiting = 0  # this process's waiting threads
         _INSTANCES.add(self)
@@ -177,19 +191,6 @@ class PodSlots:
     def busy(self) -> int:  # SlotSource's name for it
         return self.busy_slots()
 
-    def busier_than_siblings(self, workers: int) -> bool:
-        """Whether this process holds more slots than the least busy of the pod's `workers`
-        (those holding none count as 0): then a new connection is better left to a sibling.
-        Reads /proc/locks only while this process holds a slot: cheap enough for every turn
-        of a worker's main loop."""
-        if workers <= 1 or self.held_here() == 0:
-            return False
-        state = self.pod_state()
-        mine = state.holders.get(os.getpid(), 0)
-        others = [count for pid, count in state.holders.items() if pid != os.getpid()]
-        fewest = min(others) if len(others) >= workers - 1 else 0  # a sibling not listed holds none
-        return mine > fewest
-
     def mark_serving(self, serving: bool) -> None:
         """Say (in /proc/locks, as a shared flock) whether this worker is serving connections
         now; the kernel drops the mark of a process that dies. One thread (the worker's main
@@ -200,11 +201,48 @@ class PodSlots:
                 fcntl.flock(self._serving_file, fcntl.LOCK_SH if serving else fcntl.LOCK_UN)
                 self._serving = serving
 
-    def has_idle_sibling(self, workers: int) -> bool:
-        """Whether one of the pod's other `workers - 1` workers is not marked serving."""
-        if workers <= 1:
+    def mark_ready(self, ready: bool) -> None:
+        """Say whether this worker takes new connections: set once it has booted, cleared when
+        it stops; the kernel drops it when the process dies. Only ready siblings are left a
+        connection (`sibling_should_take`): a booting or dead one would never accept it."""
+        with self._lock:
+            self._open()
+            if ready != self._ready:
+                fcntl.flock(self._ready_file, fcntl.LOCK_SH if ready else fcntl.LOCK_UN)
+                self._ready = ready
+
+    def mark_connections(self, count: int) -> None:
+        """Say how many connections this worker holds (up to CONN_LEVELS); a flock per
+        connection opened or closed, none per request. One thread calls it."""
+        with self._lock:
+            self._open()
+            count = max(0, min(count, CONN_LEVELS))
+            while self._conns < count:
+                fcntl.flock(self._conns_files[self._conns], fcntl.LOCK_SH)
+                self._conns += 1
+            while self._conns > count:
+                self._conns -= 1
+                fcntl.flock(self._conns_files[self._conns], fcntl.LOCK_UN)
+
+    def sibling_should_take(self) -> bool:
+        """Whether a new connection is better left to a ready sibling than taken here: one
+        ranks before this worker by (serving, slots held, connections held). So an idle
+        sibling takes it from a serving worker; among serving ones, the one holding fewer
+        slots (a lone request spread over every slot leaves the next to a sibling, whose
+        request then gets a slot at the next tile boundary), then the one with fewer kept-
+        alive connections. The first in that order always accepts (ties all do), and a
+        booting, stopping or dead sibling never counts. One read of /proc/locks; a worker
+        asks only when a new connection is waiting."""
+        state = self.pod_state()
+        me = os.getpid()
+        siblings = state.ready - {me}
+        if not siblings:
             return False
-        return len(self.pod_state().serving - {os.getpid()}) < workers - 1
+
+        def rank(pid: int) -> tuple[bool, int, int]:
+            return pid in state.serving, state.holders.get(pid, 0), state.connections.get(pid, 0)
+        mine = (self._serving, len(self._held), self._conns) if self._pid == me else rank(me)
+        return any(rank(pid) < mine for pid in siblings)
 
     def pod_state(self) -> PodState:
         try:
@@ -213,7 +251,8 @@ class PodSlots:
         except OSError:
             return self._probed_state()
         held: dict[int, int] = {}  # slot index -> pid
-        waiting, serving = set(), set()
+        waiting, serving, ready = set(), set(), set()
+        connections: dict[int, int] = {}
         for line in text.splitlines():
             parts = line.split()
             if len(parts) < 6 or parts[1] != "FLOCK":  # "->" lines are blocked requests
@@ -230,10 +269,14 @@ class PodSlots:
                 waiting.add(pid)
             elif key == self._serving_key:
                 serving.add(pid)
+            elif key == self._ready_key:
+                ready.add(pid)
+            elif key in self._conns_keys:
+                connections[pid] = max(connections.get(pid, 0), self._conns_keys[key])
         holders: dict[int, int] = {}
         for pid in held.values():
             holders[pid] = holders.get(pid, 0) + 1
-        return PodState(len(held), holders, len(waiting), frozenset(serving))
+        return PodState(len(held), holders, len(waiting), frozenset(serving), frozenset(ready), connections)
 
     def close(self) -> None:
         """This process's descriptors (and so any slot it still holds)."""
@@ -241,6 +284,12 @@ class PodSlots:
             self._close()
 
     # --- inside -----------------------------------------------------------------------
+    def _marker_key(self, name: str) -> tuple[int, int, int]:
+        marker = os.path.join(self.path, name)
+        open(marker, "a").close()  # a directory made before the marker existed
+        st = os.stat(marker)
+        return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+
     def _open(self) -> None:
         """This process's own descriptors, opened on first use in each process."""
         if self._pid == os.getpid():
@@ -249,15 +298,20 @@ class PodSlots:
         self._wait_file = open(os.path.join(self.path, WAITING_NAME), "r")
         self._probe_file = open(os.path.join(self.path, WAITING_NAME), "r")  # a description of its own
         self._serving_file = open(os.path.join(self.path, SERVING_NAME), "r")
-        self._held, self._waiting, self._serving = set(), 0, False
+        self._ready_file = open(os.path.join(self.path, READY_NAME), "r")
+        self._conns_files = [open(os.path.join(self.path, f"{CONNS_PREFIX}{level}"), "r")
+                             for level in range(1, CONN_LEVELS + 1)]
+        self._held, self._waiting, self._serving, self._ready, self._conns = set(), 0, False, False, 0
         self._pid = os.getpid()
 
     def _close(self) -> None:
-        for f in self._files + [self._wait_file, self._probe_file, self._serving_file]:
+        for f in self._files + self._conns_files + [self._wait_file, self._probe_file, self._serving_file,
+                                                     self._ready_file]:
             if f is not None:
                 f.close()
-        self._files, self._wait_file, self._probe_file, self._serving_file = [], None, None, None
-        self._held, self._waiting, self._pid, self._serving = set(), 0, None, False
+        self._files, self._conns_files = [], []
+        self._wait_file = self._probe_file = self._serving_file = self._ready_file = None
+        self._held, self._waiting, self._pid, self._serving, self._ready, self._conns = set(), 0, None, False, False, 0
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # the parent's may have been held by another thread

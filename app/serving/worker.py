@@ -30,7 +30,7 @@ import selectors
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from functools import partial
 
 from gunicorn.http.errors import LimitRequestHeaders
@@ -39,6 +39,8 @@ from gunicorn.workers import gthread
 
 from app.core.settings import Settings
 from app.serving import slots
+from app.serving.coalesce import coalesce
+from app.serving.threads import ServingThreads
 
 # The instant (time.monotonic()) the request's clock started, read by app/http/connection.py.
 CONN_STARTED_KEY = "blockgrad.conn_started"
@@ -54,10 +56,17 @@ HEAD_BYTES_BUDGET = 64 * 1024 * 1024
 # could cut the answer short (gunicorn's close_graceful, without blocking the loop).
 CLOSE_LINGER_S = 2.0
 CLOSE_DRAIN_BYTES = 64 * 1024
-POLL_S = 1.0  # the longest the loop sleeps: the heartbeat and accepting() are looked at this often
-# The longest it sleeps while leaving new connections to a sibling: a sibling's state changes
-# wake nothing here.
+POLL_S = 1.0  # the longest the loop sleeps: the heartbeat is looked at this often
+HEARTBEAT_S = 1.0  # gunicorn's heartbeat (a file's mtime) at most this often, not every loop turn
+# How long a waiting connection is left to a sibling before this worker looks again: a
+# sibling's state changes wake nothing here.
 BALANCE_POLL_S = 0.02
+# A complete head waits at most this long for the request this worker is running to end
+# before it goes to the pool beside it. Two requests' threads in one process take turns on
+# the GIL at every torch call and system call of either; for small requests those hand-offs
+# cost more CPU than running side by side gains (docs/small-requests.md). A longer request
+# only delays the next one by this much, then both run as before.
+HOLD_S = 0.005
 SPARE_FILES = 512  # descriptors beyond the connections: the pool's files, metrics, the app's own
 
 # What a connection is doing. Every state but BUSY waits in the poller (self.waiting).
@@ -154,6 +163,12 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.clock = threading.local()  # the pool thread's request: its clock's start
         self.metrics = None
         self.shown: tuple | None = None
+        self.ready: deque[tuple[Conn, float]] = deque()  # complete heads not yet in the pool, since when
+        self.running = 0  # connections in the pool
+        self.ready_lock = threading.Lock()  # ready and running: a pool thread done with one takes the next
+        self.deferred_until: float | None = None  # leaving new connections to a sibling until then
+        self.notified = -math.inf
+        self.heartbeat_s = min(HEARTBEAT_S, self.cfg.timeout / 4) if self.cfg.timeout else HEARTBEAT_S
 
     @classmethod
     def check_config(cls, cfg, log):
@@ -167,22 +182,35 @@ class ConnectionWorker(gthread.ThreadWorker):
                         "flood the service is sized for (docs/connections.md): raise it to %d",
                         cfg.workers, settings.max_connections, needed, math.ceil(needed / cfg.workers))
 
-    def accepting(self) -> bool:
-        """Whether to take new connections at all (the listening socket is polled only then).
-        A worker serving a connection (accepted and not yet answered, or in a pool thread)
-        says so to the pod (app/serving/slots.py) and leaves new connections to a sibling
-        that serves none, or that holds fewer of the pod's compute slots; kept-alive
-        connections stay where they are. Concurrent fresh connections so land on different
-        workers instead of whichever wins the accept race (docs/cores.md)."""
+    def serving(self) -> bool:
+        """Whether a connection is accepted and not yet answered (new, part of a head, or in a
+        pool thread); idle kept-alive and closing ones do not count."""
+        return self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0
+
+    def leave_to_sibling(self) -> bool:
+        """Asked when a new connection waits on the listener: leave it to a ready sibling
+        ranking before this worker by (serving, slots held, connections held)
+        (app/serving/slots.py), so that concurrent fresh connections land on different
+        workers instead of whichever wins the accept race, and kept-alive clients spread
+        evenly (docs/cores.md). Kept-alive connections stay where they are. The pod is read
+        only here."""
         pod = slots.installed()
-        if pod is None:
-            return True
-        serving = self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0
-        pod.mark_serving(serving)
-        if not serving:
-            return True
-        workers = self.cfg.workers
-        return not (pod.has_idle_sibling(workers) or pod.busier_than_siblings(workers))
+        if pod is None or self.cfg.workers <= 1:
+            return False
+        self.publish_state()
+        return pod.sibling_should_take()
+
+    def publish_state(self) -> None:
+        pod = slots.installed()
+        if pod is not None:
+            pod.mark_serving(self.serving())
+            pod.mark_connections(self.nr_conns - self.counts[CLOSING])
+
+    def notify(self):
+        now = time.monotonic()
+        if now - self.notified >= self.heartbeat_s:
+            self.notified = now
+            super().notify()
 
     def init_process(self):
         from . import connection_metrics  # after fork: PROMETHEUS_MULTIPROC_DIR is set
@@ -202,10 +230,19 @@ class ConnectionWorker(gthread.ThreadWorker):
             started = getattr(clock, "started", None)
             if started is not None:
                 environ[CONN_STARTED_KEY] = started
+            coalesce(start_response)  # a small answer's head and body in one send
             return app(environ, start_response)
         self.wsgi = timed_app
 
     # -- the pool thread ------------------------------------------------------------------
+
+    def get_thread_pool(self):
+        return ServingThreads(self.cfg.threads, self.handle,
+                              lambda conn, keep: self.method_queue.defer(self.finish_request, conn, keep),
+                              self.take_next)
+
+    def enqueue_req(self, conn):
+        self.tpool.submit(conn)
 
     def handle(self, conn):
         """gthread's handle(), with the head this loop read put back in front of the socket."""
@@ -221,23 +258,72 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def run(self):
         self.poller.register(self.method_queue.fileno(), selectors.EVENT_READ, self.method_queue.run_callbacks)
+        pod = slots.installed()
+        if pod is not None:
+            pod.mark_ready(True)  # booted: siblings may leave connections to this worker
         while self.alive:
-            self.notify()
-            want = self.accepting() and (self.nr_conns < self.max_connections or bool(self.waiting))
-            if want != self._accepting:
-                self.set_accept_enabled(want)
-            self.wait_for_and_dispatch_events(timeout=self.poll_timeout())
+            self.turn(accept=True)
             if not self.is_parent_alive():
                 break
-            self.expire(time.monotonic())
-            self.show_metrics()
         self.stop()
+
+    def turn(self, accept: bool) -> None:
+        """One turn of the main loop. The pool gets complete heads last, just before the loop
+        sleeps, so that the main thread's own system calls (each letting go of the GIL) do
+        not interleave with the request's."""
+        self.notify()
+        self.publish_state()
+        if accept:
+            want = self.nr_conns < self.max_connections or bool(self.waiting)
+            if self.deferred_until is not None:  # left to a sibling: look again once it is over
+                if time.monotonic() < self.deferred_until:
+                    want = False
+                else:
+                    self.deferred_until = None
+            if want != self._accepting:
+                self.set_accept_enabled(want)
+        self.submit_ready(time.monotonic())
+        self.wait_for_and_dispatch_events(timeout=self.poll_timeout())
+        self.expire(time.monotonic())
+        self.show_metrics()
+
+    def submit_ready(self, now: float) -> None:
+        """Complete heads to the pool in arrival order: the first at once when nothing runs,
+        the others when the running request ends (its thread takes the next: take_next) or
+        after HOLD_S."""
+        submitted = []
+        with self.ready_lock:
+            while self.ready:
+                conn, since = self.ready[0]
+                if not conn.closed and self.running and now - since < HOLD_S:
+                    break
+                self.ready.popleft()
+                if not conn.closed:
+                    self.running += 1
+                    submitted.append(conn)
+        for conn in submitted:
+            self.enqueue_req(conn)
+
+    def take_next(self) -> Conn | None:
+        """On a pool thread that has just finished a request: the next complete head, if one
+        waits (its request runs on this thread at once, without a hand-over)."""
+        with self.ready_lock:
+            while self.ready:
+                conn, _ = self.ready.popleft()
+                if not conn.closed:
+                    self.running += 1
+                    return conn
+        return None
 
     def stop(self):
         """Graceful shutdown: no new connections; connections without a byte of a request get
         gthread's short linger (a request arriving meanwhile is answered with Connection:
         close), the rest finish within graceful_timeout."""
+        pod = slots.installed()
+        if pod is not None:
+            pod.mark_ready(False)  # first: a worker seen not polling its listener is surely not ready
         self.set_accept_enabled(False)
+        self.deferred_until = None
         now = time.monotonic()
         linger = now + gthread.STOP_KEEPALIVE_LINGER
         for conn in list(self.waiting):
@@ -245,10 +331,7 @@ class ConnectionWorker(gthread.ThreadWorker):
                 self.wait(conn, conn.state, linger)
         end = now + self.cfg.graceful_timeout
         while self.nr_conns > 0 and time.monotonic() < end:
-            self.notify()
-            self.wait_for_and_dispatch_events(timeout=self.poll_timeout())
-            self.expire(time.monotonic())
-            self.show_metrics()
+            self.turn(accept=False)
         for conn in list(self.waiting):
             self.close(conn, SHUTDOWN)
         self.show_metrics()
@@ -257,12 +340,21 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.method_queue.close()
 
     def poll_timeout(self) -> float:
-        longest = POLL_S if self._accepting else BALANCE_POLL_S
+        now = time.monotonic()
+        longest = POLL_S if self.deferred_until is None else max(0.0, self.deferred_until - now)
+        with self.ready_lock:  # a pool thread may take the first meanwhile
+            oldest = self.ready[0][1] if self.ready else None
+        if oldest is not None:
+            longest = min(longest, max(0.0, oldest + HOLD_S - now))
         if not self.deadlines:
             return longest
-        return min(longest, max(0.0, self.deadlines[0][0] - time.monotonic()))
+        return min(longest, max(0.0, self.deadlines[0][0] - now))
 
     def accept(self, listener):
+        if self.leave_to_sibling():  # stop polling the listener for a while; a sibling accepts
+            self.deferred_until = time.monotonic() + BALANCE_POLL_S
+            self.set_accept_enabled(False)
+            return
         try:
             sock, client = listener.accept()
         except OSError as e:
@@ -281,6 +373,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.waiting[conn] = None
         self.push_deadline(conn, now + self.header_timeout_s)
         self.make_room(keep=conn)
+        self.publish_state()  # at once: a sibling deciding about the next connection reads it
 
     def wait(self, conn: Conn, state: str, due: float) -> None:
         """`conn` (already in the poller) waits in `state` until `due` at the latest."""
@@ -346,7 +439,8 @@ class ConnectionWorker(gthread.ThreadWorker):
     def hand_over(self, conn: Conn) -> None:
         self.leave_poller(conn)
         self.set_state(conn, BUSY)
-        self.enqueue_req(conn)
+        with self.ready_lock:
+            self.ready.append((conn, time.monotonic()))
 
     def leave_poller(self, conn: Conn) -> None:
         if self.waiting.pop(conn, False) is None:
@@ -362,13 +456,11 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.handle_error(None, conn.sock, conn.client, error)
         self.close_after_answer(conn, counted=True)
 
-    def finish_request(self, conn, fs):
-        """A pool thread is done with `conn` (called on the main loop)."""
-        try:
-            keep = not fs.cancelled() and fs.result() is True
-        except Exception:
-            keep = False
-        if not keep or conn.closed:
+    def finish_request(self, conn, result):
+        """A pool thread is done with `conn` (called on the main loop); `result` True: keep it."""
+        with self.ready_lock:
+            self.running -= 1
+        if result is not True or conn.closed:
             self.close_after_answer(conn)
             return
         now = time.monotonic()
@@ -466,6 +558,9 @@ class ConnectionWorker(gthread.ThreadWorker):
         if self.metrics is None:
             return
         shown = (self.nr_conns, self.counts[IDLE], self.counts[NEW] + self.counts[HEAD])
-        if shown != self.shown:
-            self.shown = shown
-            self.metrics.show(*shown)
+        if shown != self.shown:  # only the gauges that changed: a kept-alive request changes one
+            before, self.shown = self.shown or (None, None, None), shown
+            for gauge, old, new in zip((self.metrics.OPEN, self.metrics.IDLE, self.metrics.AWAITING_HEAD),
+                                       before, shown):
+                if old != new:
+                    gauge.set(new)

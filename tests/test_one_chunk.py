@@ -1,0 +1,95 @@
+"""A request whose blocks fit in one chunk (the seed's 10 x 5 example) takes run's short path
+(app/core/run.py `one_chunk`): the same bits as pass one, the seed loops' numbers, the same
+errors for what is not finite, and fewer torch operations."""
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from app.core.engine import plan_bands
+from app.core.errors import BlockgradError
+from app.core.request import GradientRequest
+from app.core.run import Deadline, load_vectors, pass_one, run
+from app.core.settings import Settings
+
+from tools.reference import reference_accumulated, reference_blocks
+
+from .numeric import assert_matches
+
+CPU = Settings(device="cpu")
+SEED = np.arange(50, dtype=np.float64).reshape(10, 5) / 7 - 3  # 10 x 5, every entry distinct
+
+
+def request(vectors, **fields) -> GradientRequest:
+    fields = {"factor": 2, "objective": "sum", "offset": 5.0, "outputs": ("blocks", "accumulated"),
+              "dtype": "float32", **fields}
+    return GradientRequest(vectors=np.asarray(vectors, dtype=np.float64), **fields)
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("objective", ["sum", "mean", "sum_of_squares", "l2_norm"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_one_chunk_is_pass_one_bit_for_bit_and_the_seed_loops_numbers(one_thread, objective, dtype):
+    req = request(SEED, objective=objective, dtype=dtype)
+    assert len(plan_bands(10, 5, 2, 1024 * 1024)) == 1  # the short path's case
+    short = run(req, CPU)
+    vectors = load_vectors(req, torch.device("cpu"))
+    long = pass_one(req, torch.device("cpu"), vectors, Deadline(60), 10 ** 9)
+    assert torch.equal(short.losses, long.losses) and torch.equal(short.accumulated, long.accumulated)
+    assert short.kept is not None and len(short.kept) == len(long.kept) == 4
+    for mine, theirs in zip(short.kept, long.kept, strict=True):
+        assert (mine.r, mine.c, mine.row_span, mine.col_span) == (theirs.r, theirs.c, theirs.row_span, theirs.col_span)
+        assert torch.equal(mine.loss, theirs.loss) and torch.equal(mine.gradient, theirs.gradient)
+    reference = torch.tensor(SEED, dtype=getattr(torch, dtype))
+    expected = reference_blocks(reference, 2, objective)
+    assert len(expected) == 4
+    for block, (loss, gradient) in zip(short.kept, expected, strict=True):
+        assert_matches(block.gradient, gradient, dtype)
+        assert_matches(block.loss, loss, dtype)
+    assert_matches(short.accumulated, reference_accumulated(reference, 2, objective), dtype)
+
+
+def test_one_chunk_takes_fewer_torch_operations_than_pass_one(one_thread):
+    req = request(SEED)
+    vectors = load_vectors(req, torch.device("cpu"))
+    with CountOps() as short:
+        run(req, CPU)
+    with CountOps() as long:
+        pass_one(req, torch.device("cpu"), vectors, Deadline(60), 10 ** 9)
+    assert short.count < long.count - 5, (short.count, long.count)
+
+
+def test_blocks_too_large_to_keep_are_recomputed_as_streamed():
+    req = request(SEED)
+    result = run(req, Settings(device="cpu", max_block_elements=1))
+    assert result.kept is None
+    blocks = list(result.blocks())
+    assert [(b.r, b.c) for b in blocks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    kept = run(req, CPU).kept
+    assert all(torch.equal(a.gradient, b.gradient) for a, b in zip(blocks, kept, strict=True))
+
+
+def test_what_is_not_finite_is_named_as_pass_one_names_it():
+    vectors = np.zeros((10, 5))
+    vectors[7, 1] = 1e20  # squares overflow float32; row 7 is in block row 1: block (0, 1) comes first
+    with pytest.raises(BlockgradError) as refused:
+        run(request(vectors, objective="sum_of_squares"), CPU)
+    assert refused.value.code == "non_finite_result"
+    assert refused.value.details == {"block": {"row": 0, "col": 1}}

@@ -1,0 +1,76 @@
+"""The worker's pool threads (app/serving/threads.py): each connection handled once and
+reported done, sequential hand-overs served by one thread, at most `size` at once with the
+rest in a backlog, a failing handle reported as None, and nothing served after shutdown."""
+import queue
+import threading
+
+from app.serving.threads import ServingThreads
+
+WAIT_S = 30.0  # bound of every wait; reached only on failure
+
+
+def pool(size, handle):
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    return ServingThreads(size, handle, lambda conn, result: done.put((conn, result))), done
+
+
+def test_sequential_connections_are_served_by_one_thread():
+    names = []
+    threads, done = pool(4, lambda conn: names.append(threading.current_thread()) or conn * 2)
+    for conn in range(20):
+        threads.submit(conn)
+        assert done.get(timeout=WAIT_S) == (conn, conn * 2)
+    assert len(set(names)) == 1  # each hand-over woke the one idle thread, never a second
+
+
+def test_at_most_size_run_at_once_and_the_backlog_is_served():
+    release, running, lock, most = threading.Event(), [0], threading.Lock(), [0]
+
+    def handle(conn):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        release.wait(WAIT_S)
+        with lock:
+            running[0] -= 1
+        return True
+
+    threads, done = pool(2, handle)
+    for conn in range(6):
+        threads.submit(conn)
+    release.set()
+    served = sorted(done.get(timeout=WAIT_S)[0] for _ in range(6))
+    assert served == list(range(6)) and most[0] == 2
+
+
+def test_a_failing_handle_is_reported_as_none_and_the_thread_goes_on():
+    def handle(conn):
+        if conn == "bad":
+            raise OSError("reset")
+        return True
+
+    threads, done = pool(1, handle)
+    threads.submit("bad")
+    assert done.get(timeout=WAIT_S) == ("bad", None)
+    threads.submit("good")
+    assert done.get(timeout=WAIT_S) == ("good", True)
+
+
+def test_after_shutdown_a_connection_is_reported_unserved():
+    handled = []
+    threads, done = pool(2, lambda conn: handled.append(conn) or True)
+    threads.submit(1)
+    assert done.get(timeout=WAIT_S) == (1, True)
+    threads.shutdown()
+    threads.submit(2)
+    assert done.get(timeout=WAIT_S) == (2, None) and handled == [1]
+
+
+def test_a_thread_done_with_one_takes_the_next_held_back_without_a_hand_over():
+    held = [3, 2]  # what the owner holds back, taken last first
+    names = []
+    threads, done = pool(4, lambda conn: names.append(threading.current_thread()) or True)
+    threads.take_next = lambda: held.pop() if held else None
+    threads.submit(1)
+    assert [done.get(timeout=WAIT_S)[0] for _ in range(3)] == [1, 2, 3]
+    assert len(set(names)) == 1 and held == []
