@@ -150,7 +150,7 @@ class JobStore:
         # The record first: the graph's last task writes the outcome only beside an existing one.
         call(client, client.scheduler.set_metadata, keys=[JOBS, job_id], value=record)
         try:
-            submit(client, job_id, vectors, spec, tiles)
+            submit(client, job_id, vectors, spec, tiles, req.objective_fn)
             call(client, client.scheduler.set_metadata, keys=[JOBS, job_id, "submitted"], value=True)
             if idempotency_key:
                 call(client, client.scheduler.set_metadata, keys=[IDEMPOTENCY, idempotency_key], value=job_id)
