@@ -23,11 +23,15 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-def run_job(vectors: np.ndarray, spec: JobSpec, workers: int, tile_numbers: int, fan_in: int = 3):
-    """The graph's composition in order: tiles, a tree of band sums per tile row and tile column, finish."""
+def run_job(vectors: np.ndarray, spec: JobSpec, workers: int, tile_numbers: int, fan_in: int = 3,
+            bands: bool = True):
+    """The graph's composition in order: tiles, a tree of band sums per tile row and tile column
+    (or none: a small job), finish."""
     objective = OBJECTIVES[spec.objective]
-    tiles = plan_tiles(spec.n, spec.dim, spec.factor, workers, tile_numbers)
+    tiles = plan_tiles(spec.n, spec.dim, spec.factor, workers, tile_numbers, least_numbers=1)
     parts = [run_tile(vectors, spec, tile, objective) for tile in tiles]
+    if not bands:
+        return tiles, finish(spec, *parts), 0
     bands, largest = [], 0
     for kind, groups in band_groups(tiles).items():
         for members in groups:
@@ -44,15 +48,16 @@ def spec_for(n, dim, factor, objective, dtype, offset=5.0):
     return JobSpec(n, dim, factor, objective, offset, dtype, chunk)
 
 
-@pytest.mark.parametrize("n, dim, factor, objective, dtype", [
-    (40, 3, 6, "sum", "float32"),  # a larger last block row and column
-    (37, 2, 7, "logsumexp", "float64"),
-    (64, 4, 8, "sum_of_squares", "float32"),
+@pytest.mark.parametrize("n, dim, factor, objective, dtype, bands", [
+    (40, 3, 6, "sum", "float32", True),  # a larger last block row and column
+    (37, 2, 7, "logsumexp", "float64", True),
+    (64, 4, 8, "sum_of_squares", "float32", True),
+    (37, 2, 7, "mean", "float64", False),  # finished from the tiles
 ])
-def test_tiles_and_bands_equal_v1(n, dim, factor, objective, dtype):
+def test_tiles_and_bands_equal_v1(n, dim, factor, objective, dtype, bands):
     vectors = np.random.default_rng(n).standard_normal((n, dim)).round(3).astype(dtype)
     spec = spec_for(n, dim, factor, objective, dtype)
-    tiles, outcome, largest = run_job(vectors, spec, workers=2, tile_numbers=1)  # one block per tile at most
+    tiles, outcome, largest = run_job(vectors, spec, 2, 1, bands=bands)  # one block per tile at most
     assert len(tiles) > 4 and outcome.error is None
     sync = create_app({"TESTING": True}).test_client().post("/v1/gradients", json={
         "vectors": vectors.tolist(), "factor": factor, "objective": objective, "dtype": dtype,
@@ -104,9 +109,19 @@ def test_a_tile_is_computed_by_the_executors_tile_function(monkeypatch):
 
 def test_band_of_mismatched_rows_is_refused():
     spec = spec_for(12, 2, 3, "sum", "float32")
-    tiles = plan_tiles(12, 2, 3, 1, tile_numbers=1)
+    tiles = plan_tiles(12, 2, 3, 1, tile_numbers=1, least_numbers=1)
     parts = [run_tile(np.ones((12, 2), dtype=np.float32), spec, tile, OBJECTIVES["sum"]) for tile in tiles[:2]]
     assert parts[0].rows == parts[1].rows  # one tile row: one row band, two column bands
     assert add_band(ROWS, *parts).sums.shape == (4, 2)
     with pytest.raises(ValueError):
         add_band(COLS, *parts)
+
+
+def test_plan_tiles_keeps_every_worker_busy_without_tiny_tiles():
+    # N = 1024, D = 64, F = 16: 134M numbers, 4 tiles of 34M (not 9 of 15M) for 2 workers.
+    assert [t.blocks for t in plan_tiles(1024, 64, 16, 2)] == [64] * 4
+    # N = 65,536, D = 64, F = 256: tiles of 8 x 8 blocks, 537M numbers each.
+    large = plan_tiles(65536, 64, 256, 2)
+    assert len(large) == 32 * 32 and large[0].blocks == 64
+    assert sum(t.blocks for t in large) == 256 ** 2
+    assert len(plan_tiles(64, 2, 4, 3)) >= 3  # tiny, but one tile per worker at least

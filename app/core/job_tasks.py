@@ -34,9 +34,11 @@ from .objectives import Objective
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 # Numbers (pairs x 2D) one tile task computes: large against a task's scheduling overhead,
 # small enough that a cancelled job frees its worker soon (docs/jobs.md).
-TILE_NUMBERS = 256 * 1024 * 1024
+TILE_NUMBERS = 512 * 1024 * 1024
 TILES_PER_WORKER = 4  # at least this many tiles per worker when the blocks allow it
+LEAST_TILE_NUMBERS = 32 * 1024 * 1024  # a smaller tile's work is not large against its overhead
 REDUCE_FAN_IN = 8  # partials summed by one reduction task
+FINISH_FAN_IN = 16  # a job of at most this many tiles is finished from its tiles, without bands
 ROWS, COLS = "rows", "cols"  # the two kinds of band
 
 
@@ -111,13 +113,16 @@ class JobOutcome:
     summary: dict = field(default_factory=dict)
 
 
-def plan_tiles(n: int, dim: int, factor: int, workers: int = 1, tile_numbers: int = TILE_NUMBERS) -> list[Tile]:
+def plan_tiles(n: int, dim: int, factor: int, workers: int = 1, tile_numbers: int = TILE_NUMBERS,
+               least_numbers: int = LEAST_TILE_NUMBERS) -> list[Tile]:
     """Square tiles of whole blocks, row-major, each about tile_numbers numbers (at least one
-    block), and at least TILES_PER_WORKER per worker while blocks allow it."""
+    block); more and smaller while there are fewer than TILES_PER_WORKER per worker, but no
+    smaller than least_numbers unless that leaves a worker without a tile."""
     base = max(1, n // factor)
     per_block = base * base * 2 * dim
     side = max(1, math.isqrt(max(1, tile_numbers // per_block)))
-    wanted = TILES_PER_WORKER * max(1, workers)
+    total = n * n * 2 * dim
+    wanted = max(workers, min(TILES_PER_WORKER * max(1, workers), total // least_numbers))
     side = max(1, min(side, math.ceil(factor / math.ceil(math.sqrt(wanted)))))
     tiles = []
     for r0 in range(0, factor, side):
@@ -251,20 +256,22 @@ def band_groups(tiles: list[Tile]) -> dict[str, list[list[int]]]:
     return {kind: [members for _, members in sorted(by_start.items())] for kind, by_start in groups.items()}
 
 
-def finish(spec: JobSpec, *bands: BandSum) -> JobOutcome:
-    """The bands added into the job's answer, or the error /v1 would give for the same body."""
+def finish(spec: JobSpec, *parts: "BandSum | TilePartial") -> JobOutcome:
+    """The bands (or, for a small job, the tiles themselves) added into the job's answer, or
+    the error /v1 would give for the same body."""
     accumulated = np.zeros((spec.n, spec.dim), dtype=np.dtype(spec.dtype))  # (N, D)
     losses = np.zeros((spec.factor, spec.factor), dtype=np.dtype(spec.dtype))  # (F, F)
     moved = 0
-    for band in bands:
-        accumulated[band.start:band.start + band.sums.shape[0]] += band.sums
-        for r0, c0, piece in band.losses:  # copied, not added: a -0.0 stays -0.0
-            losses[r0:r0 + piece.shape[0], c0:c0 + piece.shape[1]] = piece
-        moved += band.bytes_moved + band.nbytes
-    started_at = min(band.started_at for band in bands)
+    for part in parts:
+        for start, sums, pieces, nbytes in shares(part):
+            accumulated[start:start + sums.shape[0]] += sums
+            for r0, c0, piece in pieces:  # copied, not added: a -0.0 stays -0.0
+                losses[r0:r0 + piece.shape[0], c0:c0 + piece.shape[1]] = piece
+            moved += nbytes
+    started_at = min(part.started_at for part in parts)
     now = time.time()
-    errors = [band.error for band in bands if band.error is not None]
-    bad = min((band.bad_block for band in bands if band.bad_block is not None), default=None)
+    errors = [part.error for part in parts if part.error is not None]
+    bad = min((part.bad_block for part in parts if part.bad_block is not None), default=None)
     error = errors[0] if errors else None
     if error is None and bad is not None:
         error = as_dict(non_finite_block(*bad, spec.dtype))
@@ -273,6 +280,13 @@ def finish(spec: JobSpec, *bands: BandSum) -> JobOutcome:
     if error is not None:
         return JobOutcome(None, None, error, started_at, now, moved)
     return JobOutcome(accumulated, losses, None, started_at, now, moved)
+
+
+def shares(part: "BandSum | TilePartial") -> list[tuple[int, np.ndarray, list, int]]:
+    """What a part adds to the job: a band's one share, a tile's row and column shares."""
+    if isinstance(part, BandSum):
+        return [band_share(ROWS, part)]
+    return [band_share(ROWS, part), band_share(COLS, part)]
 
 
 def as_dict(error) -> dict:

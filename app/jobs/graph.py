@@ -6,7 +6,7 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-from ..core.job_tasks import JobSpec, Tile, band_groups, plan_tiles, reduction_levels
+from ..core.job_tasks import FINISH_FAN_IN, JobSpec, Tile, band_groups, plan_tiles, reduction_levels
 from ..core.objectives import Objective
 from .client import call
 from .on_scheduler import finish_key, outcome_key, tile_key
@@ -38,6 +38,14 @@ def submit(client, job_id: str, vectors: np.ndarray, spec: JobSpec, tiles: list[
     parts = [client.submit(tile_task, scattered, plain, (tile.rows.start, tile.rows.stop),
                            (tile.cols.start, tile.cols.stop), program, key=tile_key(job_id, tile.index), pure=False)
              for tile in tiles]
+    finals = parts if len(parts) <= FINISH_FAN_IN else band_sums(client, job_id, tiles, parts)
+    done = client.submit(finish_task, plain, *finals, key=finish_key(job_id), pure=False)
+    outcome = client.submit(outcome_task, job_id, plain, done, key=outcome_key(job_id), pure=False)
+    call(client, client._publish_dataset, [done, outcome], name=dataset_name(job_id), timeout_s=timeout)
+
+
+def band_sums(client, job_id: str, tiles: list[Tile], parts: list) -> list:
+    """A tree of sums per tile row (their row shares and losses) and per tile column."""
     bands = []
     for kind, groups in band_groups(tiles).items():
         for g, members in enumerate(groups):
@@ -47,6 +55,4 @@ def submit(client, job_id: str, vectors: np.ndarray, spec: JobSpec, tiles: list[
                                        key=f"blockgrad-sum-{job_id}-{kind}{g}-{depth}-{k}", pure=False)
                          for k, group in enumerate(sums)]
             bands.append(level[0])
-    done = client.submit(finish_task, plain, *bands, key=finish_key(job_id), pure=False)
-    outcome = client.submit(outcome_task, job_id, plain, done, key=outcome_key(job_id), pure=False)
-    call(client, client._publish_dataset, [done, outcome], name=dataset_name(job_id), timeout_s=timeout)
+    return bands
