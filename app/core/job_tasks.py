@@ -187,13 +187,13 @@ def run_tile(vectors: np.ndarray, spec: JobSpec, tile: Tile, objective: Objectiv
     # A sum is finite only if all its terms are: one check per chunk, no pass over gradients.
     finite = torch.ones((), dtype=torch.bool)
     for chunk in chunks:
-        result, sums = tile_shares(v, chunk, objective, spec.offset)
+        computed, sums = tile_shares(v, chunk, objective, spec.offset)
         r0, c0 = chunk.rows.start * chunk.base - row_start, chunk.cols.start * chunk.base - col_start
         row_sums[r0:r0 + sums.rows.shape[0]] += sums.rows
         col_sums[c0:c0 + sums.cols.shape[0]] += sums.cols
         losses[chunk.rows.start - tile.rows.start:chunk.rows.stop - tile.rows.start,
-               chunk.cols.start - tile.cols.start:chunk.cols.stop - tile.cols.start] = result.result.losses
-        finite &= result.surely_finite
+               chunk.cols.start - tile.cols.start:chunk.cols.stop - tile.cols.start] = computed.result.losses
+        finite &= computed.surely_finite
     bad = None if bool(finite) else first_bad_block(v, chunks, objective, spec.offset)
     return TilePartial(tile.rows, tile.cols, row_start, col_start, losses.numpy(), row_sums.numpy(),
                        col_sums.numpy(), started_at, bad)
