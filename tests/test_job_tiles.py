@@ -92,19 +92,26 @@ def test_a_non_finite_block_fails_with_the_first_block():
 
 
 def test_a_tile_is_computed_by_the_executors_tile_function(monkeypatch):
-    """The local executor's lanes and a job's tasks run one tile function."""
-    calls = []
+    """The local executor's lanes and a job's tasks run one tile function: each calls it once
+    per chunk, and the job's is the executor's own."""
+    assert job_tasks.tile_shares is executor.tile_shares
     real = executor.tile_shares
-
-    def counted(*args):
-        calls.append(args[1])
-        return real(*args)
-    monkeypatch.setattr(job_tasks, "tile_shares", counted)
     spec = spec_for(12, 2, 3, "sum", "float32")
     tile = plan_tiles(12, 2, 3, 1)[0]
-    run_tile(np.ones((12, 2), dtype=np.float32), spec, tile, OBJECTIVES["sum"])
-    assert calls and job_tasks.tile_shares is counted and executor.tile_result.__globals__["tile_shares"] is real
-    assert {chunk for chunk in calls} == set(job_tasks.tile_chunks(12, 2, 3, tile, spec.chunk_elements))
+    chunks = job_tasks.tile_chunks(12, 2, 3, tile, spec.chunk_elements)
+    for module, run in ((job_tasks, lambda: run_tile(np.ones((12, 2), dtype=np.float32), spec, tile,
+                                                     OBJECTIVES["sum"])),
+                        (executor, lambda: list(executor.SerialExecutor().pass_one(
+                            torch.ones(12, 2), chunks, OBJECTIVES["sum"], 5.0)))):
+        calls = []
+
+        def counted(*args):
+            calls.append(args[1])
+            return real(*args)
+        monkeypatch.setattr(module, "tile_shares", counted)
+        run()
+        monkeypatch.setattr(module, "tile_shares", real)
+        assert calls == chunks, module.__name__
 
 
 def test_band_of_mismatched_rows_is_refused():
