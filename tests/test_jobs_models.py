@@ -12,6 +12,7 @@ import torch
 from app import create_app
 from app.core.job_models import ProgramError, job_objective, program_hash, program_loads
 from app.jobs.client import cluster_client
+from app.jobs import programs
 from app.jobs.programs import program_key
 from examples.export_scorer import export_scorer
 from tests.numeric import assert_matches, largest
@@ -51,7 +52,14 @@ def loads_on_workers(address: str, sha256: str) -> dict[str, int]:
     return {worker: loads.get(sha256, 0) for worker, loads in cluster_client(address).run(program_loads).items()}
 
 
-def test_model_jobs_equal_v1_and_load_the_program_once_per_worker(cluster, client, scorers):  # noqa: F811
+def test_model_jobs_equal_v1_and_load_the_program_once_per_worker(cluster, client, scorers, monkeypatch):  # noqa: F811
+    scatters = []
+    real_call = programs.call
+
+    def counted(dask, method, *args, **kwargs):
+        scatters.append(args[0])
+        return real_call(dask, method, *args, **kwargs)
+    monkeypatch.setattr(programs, "call", counted)
     vectors = np.random.default_rng(4).standard_normal((48, DIM)).astype(np.float32)
     body = {"vectors": vectors.tolist(), "factor": 6, "objective": "relnet", "dtype": "float32"}
     first = client.post("/v1/jobs", json=body)
@@ -73,6 +81,7 @@ def test_model_jobs_equal_v1_and_load_the_program_once_per_worker(cluster, clien
     assert np.array_equal(arrays["losses"], np.array(sync["losses"], dtype=np.float32))
 
     sha256 = program_hash((scorers / "relnet.pt2").read_bytes())
+    assert [list(data) for data in scatters] == [[program_key(sha256)]]  # shipped once for both jobs
     loads = loads_on_workers(cluster.address, sha256)
     assert len(loads) == 2 and set(loads.values()) <= {0, 1} and sum(loads.values()) >= 1, loads  # two jobs
     holders = cluster_client(cluster.address).who_has()
