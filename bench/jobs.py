@@ -6,7 +6,7 @@ last sum's end); submit-to-result is POST to the result's last byte, polling the
 Every row also reports the machine's load average: the embedded workers run at nice 19 and
 yield to anything else running, so on a shared machine a job gets what is left.
 
-J3 (N = 65,536, 4.3 x 10^9 pairs) takes about a quarter of an hour on two idle cores, more
+J3 (N = 65,536, 4.3 x 10^9 pairs) takes about half an hour on two idle cores, more
 than `make bench` should grow by: it runs when named (`python -m bench job_size`) or with
 BLOCKGRAD_BENCH_J3=1, and otherwise reports that it was not run.
 
@@ -214,7 +214,7 @@ def job_size(bench=None, n: int = 65536, dim: int = 64, factor: int = 256, named
     name = f"J3. job size, N={n} D={dim} F={factor} sum accumulated + losses, 2 Dask workers"
     if not named and os.environ.get(J3_ENV) != "1":
         return [Result(name, "finishes", "not run", "-",
-                       f"about 15 min on 2 idle cores (docs/jobs.md); {J3_ENV}=1 runs it")]
+                       f"about 30 min on 2 idle cores (docs/jobs.md); {J3_ENV}=1 runs it")]
     matrix = np.random.default_rng(3).standard_normal((n, dim)).astype(np.float32)
     with job_server(2) as server:
         idle = {pid: peak_rss_kib(pid) for pid in dask_workers(server)}
