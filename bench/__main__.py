@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tools.server import gunicorn_settings
 
-from . import attacks, client_rows, cores, recycling, rows, small_requests, uploads
+from . import attacks, client_rows, cores, jobs, recycling, rows, small_requests, uploads
 from .measure import table
 
 def dripping_uploads(bench) -> list:
@@ -41,6 +41,10 @@ ROWS = [
     cores.concurrent_pairs_balance,
     cores.lone_request_cpu,
     cores.four_concurrent_requests,
+    jobs.job_overhead,
+    jobs.job_scaling,
+    jobs.job_size,
+    jobs.job_model,
 ]
 
 

@@ -12,7 +12,7 @@ def no_compute(monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("a refused request reached the engine")
     for module, name in [(compute, "load_vectors"), (compute, "pass_one"),
-                         (compute, "iter_bands"), (engine, "pair_blocks"), (engine, "chunk_gradients")]:
+                         (compute, "one_chunk"), (engine, "pair_blocks"), (engine, "chunk_gradients")]:
         monkeypatch.setattr(module, name, must_not_run)
 
 

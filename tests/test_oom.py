@@ -42,15 +42,15 @@ def test_out_of_memory_mid_stream_frees_the_cache(monkeypatch, empty_cache_calls
     from app import create_app
     # Dense gradients over a tiny keep budget: pass one cannot keep them, so pass two runs.
     client = create_app({"TESTING": True, "BLOCKGRAD_MAX_BLOCK_ELEMENTS": 16}).test_client()
-    real = compute.iter_bands
+    real = compute.chunk_gradients  # run.py's own name for it: pass two's (pass one's tiles run in executor.py)
     calls = []
 
     def fail_in_pass_two(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 1:  # pass two (pass one plans its tiles itself), while the body streams
+        if len(calls) == 1:  # pass two's first band, while the body streams
             raise_oom()
         return real(*args, **kwargs)
-    monkeypatch.setattr(compute, "iter_bands", fail_in_pass_two)
+    monkeypatch.setattr(compute, "chunk_gradients", fail_in_pass_two)
     response = client.post("/v1/gradients", json=dict(GOOD, objective="sum_of_squares"))
     assert response.status_code == 200
     with pytest.raises(BlockgradError) as cut:

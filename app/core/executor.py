@@ -30,7 +30,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from .engine import Chunk, ChunkResult, add_to_vectors, chunk_gradients
+from .engine import Chunk, ChunkResult, ChunkSums, chain_rule_sums, chunk_gradients
 from .objectives import Objective
 from .slots import Slot, SlotSource
 
@@ -104,12 +104,24 @@ def tile_elements(chunk_elements: int, parallel: bool) -> int:
     return min(chunk_elements, PARALLEL_TILE_ELEMENTS) if parallel else chunk_elements
 
 
+def tile_shares(vectors: torch.Tensor, chunk: Chunk, objective: Objective,
+                offset: float) -> tuple[TileResult, ChunkSums]:
+    """One tile's computation, whatever runs it (these lanes, a job's task on a cluster): its
+    blocks' losses and gradients, whether they are surely finite, and their chain-rule shares
+    onto V's rows (kr * h, D) and columns (kc * w, D) from the tile's first row and column."""
+    result = chunk_gradients(vectors, chunk, objective, offset)
+    sums = chain_rule_sums(result)
+    return TileResult(result, torch.isfinite(result.losses.sum() + sums.rows.sum() + sums.cols.sum())), sums
+
+
 def tile_result(vectors: torch.Tensor, chunk: Chunk, objective: Objective, offset: float,
                 partial: torch.Tensor) -> TileResult:
     """One tile of pass one: its blocks' losses and gradients, its share added to `partial`."""
-    result = chunk_gradients(vectors, chunk, objective, offset)
-    sums = add_to_vectors(partial, result)  # (kr * h, D), (kc * w, D)
-    return TileResult(result, torch.isfinite(result.losses.sum() + sums.rows.sum() + sums.cols.sum()))
+    tile, sums = tile_shares(vectors, chunk, objective, offset)
+    row_start, col_start = chunk.rows.start * chunk.base, chunk.cols.start * chunk.base
+    partial[row_start:row_start + sums.rows.shape[0]] += sums.rows  # (kr * h, D)
+    partial[col_start:col_start + sums.cols.shape[0]] += sums.cols  # (kc * w, D)
+    return tile
 
 
 class LocalExecutor:

@@ -1,19 +1,23 @@
 """A job's computation cut into tasks of whole block tiles, and their reduction.
 
 A tile is a range of block rows x a range of block columns. Its task computes every
-block of the tile with the engine's own functions (`chunk_gradients`, `chain_rule_sums`)
-a chunk at a time, so a task's memory is bounded by a chunk plus its partial sums, and
-returns the tile's losses and its share of the accumulated gradient: rows x D onto the
-tile's rows of V and cols x D onto its columns, (rows + cols) x D in all, never N x D.
-Partials are then summed in a tree of reductions into the job's (N, D) accumulated
-gradient and (F, F) losses.
+block of the tile a chunk at a time with the executor's own tile function
+(`executor.tile_shares`, what the local lanes run), so a task's memory is bounded by a
+chunk plus its partial sums, and returns the tile's losses and its share of the
+accumulated gradient: rows x D onto the tile's rows of V and cols x D onto its columns,
+(rows + cols) x D in all, never N x D.
+
+The reduction never makes a dense N x D sum until the last task: the row shares of the
+tiles of one tile row all land on the same rows of V, so they are summed on their own
+(a band of rows x D), and likewise the column shares of one tile column. The last task
+adds the bands into the job's (N, D) accumulated gradient and places the tiles' losses.
 
 Numbers: each block's loss and gradient are the engine's (losses bit for bit with one
 torch thread, as /v1 computes them); the accumulated gradient differs from /v1's only in
 the order of the additions.
 
-Pure module: numpy arrays and ints in, numpy arrays out. Nothing here knows where it
-runs (app/jobs/ ships these functions to Dask workers).
+Pure module: numpy arrays, ints and an Objective in, numpy arrays out. Nothing here knows
+where it runs (app/jobs/ ships these functions to Dask workers).
 """
 import math
 import time
@@ -23,27 +27,32 @@ import numpy as np
 import torch
 
 from .dtypes import TORCH_DTYPES
-from .engine import Chunk, block_bounds, chain_rule_sums, chunk_gradients, shape_groups, split
+from .engine import Chunk, block_bounds, chunk_gradients, shape_groups, split
 from .errors import non_finite_accumulated, non_finite_block
-from .objectives import OBJECTIVES
+from .executor import tile_shares
+from .objectives import Objective
 
 # Numbers (pairs x 2D) one tile task computes: large against a task's scheduling overhead,
 # small enough that a cancelled job frees its worker soon (docs/jobs.md).
-TILE_NUMBERS = 256 * 1024 * 1024
+TILE_NUMBERS = 512 * 1024 * 1024
 TILES_PER_WORKER = 4  # at least this many tiles per worker when the blocks allow it
+LEAST_TILE_NUMBERS = 32 * 1024 * 1024  # a smaller tile's work is not large against its overhead
 REDUCE_FAN_IN = 8  # partials summed by one reduction task
+FINISH_FAN_IN = 16  # a job of at most this many tiles is finished from its tiles, without bands
+ROWS, COLS = "rows", "cols"  # the two kinds of band
 
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What every task of one job needs besides the vectors."""
+    """What every task of one job needs besides the vectors (and a model's program)."""
     n: int
     dim: int
     factor: int
-    objective: str  # a built-in objective's name
+    objective: str  # a built-in objective's or a model's name
     offset: float
     dtype: str
     chunk_elements: int  # numbers per chunk (engine.elements_per_chunk)
+    program: str | None = None  # a model's program: the sha256 of its bytes (job_models.py)
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class TilePartial:
     col_sums: np.ndarray  # (tile columns of V, D)
     started_at: float  # time.time() when the task began
     bad_block: tuple[int, int] | None  # the tile's first block that is not finite, row-major
+    error: dict | None = None  # {"code", "message", "details"}: the tile could not be computed
 
     @property
     def nbytes(self) -> int:
@@ -76,14 +86,20 @@ class TilePartial:
 
 
 @dataclass
-class JobSum:
-    """The sum of some partials: dense (N, D) and (F, F)."""
-    accumulated: np.ndarray  # (N, D)
-    losses: np.ndarray  # (F, F)
-    filled: np.ndarray  # (F, F) bool: which losses a tile has set
+class BandSum:
+    """The shares of some tiles onto one range of V's rows: tiles of one tile row (their
+    row shares, and their losses) or of one tile column (their column shares)."""
+    start: int  # first row of V
+    sums: np.ndarray  # (band rows, D)
+    losses: list[tuple[int, int, np.ndarray]]  # (first block row, first block column, losses) per tile
     started_at: float
     bad_block: tuple[int, int] | None
+    error: dict | None
     bytes_moved: int  # bytes of the partials and sums this one was made from
+
+    @property
+    def nbytes(self) -> int:
+        return self.sums.nbytes + sum(piece.nbytes for _, _, piece in self.losses)
 
 
 @dataclass
@@ -97,13 +113,16 @@ class JobOutcome:
     summary: dict = field(default_factory=dict)
 
 
-def plan_tiles(n: int, dim: int, factor: int, workers: int = 1, tile_numbers: int = TILE_NUMBERS) -> list[Tile]:
+def plan_tiles(n: int, dim: int, factor: int, workers: int = 1, tile_numbers: int = TILE_NUMBERS,
+               least_numbers: int = LEAST_TILE_NUMBERS) -> list[Tile]:
     """Square tiles of whole blocks, row-major, each about tile_numbers numbers (at least one
-    block), and at least TILES_PER_WORKER per worker while blocks allow it."""
+    block); more and smaller while there are fewer than TILES_PER_WORKER per worker, but no
+    smaller than least_numbers unless that leaves a worker without a tile."""
     base = max(1, n // factor)
     per_block = base * base * 2 * dim
     side = max(1, math.isqrt(max(1, tile_numbers // per_block)))
-    wanted = TILES_PER_WORKER * max(1, workers)
+    total = n * n * 2 * dim
+    wanted = max(workers, min(TILES_PER_WORKER * max(1, workers), total // least_numbers))
     side = max(1, min(side, math.ceil(factor / math.ceil(math.sqrt(wanted)))))
     tiles = []
     for r0 in range(0, factor, side):
@@ -137,68 +156,85 @@ def tile_chunks(n: int, dim: int, factor: int, tile: Tile, max_elements: int) ->
     return chunks
 
 
-def first_bad_block(vectors: torch.Tensor, chunks: list[Chunk], spec: JobSpec) -> tuple[int, int] | None:
+def first_bad_block(vectors: torch.Tensor, chunks: list[Chunk], objective: Objective,
+                    offset: float) -> tuple[int, int] | None:
     """Row-major, the first block of these chunks whose loss or gradient is not finite."""
-    objective = OBJECTIVES[spec.objective]
     found = []
     for chunk in chunks:
-        result = chunk_gradients(vectors, chunk, objective, spec.offset)
+        result = chunk_gradients(vectors, chunk, objective, offset)
         finite = torch.isfinite(result.losses) & torch.isfinite(result.gradient).flatten(2).all(dim=2)
         found += [(chunk.rows[i], chunk.cols[j]) for i, j in torch.nonzero(~finite).tolist()]
     return min(found, default=None)
 
 
-def run_tile(vectors: np.ndarray, spec: JobSpec, tile: Tile) -> TilePartial:
+def tile_spans(spec: JobSpec, tile: Tile) -> tuple[int, int, int, int]:
+    """(first row, rows, first column, columns) of V the tile covers."""
+    bounds = block_bounds(spec.n, spec.factor)
+    row_start, col_start = bounds[tile.rows.start], bounds[tile.cols.start]
+    return row_start, bounds[tile.rows.stop] - row_start, col_start, bounds[tile.cols.stop] - col_start
+
+
+def run_tile(vectors: np.ndarray, spec: JobSpec, tile: Tile, objective: Objective) -> TilePartial:
     """Every block of the tile: its losses and its chain-rule sums onto V's rows and columns."""
     started_at = time.time()
     torch.set_num_threads(1)  # one core per task, and the same loss bits as /v1's one thread
     v = torch.as_tensor(vectors, dtype=TORCH_DTYPES[spec.dtype])  # (N, D)
-    bounds = block_bounds(spec.n, spec.factor)
-    row_start, col_start = bounds[tile.rows.start], bounds[tile.cols.start]
-    row_sums = torch.zeros((bounds[tile.rows.stop] - row_start, spec.dim), dtype=v.dtype)  # (rows, D)
-    col_sums = torch.zeros((bounds[tile.cols.stop] - col_start, spec.dim), dtype=v.dtype)  # (cols, D)
+    row_start, height, col_start, width = tile_spans(spec, tile)
+    row_sums = torch.zeros((height, spec.dim), dtype=v.dtype)  # (rows, D)
+    col_sums = torch.zeros((width, spec.dim), dtype=v.dtype)  # (cols, D)
     losses = torch.empty((len(tile.rows), len(tile.cols)), dtype=v.dtype)
-    objective = OBJECTIVES[spec.objective]
     chunks = tile_chunks(spec.n, spec.dim, spec.factor, tile, spec.chunk_elements)
     # A sum is finite only if all its terms are: one check per chunk, no pass over gradients.
     finite = torch.ones((), dtype=torch.bool)
     for chunk in chunks:
-        result = chunk_gradients(v, chunk, objective, spec.offset)
-        sums = chain_rule_sums(result)  # (kr * h, D), (kc * w, D)
+        computed, sums = tile_shares(v, chunk, objective, spec.offset)
         r0, c0 = chunk.rows.start * chunk.base - row_start, chunk.cols.start * chunk.base - col_start
         row_sums[r0:r0 + sums.rows.shape[0]] += sums.rows
         col_sums[c0:c0 + sums.cols.shape[0]] += sums.cols
         losses[chunk.rows.start - tile.rows.start:chunk.rows.stop - tile.rows.start,
-               chunk.cols.start - tile.cols.start:chunk.cols.stop - tile.cols.start] = result.losses
-        finite &= torch.isfinite(result.losses.sum() + sums.rows.sum() + sums.cols.sum())
-    bad = None if bool(finite) else first_bad_block(v, chunks, spec)
+               chunk.cols.start - tile.cols.start:chunk.cols.stop - tile.cols.start] = computed.result.losses
+        finite &= computed.surely_finite
+    bad = None if bool(finite) else first_bad_block(v, chunks, objective, spec.offset)
     return TilePartial(tile.rows, tile.cols, row_start, col_start, losses.numpy(), row_sums.numpy(),
                        col_sums.numpy(), started_at, bad)
 
 
-def reduce_parts(spec: JobSpec, *parts: "TilePartial | JobSum") -> JobSum:
-    """Partials and sums added into one dense sum (order: as given)."""
+def failed_tile(spec: JobSpec, tile: Tile, error: dict) -> TilePartial:
+    """A tile that could not be computed (its objective did not load): zeros and the error."""
+    row_start, height, col_start, width = tile_spans(spec, tile)
     dtype = np.dtype(spec.dtype)
-    accumulated = np.zeros((spec.n, spec.dim), dtype=dtype)
-    losses = np.zeros((spec.factor, spec.factor), dtype=dtype)
-    filled = np.zeros((spec.factor, spec.factor), dtype=bool)
-    bad, started, moved = [], [], 0
-    for part in parts:
-        started.append(part.started_at)
-        if part.bad_block is not None:
-            bad.append(tuple(part.bad_block))
-        if isinstance(part, JobSum):
-            accumulated += part.accumulated
-            np.copyto(losses, part.losses, where=part.filled)  # copied, not added: a -0.0 stays -0.0
-            filled |= part.filled
-            moved += part.bytes_moved + part.accumulated.nbytes + part.losses.nbytes
-            continue
-        accumulated[part.row_start:part.row_start + part.row_sums.shape[0]] += part.row_sums
-        accumulated[part.col_start:part.col_start + part.col_sums.shape[0]] += part.col_sums
-        losses[part.rows.start:part.rows.stop, part.cols.start:part.cols.stop] = part.losses
-        filled[part.rows.start:part.rows.stop, part.cols.start:part.cols.stop] = True
-        moved += part.nbytes
-    return JobSum(accumulated, losses, filled, min(started), min(bad, default=None), moved)
+    return TilePartial(tile.rows, tile.cols, row_start, col_start,
+                       np.zeros((len(tile.rows), len(tile.cols)), dtype), np.zeros((height, spec.dim), dtype),
+                       np.zeros((width, spec.dim), dtype), time.time(), None, error)
+
+
+def band_share(kind: str, part: "TilePartial | BandSum") -> tuple[int, np.ndarray, list, int]:
+    """(first row of V, sums, loss pieces, bytes) a part brings to a band of this kind."""
+    if isinstance(part, BandSum):
+        return part.start, part.sums, part.losses, part.bytes_moved + part.nbytes
+    if kind == ROWS:  # a tile's losses travel with its row share only, so that they count once
+        return part.row_start, part.row_sums, [(part.rows.start, part.cols.start, part.losses)], \
+            part.row_sums.nbytes + part.losses.nbytes
+    return part.col_start, part.col_sums, [], part.col_sums.nbytes
+
+
+def add_band(kind: str, *parts: "TilePartial | BandSum") -> BandSum:
+    """Parts that cover the same rows of V (kind: which of a tile's shares) summed, in the
+    order given, into one band."""
+    start, first, losses, moved = band_share(kind, parts[0])
+    sums = first.copy()
+    for part in parts[1:]:
+        part_start, part_sums, part_losses, part_bytes = band_share(kind, part)
+        if part_start != start or part_sums.shape != sums.shape:
+            raise ValueError(f"a band of rows {start}+{sums.shape[0]} got a share of rows {part_start}+"
+                             f"{part_sums.shape[0]}")
+        sums += part_sums
+        losses = losses + part_losses
+        moved += part_bytes
+    errors = [part.error for part in parts if part.error is not None]
+    bad = [tuple(part.bad_block) for part in parts if part.bad_block is not None]
+    return BandSum(start, sums, losses, min(part.started_at for part in parts), min(bad, default=None),
+                   errors[0] if errors else None, moved)
 
 
 def reduction_levels(count: int, fan_in: int = REDUCE_FAN_IN) -> list[list[range]]:
@@ -211,15 +247,47 @@ def reduction_levels(count: int, fan_in: int = REDUCE_FAN_IN) -> list[list[range
     return levels
 
 
-def finish(spec: JobSpec, total: JobSum) -> JobOutcome:
-    """The job's answer, or the error /v1 would give for the same body."""
+def band_groups(tiles: list[Tile]) -> dict[str, list[list[int]]]:
+    """Which tiles share a band: by tile row (their rows of V) and by tile column."""
+    groups: dict[str, dict[int, list[int]]] = {ROWS: {}, COLS: {}}
+    for k, tile in enumerate(tiles):
+        groups[ROWS].setdefault(tile.rows.start, []).append(k)
+        groups[COLS].setdefault(tile.cols.start, []).append(k)
+    return {kind: [members for _, members in sorted(by_start.items())] for kind, by_start in groups.items()}
+
+
+def finish(spec: JobSpec, *parts: "BandSum | TilePartial") -> JobOutcome:
+    """The bands (or, for a small job, the tiles themselves) added into the job's answer, or
+    the error /v1 would give for the same body."""
+    accumulated = np.zeros((spec.n, spec.dim), dtype=np.dtype(spec.dtype))  # (N, D)
+    losses = np.zeros((spec.factor, spec.factor), dtype=np.dtype(spec.dtype))  # (F, F)
+    moved = 0
+    for part in parts:
+        for start, sums, pieces, nbytes in shares(part):
+            accumulated[start:start + sums.shape[0]] += sums
+            for r0, c0, piece in pieces:  # copied, not added: a -0.0 stays -0.0
+                losses[r0:r0 + piece.shape[0], c0:c0 + piece.shape[1]] = piece
+            moved += nbytes
+    started_at = min(part.started_at for part in parts)
     now = time.time()
-    error = None
-    if total.bad_block is not None:
-        error = non_finite_block(*total.bad_block, spec.dtype)
-    elif not np.isfinite(total.accumulated).all():
-        error = non_finite_accumulated(spec.dtype)
+    errors = [part.error for part in parts if part.error is not None]
+    bad = min((part.bad_block for part in parts if part.bad_block is not None), default=None)
+    error = errors[0] if errors else None
+    if error is None and bad is not None:
+        error = as_dict(non_finite_block(*bad, spec.dtype))
+    elif error is None and not np.isfinite(accumulated).all():
+        error = as_dict(non_finite_accumulated(spec.dtype))
     if error is not None:
-        return JobOutcome(None, None, {"code": error.code, "message": error.message, "details": error.details},
-                          total.started_at, now, total.bytes_moved)
-    return JobOutcome(total.accumulated, total.losses, None, total.started_at, now, total.bytes_moved)
+        return JobOutcome(None, None, error, started_at, now, moved)
+    return JobOutcome(accumulated, losses, None, started_at, now, moved)
+
+
+def shares(part: "BandSum | TilePartial") -> list[tuple[int, np.ndarray, list, int]]:
+    """What a part adds to the job: a band's one share, a tile's row and column shares."""
+    if isinstance(part, BandSum):
+        return [band_share(ROWS, part)]
+    return [band_share(ROWS, part), band_share(COLS, part)]
+
+
+def as_dict(error) -> dict:
+    return {"code": error.code, "message": error.message, "details": error.details}

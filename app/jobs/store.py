@@ -198,7 +198,7 @@ class JobStore:
         else:
             raise job_not_found(owner)
         try:
-            submit(client, job_id, vectors, spec, tiles)
+            submit(client, job_id, vectors, spec, tiles, req.objective_fn)
             call(client, client.scheduler.set_metadata, keys=[JOBS, job_id, "submitted"], value=True)
         except BaseException:
             self.forget(client, job_id, quiet=True)

@@ -23,22 +23,29 @@ def worker_log() -> logging.Logger:
     return log
 
 
-def tile_task(vectors, spec: dict, rows: tuple[int, int], cols: tuple[int, int]):
-    from ..core.job_tasks import JobSpec, Tile, run_tile
+def tile_task(vectors, spec: dict, rows: tuple[int, int], cols: tuple[int, int], program=None):
+    """program: a model's bytes (a scattered future, resolved here), None for a built-in."""
+    from ..core.job_models import ProgramError, job_objective
+    from ..core.job_tasks import JobSpec, Tile, failed_tile, run_tile
 
-    return run_tile(vectors, JobSpec(**spec), Tile(0, range(*rows), range(*cols)))
+    job, tile = JobSpec(**spec), Tile(0, range(*rows), range(*cols))
+    try:
+        objective = job_objective(job.objective, job.dim, job.dtype, job.program, program)
+    except ProgramError as exc:
+        return failed_tile(job, tile, exc.error)
+    return run_tile(vectors, job, tile, objective)
 
 
-def sum_task(spec: dict, *parts):
-    from ..core.job_tasks import JobSpec, reduce_parts
+def band_task(kind: str, *parts):
+    from ..core.job_tasks import add_band
 
-    return reduce_parts(JobSpec(**spec), *parts)
+    return add_band(kind, *parts)
 
 
-def finish_task(spec: dict, total):
+def finish_task(spec: dict, *bands):
     from ..core.job_tasks import JobSpec, finish
 
-    return finish(JobSpec(**spec), total)
+    return finish(JobSpec(**spec), *bands)
 
 
 def outcome_task(job_id: str, spec: dict, outcome) -> dict:

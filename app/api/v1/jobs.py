@@ -12,11 +12,12 @@ from flask import Response, request
 from marshmallow import ValidationError
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from ...core.admission import check_activations
 from ...core.dtypes import DTYPES
 from ...core.engine import block_bounds
 from ...core.errors import field_error, job_result_too_large, validation_error
-from ...core.objectives import OBJECTIVES
 from ...core.request import GradientRequest, build_request
+from ...core.sizes import Sizes
 from ...core.vectors import MatrixError, check_matrix
 from ...http.docs import documents_errors
 from ...http.errors import HttpError, bad_request, unsupported_media_type
@@ -140,9 +141,9 @@ def job_request() -> GradientRequest:
     else:
         raise unsupported_media_type(f"Send the body as Content-Type: application/json or {NPY} "
                                      f"(got {mimetype or 'none'!r}).")
-    if req.objective not in OBJECTIVES:
-        raise field_error("objective", "Jobs run the built-in objectives only: "
-                                       f"{', '.join(OBJECTIVES)} (a model's program is not shipped to the cluster).")
+    per_pair = getattr(req.objective_fn, "bytes_per_pair", None)  # a model's: its largest block must fit
+    check_activations(Sizes(req.n, req.dim, req.factor, tuple(req.outputs), req.objective, req.dtype, per_pair),
+                      services().settings)
     return req
 
 

@@ -1,0 +1,292 @@
+"""Job rows J1-J4 (docs/jobs.md, "Benchmarks"): each starts gunicorn as `make serve` does,
+with its embedded Dask cluster (BLOCKGRAD_DASK_WORKERS workers at nice 19), and stops it.
+
+A job's compute time is its record's finished_at - started_at (the first tile's start to the
+last sum's end); submit-to-result is POST to the result's last byte, polling the record.
+Every row also reports the machine's load average: the embedded workers run at nice 19 and
+yield to anything else running, so on a shared machine a job gets what is left.
+
+J3 (N = 65,536, 4.3 x 10^9 pairs) takes about half an hour on two idle cores, more
+than `make bench` should grow by: it runs when named (`python -m bench job_size`) or with
+BLOCKGRAD_BENCH_J3=1, and otherwise reports that it was not run.
+
+Usage: python -m bench.jobs [J1 J2 J3 J4]
+"""
+import contextlib
+import io
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+import requests
+import torch
+
+from tools.server import children, cpu_ticks, gunicorn_server, is_dask_process, peak_rss_kib, wait_until
+
+from .measure import Result, at_least, at_most
+from .workloads import body as json_body
+from .workloads import vectors as random_vectors
+
+CLUSTER_UP_S = 180  # bounded: the scheduler and niced workers start while gunicorn does
+JOB_LIMIT_S = 3600
+J1_COMPUTE_RATIO, J1_EXTRA_S = 1.3, 0.5
+J2_SHARE = 0.9
+J3_ENV = "BLOCKGRAD_BENCH_J3"
+
+
+def load() -> str:
+    return "load " + " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+@contextlib.contextmanager
+def job_server(dask_workers: int, **env: str):
+    """gunicorn (2 workers) with its embedded cluster of `dask_workers`, ready for jobs."""
+    settings = {"BLOCKGRAD_DASK_SCHEDULER": "", "BLOCKGRAD_DASK_WORKERS": str(dask_workers), **env}
+    with gunicorn_server(workers=2, env=settings) as server:
+        url = server.url
+        tiny = {"vectors": [[1.0, 2.0], [3.0, 4.0]], "factor": 2}
+        answers = []
+
+        def accepted():  # a fresh scheduler answers 503 until it has a worker
+            answers.append(requests.post(url + "/v1/jobs", json=tiny, timeout=30))
+            return answers[-1].status_code == 202
+        if not wait_until(accepted, CLUSTER_UP_S, 1.0):
+            raise RuntimeError(f"the embedded cluster took no job: {answers[-1].text[:300]}")
+        wait_for(url, answers[-1].json()["id"], CLUSTER_UP_S, 0.2)
+
+        def all_joined():
+            cluster = requests.get(url + "/readyz", timeout=10).json().get("cluster") or {}
+            return cluster.get("workers") == dask_workers
+        if not wait_until(all_joined, CLUSTER_UP_S, 1.0):
+            raise RuntimeError(f"{dask_workers} Dask workers did not all join within {CLUSTER_UP_S} s")
+        yield server
+
+
+def dask_workers(server) -> list[int]:
+    return [pid for pid in children(server.pid) if is_dask_process(pid)
+            and b" worker " in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")]
+
+
+def workers_cpu_s(server) -> float:
+    """CPU seconds the embedded Dask workers have used: on a shared machine, what a job got."""
+    return sum(cpu_ticks(pid) for pid in dask_workers(server)) / os.sysconf("SC_CLK_TCK")
+
+
+def seconds(rfc3339: str) -> float:
+    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+
+
+def wait_for(url: str, job_id: str, timeout_s: float, interval_s: float) -> dict:
+    record = {}
+
+    def finished():
+        nonlocal record
+        record = requests.get(f"{url}/v1/jobs/{job_id}", timeout=30).json()
+        return record.get("status") not in ("queued", "running")
+    if not wait_until(finished, timeout_s, interval_s):
+        raise RuntimeError(f"job {job_id} not done within {timeout_s} s: {record}")
+    if record["status"] != "succeeded":
+        raise RuntimeError(f"job {job_id} {record['status']}: {record.get('error')}")
+    return record
+
+
+@dataclass(frozen=True)
+class JobTime:
+    submit_to_result_s: float
+    compute_s: float
+    record: dict
+    result: bytes
+
+
+def run_job(url: str, data: bytes, query: str = "", npy: bool = False, poll_s: float = 0.05) -> JobTime:
+    """One job, submit to its whole result; the result as a .npz."""
+    headers = {"Content-Type": "application/x-npy" if npy else "application/json"}
+    began = time.perf_counter()
+    created = requests.post(f"{url}/v1/jobs{query}", data=data, headers=headers, timeout=300)
+    if created.status_code != 202:
+        raise RuntimeError(f"HTTP {created.status_code}: {created.text[:300]}")
+    record = wait_for(url, created.json()["id"], JOB_LIMIT_S, poll_s)
+    result = requests.get(f"{url}/v1/jobs/{record['id']}/result", headers={"Accept": "application/x-npz"},
+                          timeout=300)
+    result.raise_for_status()
+    total = time.perf_counter() - began
+    requests.delete(f"{url}/v1/jobs/{record['id']}", timeout=30)  # forget it: results are kept in memory
+    return JobTime(total, seconds(record["finished_at"]) - seconds(record["started_at"]), record, result.content)
+
+
+def post_sync(url: str, body: bytes) -> float:
+    began = time.perf_counter()
+    response = requests.post(url + "/v1/gradients", data=body, headers={"Content-Type": "application/json"},
+                             timeout=900)
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.content[:300]!r}")
+    return time.perf_counter() - began
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def arrays(job: JobTime) -> dict[str, np.ndarray]:
+    return dict(np.load(io.BytesIO(job.result), allow_pickle=False))
+
+
+# J1 ---------------------------------------------------------------------------------------
+def job_overhead(bench=None, n: int = 1024, dim: int = 64, factor: int = 16, repeats: int = 3) -> list[Result]:
+    """A small job against the same synchronous request, medians of `repeats` alternating runs."""
+    body = json_body(random_vectors(n, dim), factor=factor, outputs=["accumulated"])
+    with job_server(2) as server:
+        post_sync(server.url, body)  # warm: a worker has computed once
+        sync, jobs = [], []
+        for _ in range(repeats):
+            sync.append(post_sync(server.url, body))
+            jobs.append(run_job(server.url, body))
+        state = load()
+    t_sync = statistics.median(sync)
+    compute = statistics.median(job.compute_s for job in jobs)
+    total = statistics.median(job.submit_to_result_s for job in jobs)
+    name = f"J1. job overhead, N={n} D={dim} F={factor} accumulated, 2 Dask workers"
+    return [
+        Result(name + ": job compute / synchronous request", f"<= {J1_COMPUTE_RATIO}x", f"{compute / t_sync:.2f}x",
+               at_most(compute / t_sync, J1_COMPUTE_RATIO),
+               f"job compute {compute * 1e3:.0f} ms, synchronous {t_sync * 1e3:.0f} ms; {load()}"),
+        Result(name + ": submit-to-result - synchronous", f"<= +{J1_EXTRA_S} s", f"+{total - t_sync:.2f} s",
+               at_most(total - t_sync, J1_EXTRA_S),
+               f"submit to result {total * 1e3:.0f} ms (polling every 50 ms); {state}"),
+    ]
+
+
+# J2 ---------------------------------------------------------------------------------------
+def two_at_once(fn) -> float:
+    barrier = threading.Barrier(3)
+
+    def one():
+        barrier.wait()
+        fn()
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - began
+
+
+def job_scaling(bench=None, n: int = 8192, dim: int = 64, factor: int = 64) -> list[Result]:
+    """S_job = t(1 Dask worker) / t(2), against 0.9 x S_pair = 2 t(one request) / t(two at once),
+    synchronous with one slot per request, all in this run."""
+    matrix = random_vectors(n, dim).astype(np.float32)
+    body = json_body(matrix, factor=factor, objective="sum_of_squares", outputs=["accumulated"])
+    sync_env = {"BLOCKGRAD_SLOTS_PER_REQUEST": "1", "BLOCKGRAD_REQUEST_TIMEOUT_S": "900"}
+    with gunicorn_server(workers=2, env=sync_env) as server:
+        alone = post_sync(server.url, body)
+        pair = two_at_once(lambda: post_sync(server.url, body))
+    sync_load = load()
+    data, query = npy_bytes(matrix), f"?factor={factor}&objective=sum_of_squares&outputs=accumulated"
+    times = {}
+    for workers in (1, 2):
+        with job_server(workers) as server:
+            times[workers] = run_job(server.url, data, query, npy=True, poll_s=0.5)
+    s_pair = 2 * alone / pair
+    s_job = times[1].compute_s / times[2].compute_s
+    return [Result(f"J2. job scaling, N={n} D={dim} F={factor} sum_of_squares accumulated: 2 Dask workers vs 1",
+                   f">= {J2_SHARE} x S_pair", f"{s_job:.2f} vs {s_pair:.2f} ({s_job / s_pair:.2f})",
+                   at_least(s_job, J2_SHARE * s_pair),
+                   f"job compute 1 worker {times[1].compute_s:.1f} s, 2 workers {times[2].compute_s:.1f} s (submit "
+                   f"to result {times[1].submit_to_result_s:.1f} / {times[2].submit_to_result_s:.1f} s); "
+                   f"bound: synchronous 1-slot request {alone:.1f} s, two at once {pair:.1f} s, S_pair "
+                   f"{s_pair:.2f}, 0.9 x S_pair {J2_SHARE * s_pair:.2f}; {sync_load} (sync), {load()} (jobs)")]
+
+
+# J3 ---------------------------------------------------------------------------------------
+def job_size(bench=None, n: int = 65536, dim: int = 64, factor: int = 256, named: bool = False) -> list[Result]:
+    """The largest row: time, pairs per second and each Dask worker's peak memory (VmHWM)."""
+    name = f"J3. job size, N={n} D={dim} F={factor} sum accumulated + losses, 2 Dask workers"
+    if not named and os.environ.get(J3_ENV) != "1":
+        return [Result(name, "finishes", "not run", "-",
+                       f"about 30 min on 2 idle cores (docs/jobs.md); {J3_ENV}=1 runs it")]
+    matrix = np.random.default_rng(3).standard_normal((n, dim)).astype(np.float32)
+    with job_server(2) as server:
+        idle = {pid: peak_rss_kib(pid) for pid in dask_workers(server)}
+        cpu = workers_cpu_s(server)
+        job = run_job(server.url, npy_bytes(matrix), f"?factor={factor}&objective=sum", npy=True, poll_s=1.0)
+        cpu = workers_cpu_s(server) - cpu
+        peaks = {pid: peak_rss_kib(pid) for pid in dask_workers(server)}
+    got = arrays(job)
+    exact = bool(np.all(got["accumulated"] == 2 * n))  # sum: every gradient entry is 1
+    peak_text = ", ".join(f"{peaks[pid] / 1024:.0f} MiB (idle {idle.get(pid, 0) / 1024:.0f})" for pid in sorted(peaks))
+    return [Result(name, "finishes", f"{job.submit_to_result_s:.0f} s", "PASS" if exact else "MISS",
+                   f"{n * n / job.compute_s / 1e6:.2f} M pairs/s (compute {job.compute_s:.0f} s; workers' CPU "
+                   f"{cpu:.0f} s, {n * n / cpu / 1e6:.2f} M pairs per CPU second); workers' peak "
+                   f"RSS {peak_text}; accumulated exactly 2N: {exact}; {load()}")]
+
+
+# J4 ---------------------------------------------------------------------------------------
+def sync_model_rate(objective, dim: int, side: int) -> tuple[float, float]:
+    """Pairs per second and per CPU second of the synchronous engine on one core (in this
+    process, one torch thread), accumulated + losses, on blocks of the job's shape (side x side)."""
+    from app.core.request import GradientRequest
+    from app.core.run import Deadline, run
+    from app.core.settings import Settings
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        n = 4 * side
+        req = GradientRequest(vectors=random_vectors(n, dim).astype(np.float32), factor=4, objective=objective.name,
+                              offset=5.0, outputs=("accumulated", "losses"), dtype="float32", objective_fn=objective)
+        run(req, Settings(device="cpu"), Deadline(3600.0)).accumulated  # warm
+        began, cpu = time.perf_counter(), time.process_time()
+        run(req, Settings(device="cpu"), Deadline(3600.0)).accumulated
+        return n * n / (time.perf_counter() - began), n * n / (time.process_time() - cpu)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def job_model(bench=None, n: int = 16384, dim: int = 64, factor: int = 64, hidden: int = 256) -> list[Result]:
+    """The example scorer as a job against the synchronous engine's rate on one core."""
+    from app.core.models import load_models
+    from app.core.objectives import OBJECTIVES
+    from examples.export_scorer import export_scorer
+
+    with tempfile.TemporaryDirectory() as models:
+        export_scorer(Path(models) / "relnet.pt2", dim, hidden)
+        scorer = load_models(models, OBJECTIVES)["relnet"]
+        sync_rate, sync_cpu_rate = sync_model_rate(scorer, dim, n // factor)
+        matrix = random_vectors(n, dim).astype(np.float32)
+        with job_server(2, BLOCKGRAD_MODEL_DIR=models) as server:
+            cpu = workers_cpu_s(server)
+            job = run_job(server.url, npy_bytes(matrix), f"?factor={factor}&objective=relnet", npy=True, poll_s=1.0)
+            cpu = workers_cpu_s(server) - cpu
+    rate = n * n / job.compute_s
+    return [Result(f"J4. model job, N={n} D={dim} F={factor}, example scorer (MLP {2 * dim}->{hidden}->1), "
+                   "2 Dask workers: pairs/s vs the synchronous engine on one core", "- (info)",
+                   f"{rate / sync_rate:.2f}x", "-",
+                   f"job {rate / 1e3:.0f} K pairs/s (compute {job.compute_s:.0f} s, submit to result "
+                   f"{job.submit_to_result_s:.0f} s), synchronous one core {sync_rate / 1e3:.0f} K pairs/s "
+                   f"(N={4 * (n // factor)} F=4, the same blocks); per CPU second: job {n * n / cpu / 1e3:.0f} K, "
+                   f"synchronous {sync_cpu_rate / 1e3:.0f} K; {load()}")]
+
+
+ROWS = {"J1": job_overhead, "J2": job_scaling, "J3": lambda: job_size(named=True), "J4": job_model}
+
+
+def main(argv: list[str]) -> int:
+    for key in argv or list(ROWS):
+        for result in ROWS[key]():
+            print(" | ".join((result.name, result.target, result.measured, result.verdict, result.detail)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
