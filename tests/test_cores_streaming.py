@@ -158,7 +158,9 @@ def test_a_reader_that_stops_reading_holds_no_slot_of_the_pod():
     with gunicorn_server(workers=1, env=env) as server:
         workers = set(server.worker_pids())
         sock = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        # A small window, but above loopback's MSS (64 KiB): below it, the sender waits on
+        # zero-window probes, whose backoff makes the final read take minutes.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
         sock.sendall(f"POST /v1/gradients HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         try:

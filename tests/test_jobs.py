@@ -1,6 +1,7 @@
 """/v1/jobs against a real local Dask cluster (app/jobs/cluster.py's embedded one: a
 scheduler and two single-threaded workers on 127.0.0.1), started once for the module and
 stopped after it. Numbers are compared with /v1/gradients' answer and tools/reference.py."""
+import dataclasses
 import io
 import os
 import pickle
@@ -595,3 +596,20 @@ def supervised(supervisor: int, role: str) -> list[int]:
         if f" -m dask {role} " in line and state != "Z":
             found.append(pid)
     return found
+
+
+def test_a_finished_job_past_its_ttl_is_404_on_every_route_without_waiting_for_a_post(cluster):
+    """BLOCKGRAD_JOB_TTL_S applies when the job is read, not only at the next POST's sweep: the
+    same job is 200 under a long TTL and 404 job_not_found once read under a TTL it has outlived."""
+    app = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": cluster.address})
+    client = app.test_client()
+    job = submit(client, vectors=[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], factor=3).get_json()
+    assert wait_for_job(client, job["id"])["status"] == "succeeded"
+    assert client.get(f"/v1/jobs/{job['id']}/result").status_code == 200
+    store = services_of(app).jobs
+    time.sleep(0.05)  # the job finished at least this long ago
+    store.settings = dataclasses.replace(store.settings, job_ttl_s=0.01)
+    for path in ("", "/result"):
+        response = client.get(f"/v1/jobs/{job['id']}{path}")
+        assert response.status_code == 404 and response.get_json()["error"]["code"] == "job_not_found", path
+    assert job["id"] not in cluster_client(cluster.address).run_on_scheduler(snapshots, [job["id"]])  # forgotten

@@ -11,6 +11,7 @@ import torch
 
 from app import create_app
 from app.core.job_models import ProgramError, job_objective, program_hash, program_loads
+from app.extensions import services_of
 from app.jobs.client import cluster_client
 from app.jobs import programs
 from app.jobs.programs import program_key
@@ -101,9 +102,9 @@ def test_a_float64_model_job_equals_v1_bit_for_bit_in_its_losses(client):
     assert_matches(job["accumulated"], accumulated, "float64", scale=largest(accumulated), what="accumulated")
 
 
-def test_a_program_that_fails_its_checks_on_the_workers_fails_the_job(cluster, scorers, tmp_path):  # noqa: F811
-    """The file is replaced after the service loaded it: the workers get bytes that are no
-    exported program, refuse them, and the job fails with the error table's code."""
+def test_a_job_ships_the_program_the_service_loaded_even_if_its_file_is_replaced(cluster, scorers, tmp_path):  # noqa: F811
+    """The file is replaced after the service loaded it: /v1 serves the program it loaded, and so
+    does a job (its bytes kept at load, not read again), so the two still answer alike."""
     directory = tmp_path / "models"
     directory.mkdir()
     shutil.copy(scorers / "relnet.pt2", directory / "swapped.pt2")
@@ -112,12 +113,29 @@ def test_a_program_that_fails_its_checks_on_the_workers_fails_the_job(cluster, s
     vectors = np.random.default_rng(6).standard_normal((12, DIM)).astype(np.float32)
     body = {"vectors": vectors.tolist(), "factor": 3, "objective": "swapped", "dtype": "float32"}
     done = wait_for_job(client, client.post("/v1/jobs", json=body).get_json()["id"])
+    assert done["status"] == "succeeded", done
+    job = client.get(f"/v1/jobs/{done['id']}/result").get_json()
+    assert job["losses"] == sync_answer(client, body)["losses"]
+
+
+def test_a_program_that_fails_its_checks_on_the_workers_fails_the_job(cluster, scorers, tmp_path):  # noqa: F811
+    """Bytes the workers refuse (not an exported program): the job fails with the error table's
+    code, the workers' paths stay theirs, and the service still serves its own copy."""
+    directory = tmp_path / "models"
+    directory.mkdir()
+    shutil.copy(scorers / "relnet.pt2", directory / "swapped.pt2")
+    app = served_app(directory, cluster.address)
+    client = app.test_client()
+    services_of(app).objectives["swapped"].program = b"not an exported program any more"
+    vectors = np.random.default_rng(6).standard_normal((12, DIM)).astype(np.float32)
+    body = {"vectors": vectors.tolist(), "factor": 3, "objective": "swapped", "dtype": "float32"}
+    done = wait_for_job(client, client.post("/v1/jobs", json=body).get_json()["id"])
     assert done["status"] == "failed", done
     error = done["error"]
     assert error["code"] == "internal_error" and error["details"] == {"objective": "swapped"}
     assert "load checks" in error["message"] and "cannot be loaded" in error["message"]
-    assert str(tmp_path) not in error["message"]  # the workers' paths stay on the workers
-    assert client.post("/v1/gradients", json=body).status_code == 200  # the service still serves its own copy
+    assert str(tmp_path) not in error["message"]
+    assert client.post("/v1/gradients", json=body).status_code == 200
 
 
 def test_model_job_requests_follow_v1s_rules(scorers):

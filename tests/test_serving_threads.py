@@ -3,6 +3,7 @@ reported done, sequential hand-overs served by one thread, at most `size` at onc
 rest in a backlog, a failing handle reported as None, and nothing served after shutdown."""
 import queue
 import threading
+import time
 
 from app.serving.threads import ServingThreads
 
@@ -20,7 +21,14 @@ def test_sequential_connections_are_served_by_one_thread():
     for conn in range(20):
         threads.submit(conn)
         assert done.get(timeout=WAIT_S) == (conn, conn * 2)
+        wait_idle(threads)  # `done` is reported just before the thread files itself idle
     assert len(set(names)) == 1  # each hand-over woke the one idle thread, never a second
+
+
+def wait_idle(threads: ServingThreads) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not threads._idle and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def test_at_most_size_run_at_once_and_the_backlog_is_served():
@@ -38,6 +46,9 @@ def test_at_most_size_run_at_once_and_the_backlog_is_served():
     threads, done = pool(2, handle)
     for conn in range(6):
         threads.submit(conn)
+    deadline = time.monotonic() + WAIT_S
+    while running[0] < 2 and time.monotonic() < deadline:  # both threads inside handle: the rest wait
+        time.sleep(0.001)
     release.set()
     served = sorted(done.get(timeout=WAIT_S)[0] for _ in range(6))
     assert served == list(range(6)) and most[0] == 2

@@ -290,6 +290,7 @@ class TileRun:
                     return
                 self._compute(index, lane)
                 slot.release()  # the tile boundary: a request waiting for a slot takes it now
+                slot = None  # released: not again in `finally` if taking another one raises
                 slot = self._slots.try_acquire()
                 if slot is None:
                     return

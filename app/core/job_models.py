@@ -7,19 +7,15 @@ the program must still take the job's D and dtype. A program that fails them fai
 The loaded objective is kept by hash, so every later task and job with the same program
 reuses it.
 
-Pure module: bytes and names in, an Objective out; the temporary file is only where
-torch.export.load reads from.
+Pure module: bytes and names in, an Objective out (loaded from memory: no file on the worker).
 """
 import hashlib
-import tempfile
 import threading
 from collections import Counter
 from pathlib import Path
 
 from .models import MODEL_SUFFIX, ModelError, ModelObjective, load_model
 from .objectives import OBJECTIVES, Objective
-
-PROGRAM_DIR = "blockgrad-programs"
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str], "ModelObjective | ProgramError"] = {}  # (sha256, name) -> checked, or why not
@@ -69,18 +65,11 @@ def job_objective(name: str, dim: int, dtype: str, sha256: str | None, data: byt
 def load_program(name: str, sha256: str, data: bytes | None) -> ModelObjective:
     if data is None or program_hash(data) != sha256:
         raise ProgramError(program_failed(name, "the program's bytes do not match their hash."))
-    directory = Path(tempfile.gettempdir()) / PROGRAM_DIR / sha256
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{name}{MODEL_SUFFIX}"
-    if not path.exists() or path.stat().st_size != len(data):
-        staging = directory / f".{name}.partial"
-        staging.write_bytes(data)
-        staging.replace(path)  # whole or absent: another process may read it
     _loads[sha256] += 1
     try:
-        return load_model(name, path)
+        return load_model(name, Path(f"{name}{MODEL_SUFFIX}"), data)
     except ModelError as exc:
-        raise ProgramError(program_failed(name, str(exc).replace(str(path), path.name))) from None
+        raise ProgramError(program_failed(name, str(exc))) from None
 
 
 def program_loads() -> dict[str, int]:

@@ -12,6 +12,7 @@ the service does not start.
 Exported programs are never cast: a model serves the one dtype it was exported with.
 """
 import copy
+import io
 import math
 import re
 from collections.abc import Iterable
@@ -47,6 +48,7 @@ class ModelObjective:
     dtype: str  # the one dtype it was exported with
     bytes_per_pair: int  # estimated peak activation bytes per pair (measure_bytes_per_pair)
     module: torch.nn.Module = field(repr=False)
+    program: bytes = field(default=b"", repr=False)  # the file as loaded: what a job ships to its workers
     _on_device: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -99,9 +101,11 @@ def load_models(model_dir: str | None, builtin_names: Iterable[str]) -> dict[str
     return models
 
 
-def load_model(name: str, path: Path) -> ModelObjective:
+def load_model(name: str, path: Path, data: bytes | None = None) -> ModelObjective:
+    """The program in `path` (or `data`, its bytes, read elsewhere), checked."""
     try:
-        program = torch.export.load(str(path))
+        data = path.read_bytes() if data is None else data
+        program = torch.export.load(io.BytesIO(data))
     except Exception as exc:  # any failure to read: the message says which file
         raise ModelError(f"{path}: cannot be loaded as an exported program (torch.export.save): "
                          f"{type(exc).__name__}: {exc}") from None
@@ -111,10 +115,10 @@ def load_model(name: str, path: Path) -> ModelObjective:
         parameter.requires_grad_(False)  # only the input's gradient is ever asked for
     check_probe(path, module, dim, dtype)
     return ModelObjective(
-        name=name, file=path, size_bytes=path.stat().st_size,
+        name=name, file=path, size_bytes=len(data),
         parameter_count=sum(p.numel() for p in module.parameters()),
         dim=dim, dtype=MODEL_DTYPES[dtype],
-        bytes_per_pair=measure_bytes_per_pair(module, dim, dtype), module=module)
+        bytes_per_pair=measure_bytes_per_pair(module, dim, dtype), module=module, program=data)
 
 
 def input_signature(path: Path, program) -> tuple[int, torch.dtype]:

@@ -24,6 +24,7 @@ from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, Chunk, add_to_vectors, band_
 from .errors import device_out_of_memory, non_finite_accumulated, non_finite_block
 from .executor import SerialExecutor, TileExecutor, tile_elements
 from .heap import watch_for
+from .memory import planned_chunks
 from .request import GradientRequest
 from .settings import Settings
 
@@ -88,9 +89,9 @@ def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = No
         keep_bytes = settings.max_block_elements * vectors.element_size()
         chunk = tile_elements(elements_per_chunk(settings.max_block_elements, req.objective_fn, req.dim,
                                                  vectors.element_size()), executor.parallel)
-        bands = plan_bands(req.n, req.dim, req.factor, chunk)
-        if len(bands) == 1 and len(bands[0]) == 1:
-            whole = one_chunk(req, device, vectors, deadline, keep_bytes, chunk, bands[0][0])
+        if planned_chunks(req.n, req.dim, req.factor, chunk) == 1:  # counted: 1 x 1 blocks plan thousands
+            [[only]] = plan_bands(req.n, req.dim, req.factor, chunk)
+            whole = one_chunk(req, device, vectors, deadline, keep_bytes, chunk, only)
             if whole is not None:
                 return whole
         return pass_one(req, device, vectors, deadline, keep_bytes, chunk, executor)

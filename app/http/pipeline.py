@@ -48,12 +48,6 @@ class Job(Protocol):
     logged_outputs: tuple[str, ...]  # the outputs as the front end names them, for the log line
 
 
-@dataclass(frozen=True)
-class Rendered:
-    response: Response
-    computes: bool  # whether writing the body still runs the engine (blocks recomputed as written)
-
-
 class FrontEnd(Protocol):
     def accept(self, request: Request) -> None:
         """Refuse a body this front end does not read (415), before it is read."""
@@ -65,7 +59,7 @@ class FrontEnd(Protocol):
         ...
 
     def render(self, job: Job, result: Result | None, device: torch.device,
-               timed: Callable[[Iterable], Iterator]) -> Rendered:
+               timed: Callable[[Iterable], Iterator]) -> Response:
         """`result` None: the job computes nothing; `timed` wraps blocks taken from the result."""
 
 
@@ -87,15 +81,15 @@ def serve(front_end: FrontEnd) -> Response:
     if not req.outputs:  # nothing to compute: no slot taken
         device = resolve_device(settings.device)
         g.device = str(device)
-        return front_end.render(job, None, device, record.timed).response
+        return front_end.render(job, None, device, record.timed)
     deadline = request_deadline()
     ticket = compute_slot(deadline)  # the request's first slot; its executor may take more
     try:
         with record.computing():
             result = run(req, settings, deadline, services().executor)
-        result.band_slot = BandSlots(services().gate, deadline, ticket)  # blocks recomputed as written
+        result.band_slot = BandSlots(services().gate, deadline)  # blocks recomputed as written
         g.device = str(result.device)
-        return front_end.render(job, result, result.device, record.timed).response
+        return front_end.render(job, result, result.device, record.timed)
     finally:
         ticket.release()  # the answer is written without it; recomputed bands take one each
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from ..core.deadline import Deadline
-from ..core.gate import Gate, GateListener, Ticket
+from ..core.gate import Gate, GateListener
 from . import metrics
 
 
@@ -24,19 +24,18 @@ class MetricsListener(GateListener):
 
 class BandSlots:
     """`Result.band_slot` of a request: a compute slot while each band of blocks is
-    recomputed, none while the band is written. The first band computes on the slot the
-    request already holds; each later one takes a slot again (`Gate.resume`: ahead of the
-    line, never refused, against the request's deadline). So a client that reads slowly
-    holds its thread, never a compute slot: another request computes meanwhile."""
+    recomputed, none while the band is written. The request's own slot was given back once
+    its answer was rendered; each band takes one again (`Gate.resume`: ahead of the line,
+    never refused, against the request's deadline). So a client that reads slowly holds
+    its thread, never a compute slot: another request computes meanwhile."""
 
-    def __init__(self, gate: Gate, deadline: Deadline, ticket: Ticket):
-        self.gate, self.deadline, self.ticket = gate, deadline, ticket
+    def __init__(self, gate: Gate, deadline: Deadline):
+        self.gate, self.deadline = gate, deadline
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
-        if self.ticket.released:
-            self.ticket = self.gate.resume(self.deadline)
+        ticket = self.gate.resume(self.deadline)
         try:
             yield
         finally:
-            self.ticket.release()  # before the band's blocks go to the socket
+            ticket.release()  # before the band's blocks go to the socket

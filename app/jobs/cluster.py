@@ -78,7 +78,7 @@ def start_scheduler(port: int) -> subprocess.Popen:
 def start_worker(address: str, memory_limit: str) -> subprocess.Popen:
     """A single-threaded `dask worker` under its nanny, niced, joining `address`."""
     # torch loaded before the first job, by the worker process only: `--preload` would have the
-    # nanny's command line import it too (to check its arguments), 180 MiB for nothing.
+    # nanny's command line import it too (to check its arguments; docs/jobs.md, "Memory").
     env = {**cluster_env(), "DASK_DISTRIBUTED__WORKER__PRELOAD": '["app.core.job_tasks"]'}
     return subprocess.Popen(
         dask_command("worker", address, "--host", "127.0.0.1", "--nthreads", "1",

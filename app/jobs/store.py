@@ -79,6 +79,10 @@ class JobState:
         """Never submitted, and past the bound of the POST that wrote it: that one died."""
         return not self.record.get("submitted") and now > self.record.get("submit_by", float("inf"))
 
+    def expired(self, now: float, ttl_s: float) -> bool:
+        """Finished (or cancelled) longer than BLOCKGRAD_JOB_TTL_S ago: then forgotten, 404."""
+        return self.status in TERMINAL and now - (self.finished_at or self.record["created_at"]) > ttl_s
+
     def public(self) -> dict[str, Any]:
         """The job record of the API."""
         status, record = self.status, self.record
@@ -133,10 +137,7 @@ class JobStore:
         if not ID_PATTERN.fullmatch(job_id):
             raise job_not_found(job_id)
         client = self.client()
-        found = self.states(client, [job_id]).get(job_id)
-        if found is not None and found.abandoned(time.time()):
-            self.forget_abandoned(client, found)
-            found = None
+        found = self.live(client, job_id)
         if found is None:
             raise job_not_found(job_id)
         if found.status == "running" and found.record.get("started_at") is None:
@@ -150,8 +151,21 @@ class JobStore:
     def view(self, job_id: str) -> dict[str, Any]:
         return self.state(job_id)[1].public()
 
+    def live(self, client, job_id: str) -> JobState | None:
+        """The job's state; None for an unknown one, and for one abandoned or expired (then
+        forgotten here rather than at the next POST's sweep)."""
+        found = self.states(client, [job_id]).get(job_id)
+        now = time.time()
+        if found is not None and found.abandoned(now):
+            self.forget_abandoned(client, found)
+            return None
+        if found is not None and found.expired(now, self.settings.job_ttl_s):
+            self.forget(client, job_id)
+            return None
+        return found
+
     def known_job(self, client, job_id: str | None) -> dict[str, Any] | None:
-        found = self.states(client, [job_id]).get(job_id) if job_id is not None else None
+        found = self.live(client, job_id) if job_id is not None else None
         return None if found is None else found.public()
 
     @bounded
@@ -280,12 +294,10 @@ class JobStore:
         for job_id, found in states.items():
             if found.status in ACTIVE:
                 active += 1
-                continue
-            finished = found.finished_at or found.record["created_at"]
-            if now - finished > self.settings.job_ttl_s:
+            elif found.expired(now, self.settings.job_ttl_s):
                 self.forget(client, job_id)
             elif found.status == "succeeded":
-                kept.append((finished, found.record["result_bytes"], job_id))
+                kept.append((found.finished_at or found.record["created_at"], found.record["result_bytes"], job_id))
         total = 0
         for _, size, job_id in sorted(kept, reverse=True):  # newest first
             total += size

@@ -46,7 +46,13 @@ class Supervised:
             self.process = None
             self.restarts += 1
         if now >= self.next_start:
-            self.process, self.started_at = self._start(), now
+            try:
+                self.process, self.started_at = self._start(), now
+            except OSError as exc:  # could not even spawn it (no memory, no file descriptors): later
+                self.backoff = min(MOST_BACKOFF_S, max(FIRST_BACKOFF_S, 2 * self.backoff))
+                self.next_start = now + self.backoff
+                print(f"blockgrad supervisor: cannot start {self.name} ({exc}); trying again in "
+                      f"{self.backoff:.1f} s", file=sys.stderr, flush=True)
 
 
 def supervise(port: int, workers: int, memory_limit: str) -> None:

@@ -22,7 +22,7 @@ from ...core.sizes import Sizes, request_sizes
 from ...extensions import services
 from ...http.errors import wrong_content_type
 from ...http.parsing import decode_document, is_json_mimetype, schema_error
-from ...http.pipeline import Decoded, Rendered
+from ...http.pipeline import Decoded
 from .render import render_result
 from .schemas import GradientRequestSchema, load_plain
 
@@ -70,11 +70,8 @@ class V1:
             raise schema_error(exc, NOT_AN_OBJECT) from None
 
     def render(self, job: V1Job, result: Result | None, device: torch.device,
-               timed: Callable[[Iterable], Iterator]) -> Rendered:
-        req = job.gradient
-        body = render_result(result, timed)
-        streams_computed_blocks = "blocks" in req.outputs and result.kept is None  # recomputed as written
-        return Rendered(Response(body, mimetype="application/json"), computes=streams_computed_blocks)
+               timed: Callable[[Iterable], Iterator]) -> Response:
+        return Response(render_result(result, timed), mimetype="application/json")
 
 
 def document_sizes(document: Any) -> Sizes | None:

@@ -122,11 +122,6 @@ def has_binary(tensors: list[OutputTensor]) -> bool:
     return any(tensor.binary for tensor in tensors)
 
 
-def has_slabs(tensors: list[OutputTensor]) -> bool:
-    """Whether writing the answer makes a tensor (its blocks taken from the result then)."""
-    return any(isinstance(tensor.array, RowSlabs) for tensor in tensors)
-
-
 def encode_response(head: dict, tensors: list[OutputTensor]) -> tuple[int, list[np.ndarray | RowSlabs]]:
     """For a response with binary outputs: the JSON header's length (sent in a header before
     the body, so counted first: the header is serialised twice, a piece at a time, never

@@ -11,10 +11,10 @@ from ...core.memory import AnswerCost
 from ...core.run import Result
 from ...http.errors import unsupported_media_type
 from ...http.parsing import is_json_mimetype
-from ...http.pipeline import Decoded, Rendered
+from ...http.pipeline import Decoded
 from ...http.streaming import gather
 from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, body_length, encode_response, has_binary,
-                    has_slabs, iter_body, iter_json)
+                    iter_body, iter_json)
 from .infer import (InferRequest, RequestedOutput, convert_infer_request, decode_infer_request, infer_sizes,
                     output_tensors)
 
@@ -52,12 +52,9 @@ class V2:
         return convert_infer_request(decoded.document)
 
     def render(self, job: InferRequest, result: Result | None, device: torch.device,
-               timed: Callable[[Iterable], Iterator]) -> Rendered:
+               timed: Callable[[Iterable], Iterator]) -> Response:
         head, tensors = output_tensors(job, result, device, timed=timed)
-        # block_gradients is made as it is written: blocks recomputed then keep the slot until
-        # the body ends; kept blocks are only copied, and the slot goes to the next request now.
-        recomputes = result is not None and result.kept is None and has_slabs(tensors)
-        return Rendered(infer_response(head, tensors), computes=recomputes)
+        return infer_response(head, tensors)
 
 
 def infer_response(head: dict, tensors: list) -> Response:
