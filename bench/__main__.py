@@ -7,12 +7,13 @@ import datetime
 import os
 import platform
 import sys
+import traceback
 from pathlib import Path
 
 from tools.server import gunicorn_settings
 
 from . import attacks, client_rows, cores, jobs, recycling, rows, small_requests, uploads
-from .measure import table
+from .measure import Result, table
 
 def dripping_uploads(bench) -> list:
     return uploads.dripping_uploads(bench.server())
@@ -76,7 +77,14 @@ def main(argv: list[str]) -> int:
     try:
         for row in selected:
             print(f"running {row.__name__} ...", file=sys.stderr, flush=True)
-            results.extend(row(bench))
+            try:
+                found = row(bench)
+            except Exception as exc:  # noqa: BLE001 - one broken row must not cost the others' results
+                traceback.print_exc()
+                found = [Result(row.__name__, "-", "error", "MISS", f"{type(exc).__name__}: {exc}")]
+            results.extend(found)
+            for result in found:  # as they come: a run cut short still leaves its rows
+                print(table([result]).splitlines()[-1], file=sys.stderr, flush=True)
     finally:
         bench.close()
     print()

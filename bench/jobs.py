@@ -28,7 +28,7 @@ import numpy as np
 import requests
 import torch
 
-from tools.server import children, cpu_ticks, gunicorn_server, is_dask_process, peak_rss_kib, wait_until
+from tools.server import cpu_ticks, gunicorn_server, peak_rss_kib, wait_until
 
 from .measure import Result, at_least, at_most
 from .workloads import body as json_body
@@ -69,9 +69,31 @@ def job_server(dask_workers: int, **env: str):
         yield server
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (a nanny starts its worker process from a thread: every task's children)."""
+    found, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = [int(child) for child in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
 def dask_workers(server) -> list[int]:
-    return [pid for pid in children(server.pid) if is_dask_process(pid)
-            and b" worker " in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")]
+    """The Dask worker processes (each its nanny's child, under the cluster's supervisor)."""
+    workers = []
+    for pid in descendants(server.pid):
+        try:
+            line = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in line:
+            workers.append(pid)
+    return workers
 
 
 def workers_cpu_s(server) -> float:
