@@ -38,7 +38,7 @@ from app.core.slots import ThreadSlots
 
 from tools.server import children, cpu_ticks, gunicorn_server
 
-from .measure import Result, at_least, at_most
+from .measure import Result, all_started_together, at_least, at_most
 from .workloads import vectors as random_vectors
 
 TARGET_SHARE = 0.9  # S_lone >= 0.9 x S_pair
@@ -88,20 +88,7 @@ def on_a_thread(fn):
 
 def two_at_once(fn, args=((), ())) -> float:
     """Seconds until both of two concurrent calls fn(*args[0]), fn(*args[1]) have returned."""
-    start = threading.Barrier(3)
-
-    def one(arg):
-        start.wait()
-        fn(*arg)
-
-    threads = [threading.Thread(target=one, args=(arg,)) for arg in args]
-    for thread in threads:
-        thread.start()
-    start.wait()
-    began = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    return time.perf_counter() - began
+    return all_started_together([lambda arg=arg: fn(*arg) for arg in args])
 
 
 def plain_loop(vectors: torch.Tensor, plan: list, objective: str = "sum") -> None:
@@ -207,26 +194,17 @@ def concurrent_pairs_balance(bench, pairs: int = PAIRS) -> list[Result]:
 def all_at_once(url: str, body: bytes, clients: int) -> float:
     """Seconds until every one of `clients` requests sent at the same moment (fresh
     connections) has been answered."""
-    barrier = threading.Barrier(clients + 1)
     errors = []
 
     def one():
-        barrier.wait()
         try:
             timed_post(url, body)
         except Exception as exc:  # reported below: a failed request is no throughput
             errors.append(exc)
-
-    threads = [threading.Thread(target=one) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    barrier.wait()
-    began = time.perf_counter()
-    for thread in threads:
-        thread.join()
+    seconds = all_started_together([one] * clients)
     if errors:
         raise RuntimeError(f"{len(errors)} of {clients} concurrent requests failed: {errors[0]!r}")
-    return time.perf_counter() - began
+    return seconds
 
 
 def four_concurrent_requests(bench, rounds: int = 5, clients: int = CONCURRENT) -> list[Result]:

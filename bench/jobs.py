@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,7 +29,7 @@ import torch
 
 from tools.server import cpu_ticks, gunicorn_server, peak_rss_kib, wait_until
 
-from .measure import Result, at_least, at_most
+from .measure import Result, all_started_together, at_least, at_most
 from .workloads import body as json_body
 from .workloads import vectors as random_vectors
 
@@ -188,22 +187,6 @@ def job_overhead(bench=None, n: int = 1024, dim: int = 64, factor: int = 16, rep
 
 
 # J2 ---------------------------------------------------------------------------------------
-def two_at_once(fn) -> float:
-    barrier = threading.Barrier(3)
-
-    def one():
-        barrier.wait()
-        fn()
-    threads = [threading.Thread(target=one) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    barrier.wait()
-    began = time.perf_counter()
-    for thread in threads:
-        thread.join()
-    return time.perf_counter() - began
-
-
 def job_scaling(bench=None, n: int = 8192, dim: int = 64, factor: int = 64) -> list[Result]:
     """S_job = t(1 Dask worker) / t(2), against 0.9 x S_pair = 2 t(one request) / t(two at once),
     synchronous with one slot per request, all in this run."""
@@ -212,7 +195,7 @@ def job_scaling(bench=None, n: int = 8192, dim: int = 64, factor: int = 64) -> l
     sync_env = {"BLOCKGRAD_SLOTS_PER_REQUEST": "1", "BLOCKGRAD_REQUEST_TIMEOUT_S": "900"}
     with gunicorn_server(workers=2, env=sync_env) as server:
         alone = post_sync(server.url, body)
-        pair = two_at_once(lambda: post_sync(server.url, body))
+        pair = all_started_together([lambda: post_sync(server.url, body)] * 2)
     sync_load = load()
     data, query = npy_bytes(matrix), f"?factor={factor}&objective=sum_of_squares&outputs=accumulated"
     times = {}

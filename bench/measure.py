@@ -1,5 +1,6 @@
 """Timing helpers and the result table."""
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -70,3 +71,21 @@ def table(results: list[Result]) -> str:
     header = ("row", "target", "measured", "verdict", "detail")
     lines = [header, ("---",) * 5] + [(r.name, r.target, r.measured, r.verdict, r.detail) for r in results]
     return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def all_started_together(calls: list[Callable[[], object]]) -> float:
+    """Seconds until every one of `calls`, each on a thread of its own and released at the same
+    moment, has returned."""
+    barrier = threading.Barrier(len(calls) + 1)
+
+    def one(call):
+        barrier.wait()
+        call()
+    threads = [threading.Thread(target=one, args=(call,)) for call in calls]
+    for thread in threads:
+        thread.start()
+    barrier.wait()
+    began = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - began
