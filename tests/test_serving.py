@@ -107,12 +107,19 @@ def test_full_load_sheds_at_once_and_probes_answer(server):
     computations (client_closed)."""
     shed_before = metric(server, "blockgrad_shed_requests_total")
     closed_before = metric(server, "blockgrad_errors_total", code="client_closed")
+    started_before = metric(server, "blockgrad_queue_wait_seconds_count")
     computing = [raw_post(server, "/v1/gradients", LONG) for _ in range(available_cores())]
     waiting = []
     try:
-        assert server.busy_worker() is not None, "the long request did not start"
-        waiting = [raw_post(server, "/v1/gradients", LONG) for _ in range(QUEUE_DEPTH)]
-        assert wait_until(lambda: metric(server, "blockgrad_queue_depth") == QUEUE_DEPTH, WAIT_S)
+        # Each request joins the line only once the one before it is where it belongs: those
+        # parsing at once would otherwise reach the gate in any order, and one arriving while
+        # two wait for the slot a lone request's extra lane is about to give back is shed.
+        assert wait_until(lambda: metric(server, "blockgrad_queue_wait_seconds_count")
+                          == started_before + len(computing), WAIT_S), "the long requests did not all start"
+        for depth in range(1, QUEUE_DEPTH + 1):
+            waiting.append(raw_post(server, "/v1/gradients", LONG))
+            assert wait_until(lambda: metric(server, "blockgrad_queue_depth") == depth, WAIT_S), \
+                (depth, metric(server, "blockgrad_queue_depth"))
         for path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready", "/metrics", "/docs"):
             assert requests.get(server.url + path, timeout=WAIT_S).status_code == 200, path
         refused = requests.post(server.url + "/v1/gradients", json=GOOD, timeout=WAIT_S)
