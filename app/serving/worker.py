@@ -329,8 +329,7 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def handle(self, conn):
         """gthread's handle(), with the head this loop read put back in front of the socket."""
-        if conn.head:
-            conn.sock.setblocking(True)
+        if conn.head:  # gthread's handle() makes the socket blocking again
             conn.init()  # the parser, once per connection
             conn.parser.unreader.unread(bytes(conn.head))
             conn.head = bytearray()
