@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.attacks import HeaderDrip, IdleFlood, Prober, raise_open_files
 from tools.server import gunicorn_server, wait_until
+from .events import connection_owner
 from .test_api import GOOD
 
 pytestmark = pytest.mark.slow
@@ -26,14 +27,14 @@ PROBE_BOUND_S = 5.0  # the issue's target is 1 s (measured in bench/attacks.py);
 BODY = json.dumps(GOOD).encode()
 
 
-def scrape(server) -> dict:
-    text = requests.get(server.url + "/metrics", timeout=WAIT_S).text
+def scrape(server, session=requests) -> dict:
+    text = session.get(server.url + "/metrics", timeout=WAIT_S).text
     return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
             for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-def closes(server, reason: str) -> float:
-    return scrape(server).get(("blockgrad_connections_closed_total", (("reason", reason),)), 0.0)
+def closes(server, reason: str, session=requests) -> float:
+    return scrape(server, session).get(("blockgrad_connections_closed_total", (("reason", reason),)), 0.0)
 
 
 def connect(server, timeout: float = WAIT_S) -> socket.socket:
@@ -149,6 +150,62 @@ def test_a_kept_alive_connection_s_clock_starts_at_its_next_byte(short):
         answer = eof_at(sock)
         assert time.monotonic() - sent >= 2.0
     assert answer.startswith(b"HTTP/1.1 408 ") and b'"code":"read_timeout"' in answer
+
+
+def ask_healthz(sock: socket.socket) -> None:
+    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+    answer = http.client.HTTPResponse(sock)
+    answer.begin()
+    assert answer.status == 200 and answer.read() == b'{"status":"ok"}\n'
+
+
+def main_loop_switches(pid: int) -> int:
+    """How often the worker's main loop (its main thread) has gone to sleep: it wakes once for
+    every event it handles."""
+    status = open(f"/proc/{pid}/task/{pid}/status").read()
+    return int(re.search(r"^voluntary_ctxt_switches:\s*(\d+)$", status, re.MULTILINE).group(1))
+
+
+def test_back_to_back_requests_on_a_kept_alive_connection_skip_the_main_loop(short):
+    """Each request sent as soon as the answer before it has arrived is served by the pool thread
+    that answered that one: the main loop does not wake per request (through the poller it
+    wakes at least twice: for the head, and for the connection coming back)."""
+    count = 90  # within one connection's 100 requests (app/serving/hooks.py)
+    with connect(short) as sock:
+        ask_healthz(sock)
+        assert wait_until(lambda: connection_owner(short, sock) is not None, WAIT_S, 0.05)
+        owner = connection_owner(short, sock)
+        before = main_loop_switches(owner)
+        for _ in range(count):
+            ask_healthz(sock)
+        woken = main_loop_switches(owner) - before
+    assert woken < count / 2, f"the main loop woke {woken} times for {count} requests"
+
+
+def test_a_partial_next_head_right_after_an_answer_still_gets_its_408(short):
+    """Part of the next head, sent at once after an answer (read by the pool thread that is
+    waiting for it), goes back to the poller and is cut 2 s after it arrived."""
+    with connect(short) as sock:
+        ask_healthz(sock)
+        sent = time.monotonic()
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")
+        answer = eof_at(sock)
+        assert time.monotonic() - sent >= 2.0
+    assert answer.startswith(b"HTTP/1.1 408 ") and b'"code":"read_timeout"' in answer
+
+
+def test_clients_closing_right_after_an_answer_are_counted_as_client_closed(short):
+    """Read by the pool thread waiting for a next request or by the poller, a close after an
+    answer is the client's (the scrapes go over one kept-alive connection, counted by neither)."""
+    count = 20
+    with requests.Session() as scrapes:
+        before = {reason: closes(short, reason, scrapes) for reason in ("client_closed", "served")}
+        for _ in range(count):
+            with connect(short) as sock:
+                ask_healthz(sock)
+        assert wait_until(lambda: closes(short, "client_closed", scrapes) >= before["client_closed"] + count,
+                          WAIT_S, 0.1)
+        assert closes(short, "served", scrapes) == before["served"]
 
 
 def test_pipelined_requests_are_answered_in_order(short):

@@ -49,6 +49,10 @@ class ServingThreads:
             return
         threading.Thread(target=self._run, args=(conn,), name="serving", daemon=True).start()
 
+    def backlogged(self) -> bool:
+        """Whether connections wait for a free thread (read without the lock: a hint)."""
+        return bool(self._backlog)
+
     def shutdown(self, wait: bool = False) -> None:
         """No new work; idle threads end. `wait` is not supported (gthread never waits)."""
         with self._lock:

@@ -7,7 +7,9 @@ waiting. It reads each request head without blocking into the connection's buffe
 connection with a complete head goes to a pool thread, where gunicorn's own parser reads the
 buffered bytes (put back in front of the socket, in its unreader) and serves the request as
 gthread does: keep-alive, pipelining, max_requests, graceful shutdown and the heartbeat are
-gthread's code.
+gthread's code. Having answered, the thread waits briefly (LINGER_S) for the connection's next
+head and serves it too, so that a busy kept-alive client's requests skip the poller; one that
+does not come in time, or comes in pieces, goes back to the poller.
 
 A connection's clock starts at accept, or at a kept-alive connection's first new byte: the head
 must arrive within BLOCKGRAD_HEADER_TIMEOUT_S (nothing sent: closed without a word; a partial
@@ -21,16 +23,18 @@ metrics are imported after fork, once PROMETHEUS_MULTIPROC_DIR is set).
 """
 import errno
 import heapq
+import io
 import itertools
 import json
 import math
+import queue
 import re
 import resource
 import selectors
 import socket
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from functools import partial
 
 from gunicorn.http.errors import LimitRequestHeaders
@@ -41,6 +45,7 @@ from app.core.settings import Settings
 from app.serving import slots
 from app.serving.coalesce import coalesce
 from app.serving.threads import ServingThreads
+from app.serving.turns import Turns
 
 # The instant (time.monotonic()) the request's clock started, read by app/http/connection.py.
 CONN_STARTED_KEY = "blockgrad.conn_started"
@@ -67,14 +72,25 @@ BALANCE_POLL_S = 0.02
 # cost more CPU than running side by side gains (docs/small-requests.md). A longer request
 # only delays the next one by this much, then both run as before.
 HOLD_S = 0.005
+# How long a pool thread that has answered a kept-alive connection waits on it for the next
+# request before handing it back to the poller. A complete head arriving meanwhile is served on
+# the same thread: no wake-up of the main loop, no hand-over, no poller registration. Waiting in
+# a blocking recv costs no CPU; at most a quarter of the pool waits at once (MAX_LINGERING_SHARE).
+LINGER_S = 0.02
+MAX_LINGERING_SHARE = 4
 SPARE_FILES = 512  # descriptors beyond the connections: the pool's files, metrics, the app's own
 
 # What a connection is doing. Every state but BUSY waits in the poller (self.waiting).
 NEW = "new"  # accepted, no byte yet
 HEAD = "head"  # part of a head has arrived
 IDLE = "idle"  # kept alive after an answer, no byte of the next request yet
-BUSY = "busy"  # in a pool thread with a complete head
+BUSY = "busy"  # in a pool thread: a complete head, or waiting there for the next after an answer (LINGER_S)
 CLOSING = "closing"  # answer sent, write side shut, waiting for the peer's FIN
+
+# What the bytes of a head say (head_verdict).
+READY = "ready"  # for gunicorn's parser
+PARTIAL = "partial"
+TOO_LARGE = "too_large"
 
 # Why a connection was closed (label of blockgrad_connections_closed_total).
 SERVED = "served"  # after its last answer (Connection: close, an error, the client left mid-request)
@@ -87,6 +103,11 @@ CLIENT_CLOSED = "client_closed"  # the client closed or reset it while it waited
 SHUTDOWN = "shutdown"  # still open when the worker stopped
 CLOSE_REASONS = (SERVED, NO_REQUEST, HEAD_TIMEOUT, HEAD_TOO_LARGE, KEEPALIVE_TIMEOUT, EVICTED, CLIENT_CLOSED,
                  SHUTDOWN)
+
+
+def buffered(conn) -> bool:
+    """Whether gunicorn's parser holds bytes read ahead (a pipelined next request)."""
+    return conn.parser.unreader.buf.seek(0, io.SEEK_END) > 0
 
 
 def head_timeout_answer(seconds: float) -> bytes:
@@ -141,6 +162,8 @@ class Conn(gthread.TConn):
         self.version = 0  # bumped on every change of state: older deadlines no longer apply
         self.drained = 0
         self.closed = False
+        self.left = False  # the client closed or reset it while its pool thread waited for a next request
+        self.arrived: float | None = None  # when bytes of a next head, read on the pool thread, arrived
 
 
 class ConnectionWorker(gthread.ThreadWorker):
@@ -163,9 +186,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.clock = threading.local()  # the pool thread's request: its clock's start
         self.metrics = None
         self.shown: tuple | None = None
-        self.ready: deque[tuple[Conn, float]] = deque()  # complete heads not yet in the pool, since when
-        self.running = 0  # connections in the pool
-        self.ready_lock = threading.Lock()  # ready and running: a pool thread done with one takes the next
+        self.turns = Turns(HOLD_S, max_lingering=self.cfg.threads // MAX_LINGERING_SHARE)  # complete heads
+        self.inboxes = threading.local()  # a pool thread's inbox, where it waits for its request's turn
         self.deferred_until: float | None = None  # leaving new connections to a sibling until then
         self.notified = -math.inf
         self.heartbeat_s = min(HEARTBEAT_S, self.cfg.timeout / 4) if self.cfg.timeout else HEARTBEAT_S
@@ -237,17 +259,77 @@ class ConnectionWorker(gthread.ThreadWorker):
     # -- the pool thread ------------------------------------------------------------------
 
     def get_thread_pool(self):
-        return ServingThreads(self.cfg.threads, self.handle,
+        return ServingThreads(self.cfg.threads, self.serve,
                               lambda conn, keep: self.method_queue.defer(self.finish_request, conn, keep),
-                              self.take_next)
+                              self.turns.take_next)
+
+    def serve(self, conn):
+        """On a pool thread: the request handed over, then the connection's next ones, each
+        served here when its complete head arrives within LINGER_S of the previous answer
+        (next_head); otherwise the connection goes back to the poller (finish_request)."""
+        while True:
+            try:
+                result = self.handle(conn)
+            except BaseException:
+                self.turns.finish(handoff=False)
+                raise
+            lingering = result is True and self.may_linger(conn) and self.turns.start_lingering()
+            following = self.turns.finish(handoff=lingering)  # the next head's turn, while this thread waits
+            if following is not None:
+                self.enqueue_req(following)
+            if not lingering:
+                return result
+            try:
+                arrived = self.next_head(conn)
+                if arrived:
+                    self.turns.take(conn, self.inbox())
+            finally:
+                self.turns.stop_lingering()
+            if not arrived:
+                return result
+
+    def may_linger(self, conn) -> bool:
+        """Not while stopping, nor with pipelined bytes already read (the poller examines
+        them), nor while connections wait for a free thread."""
+        return self.alive and not buffered(conn) and not self.tpool.backlogged()
+
+    def next_head(self, conn) -> bool:
+        """Wait at most LINGER_S for the connection's next bytes. True: a complete head (or one
+        gunicorn's parser refuses from these bytes alone) is in conn.head, its clock started.
+        False: nothing came, or part of a head (left in the parser's buffer, for the poller to
+        complete), or the client left (conn.left)."""
+        sock = conn.sock
+        try:
+            sock.settimeout(LINGER_S)
+            data = sock.recv(RECV_BYTES)
+        except TimeoutError:
+            return False
+        except OSError:
+            conn.left = True
+            return False
+        if not data:
+            conn.left = True
+            return False
+        now = time.monotonic()
+        if self.head_verdict(data, 0) == READY:
+            conn.head, conn.started = data, now
+            return True
+        conn.parser.unreader.unread(data)
+        conn.arrived = now
+        return False
+
+    def inbox(self) -> queue.SimpleQueue:
+        inbox = getattr(self.inboxes, "inbox", None)
+        if inbox is None:
+            inbox = self.inboxes.inbox = queue.SimpleQueue()
+        return inbox
 
     def enqueue_req(self, conn):
         self.tpool.submit(conn)
 
     def handle(self, conn):
         """gthread's handle(), with the head this loop read put back in front of the socket."""
-        if conn.head:
-            conn.sock.setblocking(True)
+        if conn.head:  # gthread's handle() makes the socket blocking again
             conn.init()  # the parser, once per connection
             conn.parser.unreader.unread(bytes(conn.head))
             conn.head = bytearray()
@@ -289,31 +371,10 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def submit_ready(self, now: float) -> None:
         """Complete heads to the pool in arrival order: the first at once when nothing runs,
-        the others when the running request ends (its thread takes the next: take_next) or
-        after HOLD_S."""
-        submitted = []
-        with self.ready_lock:
-            while self.ready:
-                conn, since = self.ready[0]
-                if not conn.closed and self.running and now - since < HOLD_S:
-                    break
-                self.ready.popleft()
-                if not conn.closed:
-                    self.running += 1
-                    submitted.append(conn)
-        for conn in submitted:
+        the others when the running request ends (a thread ending one starts the next: Turns)
+        or after HOLD_S."""
+        for conn in self.turns.due(now):
             self.enqueue_req(conn)
-
-    def take_next(self) -> Conn | None:
-        """On a pool thread that has just finished a request: the next complete head, if one
-        waits (its request runs on this thread at once, without a hand-over)."""
-        with self.ready_lock:
-            while self.ready:
-                conn, _ = self.ready.popleft()
-                if not conn.closed:
-                    self.running += 1
-                    return conn
-        return None
 
     def stop(self):
         """Graceful shutdown: no new connections; connections without a byte of a request get
@@ -342,8 +403,7 @@ class ConnectionWorker(gthread.ThreadWorker):
     def poll_timeout(self) -> float:
         now = time.monotonic()
         longest = POLL_S if self.deferred_until is None else max(0.0, self.deferred_until - now)
-        with self.ready_lock:  # a pool thread may take the first meanwhile
-            oldest = self.ready[0][1] if self.ready else None
+        oldest = self.turns.oldest()
         if oldest is not None:
             longest = min(longest, max(0.0, oldest + HOLD_S - now))
         if not self.deadlines:
@@ -428,19 +488,25 @@ class ConnectionWorker(gthread.ThreadWorker):
     def examine(self, conn: Conn, searched: int) -> None:
         """Hand `conn` over once its head is complete (or certain to be refused by gunicorn's
         parser without another read); answer it here when it is too large."""
-        head = conn.head
-        if head.find(HEAD_END, searched) >= 0 or BARE_LF.search(head, searched):
+        verdict = self.head_verdict(conn.head, searched)
+        if verdict == READY:
             self.hand_over(conn)
-        elif len(head) > self.line_limit + 2 and head.find(b"\r\n", 0, self.line_limit + 2) < 0:
-            self.hand_over(conn)  # the parser answers 414 from these bytes alone
-        elif len(head) > self.head_limit:
+        elif verdict == TOO_LARGE:
             self.refuse(conn, LimitRequestHeaders("max buffer headers"))
+
+    def head_verdict(self, head, searched: int) -> str:
+        """READY for gunicorn's parser (complete, or refused from these bytes alone: a bare LF,
+        a request line over its limit), TOO_LARGE for its whole-head bound, else PARTIAL."""
+        if head.find(HEAD_END, searched) >= 0 or BARE_LF.search(head, searched):
+            return READY
+        if len(head) > self.line_limit + 2 and head.find(b"\r\n", 0, self.line_limit + 2) < 0:
+            return READY  # the parser answers 414
+        return TOO_LARGE if len(head) > self.head_limit else PARTIAL
 
     def hand_over(self, conn: Conn) -> None:
         self.leave_poller(conn)
         self.set_state(conn, BUSY)
-        with self.ready_lock:
-            self.ready.append((conn, time.monotonic()))
+        self.turns.add(conn, time.monotonic())
 
     def leave_poller(self, conn: Conn) -> None:
         if self.waiting.pop(conn, False) is None:
@@ -458,8 +524,9 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def finish_request(self, conn, result):
         """A pool thread is done with `conn` (called on the main loop); `result` True: keep it."""
-        with self.ready_lock:
-            self.running -= 1
+        if conn.left:
+            self.close(conn, CLIENT_CLOSED)
+            return
         if result is not True or conn.closed:
             self.close_after_answer(conn)
             return
@@ -467,14 +534,15 @@ class ConnectionWorker(gthread.ThreadWorker):
         conn.sock.setblocking(False)
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_readable, conn))
         self.waiting[conn] = None
-        # A body drain or a pipelining client may have sent the next request's bytes already:
-        # its clock starts now.
+        # A body drain or a pipelining client may have sent the next request's bytes already
+        # (or the pool thread read part of a head): its clock starts with them.
         pending = conn.parser.unreader.take_buffered()
         if pending:
-            conn.started = now
+            conn.started = now if conn.arrived is None else conn.arrived
+            conn.arrived = None
             conn.head = bytearray(pending)
             self.head_bytes += len(pending)
-            self.wait(conn, HEAD, now + self.header_timeout_s)
+            self.wait(conn, HEAD, conn.started + self.header_timeout_s)
             self.examine(conn, 0)
         else:
             conn.started = None

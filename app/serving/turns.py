@@ -1,0 +1,126 @@
+"""Which complete request of one worker runs next: one at a time, unless the next has waited.
+
+Two requests' threads in one process take turns on the GIL at every torch call and system call
+of either; for small requests those hand-offs cost more CPU than running side by side gains
+(docs/small-requests.md). So a complete request waits for the one running to end, at most
+`hold_s`, then runs beside it: a long request delays the next by that much only.
+
+A waiting request is either the main loop's (a head read by the poller: `add`; whoever ends
+a request or the main loop's `due` starts it on a pool thread) or a pool thread's own (the next
+request on the connection it has just answered: `take` waits on the thread's inbox until it is
+woken or `hold_s` has passed). The queue is in arrival order. Standard library only: the
+master loads this module.
+"""
+from queue import Empty, SimpleQueue
+import threading
+import time
+from collections import deque
+from typing import Any
+
+
+class Turns:
+    def __init__(self, hold_s: float, max_lingering: int):
+        self.hold_s = hold_s
+        self.max_lingering = max(1, max_lingering)
+        self._lock = threading.Lock()
+        self._queue: deque[tuple[Any, float, SimpleQueue | None]] = deque()  # (item, since, inbox)
+        self.running = 0  # requests being served
+        self.lingering = 0  # pool threads waiting for their connection's next request, or for its turn
+
+    # -- the main loop ---------------------------------------------------------------------
+
+    def add(self, item: Any, now: float) -> None:
+        """A complete head read by the main loop waits for its turn."""
+        with self._lock:
+            self._queue.append((item, now, None))
+
+    def due(self, now: float) -> list:
+        """The main loop's items whose turn it is (nothing runs, or they have waited hold_s),
+        in arrival order, counted as running; a pool thread's waiting item is woken instead."""
+        started, woken = [], []
+        with self._lock:
+            while self._queue:
+                item, since, inbox = self._queue[0]
+                if self.running and now - since < self.hold_s:
+                    break
+                self._queue.popleft()
+                self.running += 1
+                (started if inbox is None else woken).append((item, inbox))
+        for item, inbox in woken:
+            inbox.put(item)
+        return [item for item, _ in started]
+
+    def oldest(self) -> float | None:
+        """When the longest-waiting item arrived (the main loop wakes hold_s after it)."""
+        with self._lock:
+            return self._queue[0][1] if self._queue else None
+
+    # -- pool threads ----------------------------------------------------------------------
+
+    def finish(self, handoff: bool) -> Any:
+        """The calling thread's request has ended. If the next item's turn has come, a pool
+        thread's is woken; the main loop's is returned (to be started elsewhere) only with
+        `handoff`, else left for `take_next`."""
+        with self._lock:
+            self.running -= 1
+            if self.running or not self._queue:
+                return None
+            item, _, inbox = self._queue[0]
+            if inbox is None and not handoff:
+                return None
+            self._queue.popleft()
+            self.running += 1
+        if inbox is not None:
+            inbox.put(item)
+            return None
+        return item
+
+    def take_next(self) -> Any:
+        """On a thread that is free: the main loop's next item, if its turn has come (a pool
+        thread's is woken instead)."""
+        with self._lock:
+            if self.running or not self._queue:
+                return None
+            item, _, inbox = self._queue.popleft()
+            self.running += 1
+        if inbox is not None:
+            inbox.put(item)
+            return None
+        return item
+
+    def take(self, item: Any, inbox: SimpleQueue) -> None:
+        """A pool thread has a complete head for `item`: return when it may run, at once when
+        nothing runs, else when the running request ends or after hold_s at the latest."""
+        with self._lock:
+            if not self.running:
+                self.running = 1
+                return
+            entry = (item, time.monotonic(), inbox)
+            self._queue.append(entry)
+        try:
+            inbox.get(timeout=self.hold_s)
+            return
+        except Empty:
+            pass
+        with self._lock:
+            try:
+                self._queue.remove(entry)
+            except ValueError:
+                pass  # its turn came just now: the wake-up is on its way
+            else:
+                self.running += 1
+                return
+        inbox.get(timeout=60.0)  # bounded for safety; the waker puts right after releasing the lock
+
+    def start_lingering(self) -> bool:
+        """Whether the calling thread may wait for its connection's next request (at most
+        max_lingering threads at once, so that the pool always has threads to spare)."""
+        with self._lock:
+            if self.lingering >= self.max_lingering:
+                return False
+            self.lingering += 1
+            return True
+
+    def stop_lingering(self) -> None:
+        with self._lock:
+            self.lingering -= 1

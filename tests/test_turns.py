@@ -1,0 +1,96 @@
+"""Turns (app/serving/turns.py): one request at a time in arrival order, whoever read its head
+(the main loop or the pool thread that answered the connection before), the next after the
+running one ends or after hold_s, and a bounded number of lingering threads.
+
+Events, not times: "waits for the running one" is shown with a hold of a minute that the test
+ends long before by finishing; "runs beside after hold_s" with a hold of 10 ms against a running
+request that never ends. Every wait is bounded."""
+import threading
+from queue import SimpleQueue
+
+from app.serving.turns import Turns
+from tools.server import wait_until
+
+WAIT_S = 30.0  # bound of every wait; reached only on failure
+LONG_HOLD_S = 60.0
+
+
+def waiter(turns: Turns, item, log: list) -> threading.Thread:
+    """A pool thread with a complete head for `item`: logs it once its turn has come."""
+    thread = threading.Thread(target=lambda: (turns.take(item, SimpleQueue()), log.append(item)), daemon=True)
+    thread.start()
+    return thread
+
+
+def queued(turns: Turns, count: int) -> bool:
+    """Wait until `count` items wait for their turn."""
+    return wait_until(lambda: len(turns._queue) >= count, WAIT_S, 0.001)
+
+
+def test_with_nothing_running_the_first_takes_its_turn_at_once():
+    turns, log = Turns(LONG_HOLD_S, max_lingering=4), []
+    waiter(turns, "a", log).join(WAIT_S)
+    assert log == ["a"] and turns.running == 1
+
+
+def test_a_thread_s_next_request_waits_for_the_running_one_to_end():
+    turns, log = Turns(LONG_HOLD_S, max_lingering=4), []
+    turns.add("first", now=0.0)
+    assert turns.due(now=0.0) == ["first"] and turns.running == 1
+    thread = waiter(turns, "next", log)
+    assert queued(turns, 1) and log == []  # held: one request runs
+    assert turns.finish(handoff=True) is None  # ending it wakes the waiting thread
+    thread.join(WAIT_S)
+    assert log == ["next"] and turns.running == 1
+
+
+def test_past_the_hold_a_waiting_request_runs_beside_the_running_one():
+    turns, log = Turns(0.01, max_lingering=4), []
+    turns.add("long", now=0.0)
+    assert turns.due(now=0.0) == ["long"]
+    waiter(turns, "next", log).join(WAIT_S)  # "long" never ends
+    assert log == ["next"] and turns.running == 2
+    with turns._lock:
+        assert not turns._queue
+
+
+def test_the_main_loop_starts_the_first_at_once_and_the_rest_after_the_hold():
+    turns = Turns(1.0, max_lingering=4)
+    for name in ("a", "b", "c"):
+        turns.add(name, now=10.0)
+    assert turns.due(now=10.0) == ["a"]
+    assert turns.oldest() == 10.0
+    assert turns.due(now=10.5) == []
+    assert turns.due(now=11.0) == ["b", "c"] and turns.running == 3
+
+
+def test_turns_follow_arrival_order_whoever_read_the_head():
+    turns, log = Turns(LONG_HOLD_S, max_lingering=4), []
+    turns.add("running", now=0.0)
+    turns.due(now=0.0)
+    turns.add("polled", now=0.0)  # read by the main loop, before the thread's
+    thread = waiter(turns, "lingered", log)
+    assert queued(turns, 2)
+    # A thread that will not linger leaves the main loop's item for its own take_next.
+    assert turns.finish(handoff=False) is None and turns.running == 0
+    assert turns.take_next() == "polled" and turns.running == 1
+    assert log == []
+    assert turns.finish(handoff=False) is None  # the thread's item is next: woken
+    thread.join(WAIT_S)
+    assert log == ["lingered"] and turns.running == 1
+    assert turns.take_next() is None  # one runs, none waits
+
+
+def test_a_thread_about_to_linger_hands_the_main_loop_s_next_item_on():
+    turns = Turns(LONG_HOLD_S, max_lingering=4)
+    turns.add("running", now=0.0)
+    turns.due(now=0.0)
+    turns.add("polled", now=0.0)
+    assert turns.finish(handoff=True) == "polled" and turns.running == 1
+
+
+def test_at_most_max_lingering_threads_linger():
+    turns = Turns(LONG_HOLD_S, max_lingering=2)
+    assert [turns.start_lingering() for _ in range(3)] == [True, True, False]
+    turns.stop_lingering()
+    assert turns.start_lingering() and not turns.start_lingering()
