@@ -14,3 +14,15 @@ def wait_for_workers(address: str, count: int, timeout_s: float = CLUSTER_START_
         except Exception:  # noqa: BLE001 - not up yet
             return False
     assert wait_until(ready, timeout_s, 0.5), f"{count} Dask workers did not join within {timeout_s} s"
+
+
+def tile_faults(vectors, spec: dict, rows: tuple[int, int], cols: tuple[int, int]) -> int:
+    """Minor page faults of this thread while it computes one job tile as a worker does
+    (app/jobs/tasks.py tile_task): pages the kernel had to map, and zero, for it."""
+    import resource
+
+    from app.jobs.tasks import tile_task
+
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    tile_task(vectors, spec, rows, cols)
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
