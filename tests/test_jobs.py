@@ -29,7 +29,7 @@ from app.jobs.cluster import free_port, start_embedded, stop_embedded
 from app.jobs.metrics import STATUSES, observe_workers
 from app.jobs.on_scheduler import JOBS, forget_records, snapshots, workers_count
 from app.jobs.store import JobState
-from tests.dask_cluster import tile_faults, wait_for_workers
+from tests.dask_cluster import CLUSTER_START_S, tile_faults, wait_for_workers
 from tools.reference import reference_accumulated, reference_blocks
 from tools.server import children, wait_until
 
