@@ -212,10 +212,10 @@ def test_a_scrape_with_the_scheduler_unreachable_is_bounded_and_reports_no_worke
 
 def test_a_tile_on_a_dask_worker_reuses_freed_memory_instead_of_fresh_pages(cluster):
     """A Dask nanny's MALLOC_TRIM_THRESHOLD_ would make every chunk's tensors fresh mmaps, each
-    page zeroed by the kernel on first touch (about 2.5x a tile's CPU): the worker restores
+    page zeroed by the kernel on first touch (docs/jobs.md, "Throughput"): the worker restores
     glibc's reuse (tasks.restore_malloc_reuse). Counted, not timed: the minor page faults of
     one tile on one worker, the fewest of three (the first ones warm its heap up), against the
-    pages of the tile's pairs alone; without the reuse a tile maps about 5 times those."""
+    pages of the tile's pairs alone; without the reuse every chunk maps all its tensors afresh."""
     n, dim, factor = 2048, 64, 16  # 128 x 128 blocks: 8 MiB of pairs per block, as J2's
     vectors = np.random.default_rng(5).standard_normal((n, dim)).astype(np.float32)
     spec = dataclasses.asdict(JobSpec(n, dim, factor, "sum_of_squares", 5.0, "float32",

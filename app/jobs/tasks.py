@@ -30,8 +30,8 @@ def worker_log() -> logging.Logger:
 def restore_malloc_reuse() -> None:
     """Once per worker process. A Dask nanny starts its worker with MALLOC_TRIM_THRESHOLD_=65536,
     which also pins glibc's mmap threshold at 128 KiB: every tensor of a chunk is then a fresh
-    mmap that the kernel zeroes page by page on first touch, and a tile costs about 2.5x the
-    CPU (docs/jobs.md, "Throughput"). These are the thresholds glibc's dynamic rule reaches in
+    mmap that the kernel zeroes page by page on first touch, and most of a tile's CPU goes
+    to the kernel (docs/jobs.md, "Throughput"). These are the thresholds glibc's dynamic rule reaches in
     a gunicorn worker: a chunk's tensors (up to 32 MiB) reuse freed heap memory, and up to
     twice that is kept rather than returned. Not glibc: nothing to do."""
     global _malloc_restored
