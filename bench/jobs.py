@@ -10,7 +10,9 @@ J3 (N = 65,536, 4.3 x 10^9 pairs) takes about half an hour on two idle cores, mo
 than `make bench` should grow by: it runs when named (`python -m bench job_size`) or with
 BLOCKGRAD_BENCH_J3=1, and otherwise reports that it was not run.
 
-Usage: python -m bench.jobs [J1 J2 J3 J4]
+`python -m bench.jobs TP` profiles one tile (in this process, on a Dask worker untuned and tuned).
+
+Usage: python -m bench.jobs [J1 J2 J3 J4 TP]
 """
 import contextlib
 import io
@@ -27,7 +29,7 @@ import numpy as np
 import requests
 import torch
 
-from tools.server import cpu_ticks, gunicorn_server, peak_rss_kib, wait_until
+from tools.server import children, cpu_ticks, gunicorn_server, peak_rss_kib, wait_until
 
 from .measure import Result, all_started_together, at_least, at_most
 from .workloads import body as json_body
@@ -100,6 +102,11 @@ def workers_cpu_s(server) -> float:
     return sum(cpu_ticks(pid) for pid in dask_workers(server)) / os.sysconf("SC_CLK_TCK")
 
 
+def gunicorn_workers_cpu_s(server) -> float:
+    """CPU seconds gunicorn's workers have used (a synchronous request's compute is theirs)."""
+    return sum(cpu_ticks(pid) for pid in children(server.pid)) / os.sysconf("SC_CLK_TCK")
+
+
 def seconds(rfc3339: str) -> float:
     return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
 
@@ -167,10 +174,14 @@ def job_overhead(bench=None, n: int = 1024, dim: int = 64, factor: int = 16, rep
     body = json_body(random_vectors(n, dim), factor=factor, outputs=["accumulated"])
     with job_server(2) as server:
         post_sync(server.url, body)  # warm: a worker has computed once
-        sync, jobs = [], []
+        sync, jobs, sync_cpu, job_cpu = [], [], 0.0, 0.0
         for _ in range(repeats):
+            cpu = gunicorn_workers_cpu_s(server)
             sync.append(post_sync(server.url, body))
+            sync_cpu += gunicorn_workers_cpu_s(server) - cpu
+            cpu = workers_cpu_s(server)
             jobs.append(run_job(server.url, body))
+            job_cpu += workers_cpu_s(server) - cpu
         state = load()
     t_sync = statistics.median(sync)
     compute = statistics.median(job.compute_s for job in jobs)
@@ -179,7 +190,9 @@ def job_overhead(bench=None, n: int = 1024, dim: int = 64, factor: int = 16, rep
     return [
         Result(name + ": job compute / synchronous request", f"<= {J1_COMPUTE_RATIO}x", f"{compute / t_sync:.2f}x",
                at_most(compute / t_sync, J1_COMPUTE_RATIO),
-               f"job compute {compute * 1e3:.0f} ms, synchronous {t_sync * 1e3:.0f} ms; {load()}"),
+               f"job compute {compute * 1e3:.0f} ms, synchronous {t_sync * 1e3:.0f} ms; CPU per run: Dask workers "
+               f"{job_cpu / repeats * 1e3:.0f} ms, gunicorn workers {sync_cpu / repeats * 1e3:.0f} ms "
+               f"({job_cpu / max(sync_cpu, 1e-9):.2f}x); {load()}"),
         Result(name + ": submit-to-result - synchronous", f"<= +{J1_EXTRA_S} s", f"+{total - t_sync:.2f} s",
                at_most(total - t_sync, J1_EXTRA_S),
                f"submit to result {total * 1e3:.0f} ms (polling every 50 ms); {state}"),
@@ -194,14 +207,18 @@ def job_scaling(bench=None, n: int = 8192, dim: int = 64, factor: int = 64) -> l
     body = json_body(matrix, factor=factor, objective="sum_of_squares", outputs=["accumulated"])
     sync_env = {"BLOCKGRAD_SLOTS_PER_REQUEST": "1", "BLOCKGRAD_REQUEST_TIMEOUT_S": "900"}
     with gunicorn_server(workers=2, env=sync_env) as server:
+        cpu = gunicorn_workers_cpu_s(server)
         alone = post_sync(server.url, body)
+        alone_cpu = gunicorn_workers_cpu_s(server) - cpu
         pair = all_started_together([lambda: post_sync(server.url, body)] * 2)
     sync_load = load()
     data, query = npy_bytes(matrix), f"?factor={factor}&objective=sum_of_squares&outputs=accumulated"
-    times = {}
+    times, cpus = {}, {}
     for workers in (1, 2):
         with job_server(workers) as server:
+            cpu = workers_cpu_s(server)
             times[workers] = run_job(server.url, data, query, npy=True, poll_s=0.5)
+            cpus[workers] = workers_cpu_s(server) - cpu
     s_pair = 2 * alone / pair
     s_job = times[1].compute_s / times[2].compute_s
     return [Result(f"J2. job scaling, N={n} D={dim} F={factor} sum_of_squares accumulated: 2 Dask workers vs 1",
@@ -210,7 +227,9 @@ def job_scaling(bench=None, n: int = 8192, dim: int = 64, factor: int = 64) -> l
                    f"job compute 1 worker {times[1].compute_s:.1f} s, 2 workers {times[2].compute_s:.1f} s (submit "
                    f"to result {times[1].submit_to_result_s:.1f} / {times[2].submit_to_result_s:.1f} s); "
                    f"bound: synchronous 1-slot request {alone:.1f} s, two at once {pair:.1f} s, S_pair "
-                   f"{s_pair:.2f}, 0.9 x S_pair {J2_SHARE * s_pair:.2f}; {sync_load} (sync), {load()} (jobs)")]
+                   f"{s_pair:.2f}, 0.9 x S_pair {J2_SHARE * s_pair:.2f}; CPU: 1-worker job {cpus[1]:.1f} s, "
+                   f"2-worker job {cpus[2]:.1f} s, synchronous request {alone_cpu:.1f} s (1-worker job / "
+                   f"synchronous {cpus[1] / max(alone_cpu, 1e-9):.2f}x); {sync_load} (sync), {load()} (jobs)")]
 
 
 # J3 ---------------------------------------------------------------------------------------
@@ -283,12 +302,73 @@ def job_model(bench=None, n: int = 16384, dim: int = 64, factor: int = 64, hidde
                    f"synchronous {sync_cpu_rate / 1e3:.0f} K; {load()}")]
 
 
+# TP: a tile's profile (docs/jobs.md, "Throughput"), run only when named -----------------------
+def thread_cost(fn, repeats: int = 3) -> dict:
+    """This thread's user and system CPU seconds and minor page faults for fn(), the fastest of `repeats`."""
+    import resource
+
+    best = None
+    for _ in range(repeats):
+        before, began = resource.getrusage(resource.RUSAGE_THREAD), time.perf_counter()
+        fn()
+        wall, after = time.perf_counter() - began, resource.getrusage(resource.RUSAGE_THREAD)
+        row = {"wall": round(wall, 3), "user": round(after.ru_utime - before.ru_utime, 3),
+               "sys": round(after.ru_stime - before.ru_stime, 3), "faults": after.ru_minflt - before.ru_minflt}
+        best = row if best is None or wall < best["wall"] else best
+    return best
+
+
+def tile_costs(n: int = 8192, dim: int = 64, factor: int = 64, side: int = 8, tuned: bool = False) -> dict:
+    """One tile of side x side blocks (J2's shapes) by run_tile and by the synchronous executor
+    on the same chunks, in the calling thread; `tuned`: the worker's malloc thresholds first."""
+    from app.core.engine import elements_per_chunk
+    from app.core.executor import SerialExecutor
+    from app.core.job_tasks import JobSpec, Tile, run_tile, tile_chunks
+    from app.core.objectives import OBJECTIVES
+    from app.jobs.tasks import restore_malloc_reuse
+
+    if tuned:
+        restore_malloc_reuse()
+    torch.set_num_threads(1)
+    objective = OBJECTIVES["sum_of_squares"]
+    vectors = np.random.default_rng(0).standard_normal((n, dim)).astype(np.float32)
+    spec = JobSpec(n, dim, factor, objective.name, 5.0, "float32", elements_per_chunk(16 << 20, objective, dim, 4))
+    tile = Tile(0, range(side), range(side))
+    chunks = tile_chunks(n, dim, factor, tile, spec.chunk_elements)
+
+    def synchronous():
+        one = SerialExecutor().pass_one(torch.as_tensor(vectors), chunks, objective, 5.0)
+        for _ in one:
+            pass
+        one.accumulated()
+    run_tile(vectors, spec, tile, objective)  # warm
+    return {"run_tile": thread_cost(lambda: run_tile(vectors, spec, tile, objective)),
+            "synchronous executor": thread_cost(synchronous),
+            "MALLOC_TRIM_THRESHOLD_": os.environ.get("MALLOC_TRIM_THRESHOLD_")}
+
+
+def tile_profile() -> list[Result]:
+    """The same tile in this process and in a task of a one-worker LocalCluster with the nanny's
+    defaults, untuned and as a tile task tunes it."""
+    from distributed import Client, LocalCluster
+
+    found = {"this process": tile_costs()}
+    for tuned in (False, True):
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+                Client(cluster) as client:
+            found[f"Dask worker, {'tuned' if tuned else 'untuned'}"] = \
+                client.submit(tile_costs, tuned=tuned, pure=False).result()
+    return [Result(f"TP. one tile of 8 x 8 blocks (N=8192 D=64 F=64 sum_of_squares): {where}", "-", "-", "-",
+                   f"{costs}; {load()}") for where, costs in found.items()]
+
+
 ROWS = {"J1": job_overhead, "J2": job_scaling, "J3": lambda: job_size(named=True), "J4": job_model}
+NAMED_ONLY = {"TP": tile_profile}
 
 
 def main(argv: list[str]) -> int:
     for key in argv or list(ROWS):
-        for result in ROWS[key]():
+        for result in {**ROWS, **NAMED_ONLY}[key]():
             print(" | ".join((result.name, result.target, result.measured, result.verdict, result.detail)), flush=True)
     return 0
 

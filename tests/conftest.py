@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from app import create_app
 
@@ -11,3 +12,30 @@ def app():
 @pytest.fixture
 def client(app):
     return app.test_client()
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread, as in a gunicorn worker and every Dask task: bitwise comparisons need
+    it (with several threads torch may split one large reduction, changing a sum's order)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A real local Dask cluster for one test module: app/jobs/cluster.py's embedded one, a
+    scheduler and two single-threaded workers on 127.0.0.1, stopped after the module."""
+    from app.jobs.client import close_clients
+    from app.jobs.cluster import start_embedded, stop_embedded
+    from tests.dask_cluster import wait_for_workers
+
+    cluster = start_embedded(2)
+    try:
+        wait_for_workers(cluster.address, 2)
+        yield cluster
+    finally:
+        close_clients()
+        stop_embedded(cluster)

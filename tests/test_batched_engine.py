@@ -18,16 +18,6 @@ from .numeric import assert_matches
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
-@pytest.fixture
-def one_thread():
-    """Bitwise comparisons: with several threads torch may split one large reduction
-    between them, so a sum's order would depend on the number of blocks beside it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def block_numbers(chunk: Chunk, dim: int) -> int:
     return chunk.height * chunk.width * 2 * dim
 

@@ -19,13 +19,7 @@ TOLERANCE = {torch.float32: dict(rtol=2e-5, atol=2e-5), torch.float64: dict(rtol
 WAIT_S = 60.0  # bounds on every wait; never reached unless something is broken
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread per process, as in a worker: bitwise comparisons need it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: bitwise comparisons need it
 
 
 class CountingSlots(ThreadSlots):

@@ -15,12 +15,7 @@ from tests.numeric import assert_matches
 from tools.reference import reference_accumulated
 
 
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run_job(vectors: np.ndarray, spec: JobSpec, workers: int, tile_numbers: int, fan_in: int = 3,

@@ -10,45 +10,33 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from app import create_app
+from app.core.engine import elements_per_chunk
+from app.core.job_tasks import JobSpec
+from app.core.objectives import OBJECTIVES
 from app.extensions import services_of
 from app.jobs import client as jobs_client
 from app.jobs.client import close_clients, cluster_client
 from app.jobs.cluster import free_port, start_embedded, stop_embedded
+from app.jobs.metrics import STATUSES, observe_workers
 from app.jobs.on_scheduler import JOBS, forget_records, snapshots, workers_count
+from app.jobs.store import JobState
+from tests.dask_cluster import CLUSTER_START_S, tile_faults, wait_for_workers
 from tools.reference import reference_accumulated, reference_blocks
 from tools.server import children, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-CLUSTER_START_S = 90  # bounded: two workers importing torch on a loaded 2-core machine
 JOB_S = 90  # a small job's bound, far above its time
 HEX_ID = "0123456789abcdef" * 2
-
-
-def wait_for_workers(address: str, count: int, timeout_s: float = CLUSTER_START_S) -> None:
-    def ready():
-        try:
-            return cluster_client(address).run_on_scheduler(workers_count) >= count
-        except Exception:  # noqa: BLE001 - not up yet
-            return False
-    assert wait_until(ready, timeout_s, 0.5), f"{count} Dask workers did not join within {timeout_s} s"
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    cluster = start_embedded(2)
-    try:
-        wait_for_workers(cluster.address, 2)
-        yield cluster
-    finally:
-        close_clients()
-        stop_embedded(cluster)
+pytestmark = pytest.mark.usefixtures("one_thread")  # /v1 computed here with one thread, as every Dask task
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +47,6 @@ def jobs_app(cluster):
 @pytest.fixture
 def client(jobs_app):
     return jobs_app.test_client()
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """/v1 computed in this process with one thread, as a worker and every Dask task do."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def wait_for_job(client, job_id: str, timeout_s: float = JOB_S) -> dict:
@@ -186,6 +165,69 @@ def test_readyz_and_metrics_report_the_cluster(client):
     assert "blockgrad_cluster_workers 2.0" in metrics
     assert 'blockgrad_job_events_total{event="submitted"}' in metrics
     assert 'blockgrad_jobs{status="succeeded"}' in metrics
+
+
+def scraped_gauges(client) -> dict[str, float]:
+    """/metrics' job gauges: status -> blockgrad_jobs, and "workers"."""
+    found = {}
+    for family in text_string_to_metric_families(client.get("/metrics").get_data(as_text=True)):
+        for sample in family.samples:
+            if sample.name == "blockgrad_jobs":
+                found[sample.labels["status"]] = sample.value
+            elif sample.name == "blockgrad_cluster_workers":
+                found["workers"] = sample.value
+    return found
+
+
+def test_the_job_gauges_are_read_when_scraped_not_at_the_last_post(cluster, client):
+    """A job that finished, then one forgotten, after the last POST: each scrape counts what the
+    scheduler holds then."""
+    dask = cluster_client(cluster.address)
+
+    def scheduler_counts() -> Counter:
+        return Counter(JobState(job_id, s["record"], s["outcome"], s["progress"]).status
+                       for job_id, s in dask.run_on_scheduler(snapshots, None).items())
+
+    def nothing_active():  # the other tests' jobs have ended
+        return not {"queued", "running"} & set(scheduler_counts())
+    assert wait_until(nothing_active, JOB_S, 0.5)
+    job = submit(client, vectors=[[1.0, 2.0], [3.0, 4.0]], factor=2).get_json()  # the last POST
+    assert wait_for_job(client, job["id"])["status"] == "succeeded"
+    expected = scheduler_counts()
+    gauges = scraped_gauges(client)
+    assert {status: gauges[status] for status in STATUSES} == {status: expected[status] for status in STATUSES}
+    assert gauges["workers"] == dask.run_on_scheduler(workers_count) == 2
+    assert client.delete(f"/v1/jobs/{job['id']}").status_code == 204  # forgotten: one succeeded job fewer
+    assert scraped_gauges(client)["succeeded"] == expected["succeeded"] - 1
+
+
+def test_a_scrape_with_the_scheduler_unreachable_is_bounded_and_reports_no_workers():
+    client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": f"tcp://127.0.0.1:{free_port()}"}).test_client()
+    observe_workers(2)  # what an earlier read saw
+    start = time.monotonic()
+    gauges = scraped_gauges(client)
+    assert time.monotonic() - start < 30  # METRICS_READ_S on its deadline; the margin is for a busy machine
+    assert gauges["workers"] == 0
+
+
+def test_a_tile_on_a_dask_worker_reuses_freed_memory_instead_of_fresh_pages(cluster):
+    """A Dask nanny's MALLOC_TRIM_THRESHOLD_ would make every chunk's tensors fresh mmaps, each
+    page zeroed by the kernel on first touch (docs/jobs.md, "Throughput"): the worker restores
+    glibc's reuse (tasks.restore_malloc_reuse). Counted, not timed: the minor page faults of
+    one tile on one worker, the fewest of three (the first ones warm its heap up), against the
+    pages of the tile's pairs alone; without the reuse every chunk maps all its tensors afresh."""
+    n, dim, factor = 2048, 64, 16  # 128 x 128 blocks: 8 MiB of pairs per block, as J2's
+    vectors = np.random.default_rng(5).standard_normal((n, dim)).astype(np.float32)
+    spec = dataclasses.asdict(JobSpec(n, dim, factor, "sum_of_squares", 5.0, "float32",
+                                      elements_per_chunk(16 * 1024 * 1024, OBJECTIVES["sum_of_squares"], dim, 4)))
+    blocks = 4 * 4
+    pair_pages = blocks * (n // factor) ** 2 * 2 * dim * 4 // os.sysconf("SC_PAGE_SIZE")
+    dask = cluster_client(cluster.address)
+    worker = sorted(dask.scheduler_info()["workers"])[0]
+    assert dask.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_"), workers=[worker]) == {worker: "65536"}
+    faults = [dask.submit(tile_faults, vectors, spec, (0, 4), (0, 4), workers=[worker], pure=False)
+              .result(timeout=JOB_S) for _ in range(3)]
+    assert min(faults) < pair_pages / 4, (faults, pair_pages)
 
 
 def test_a_non_finite_job_fails_with_v1s_error(client):

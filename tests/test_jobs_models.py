@@ -17,9 +17,10 @@ from app.jobs import programs
 from app.jobs.programs import program_key
 from examples.export_scorer import export_scorer
 from tests.numeric import assert_matches, largest
-from tests.test_jobs import cluster, npy, one_torch_thread, wait_for_job  # noqa: F401 - fixtures
+from tests.test_jobs import npy, wait_for_job
 
 DIM = 4
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def served_app(directory: Path, scheduler: str | None = None, **settings):
 
 
 @pytest.fixture(scope="module")
-def client(cluster, scorers):  # noqa: F811 - the imported fixture
+def client(cluster, scorers):
     return served_app(scorers, cluster.address).test_client()
 
 
@@ -53,7 +54,7 @@ def loads_on_workers(address: str, sha256: str) -> dict[str, int]:
     return {worker: loads.get(sha256, 0) for worker, loads in cluster_client(address).run(program_loads).items()}
 
 
-def test_model_jobs_equal_v1_and_load_the_program_once_per_worker(cluster, client, scorers, monkeypatch):  # noqa: F811
+def test_model_jobs_equal_v1_and_load_the_program_once_per_worker(cluster, client, scorers, monkeypatch):
     scatters = []
     real_call = programs.call
 
@@ -102,7 +103,7 @@ def test_a_float64_model_job_equals_v1_bit_for_bit_in_its_losses(client):
     assert_matches(job["accumulated"], accumulated, "float64", scale=largest(accumulated), what="accumulated")
 
 
-def test_a_job_ships_the_program_the_service_loaded_even_if_its_file_is_replaced(cluster, scorers, tmp_path):  # noqa: F811
+def test_a_job_ships_the_program_the_service_loaded_even_if_its_file_is_replaced(cluster, scorers, tmp_path):
     """The file is replaced after the service loaded it: /v1 serves the program it loaded, and so
     does a job (its bytes kept at load, not read again), so the two still answer alike."""
     directory = tmp_path / "models"
@@ -118,7 +119,7 @@ def test_a_job_ships_the_program_the_service_loaded_even_if_its_file_is_replaced
     assert job["losses"] == sync_answer(client, body)["losses"]
 
 
-def test_a_program_that_fails_its_checks_on_the_workers_fails_the_job(cluster, scorers, tmp_path):  # noqa: F811
+def test_a_program_that_fails_its_checks_on_the_workers_fails_the_job(cluster, scorers, tmp_path):
     """Bytes the workers refuse (not an exported program): the job fails with the error table's
     code, the workers' paths stay theirs, and the service still serves its own copy."""
     directory = tmp_path / "models"

@@ -36,14 +36,6 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("objective", ["sum", "mean", "sum_of_squares", "l2_norm"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_one_chunk_is_pass_one_bit_for_bit_and_the_seed_loops_numbers(one_thread, objective, dtype):

@@ -19,5 +19,8 @@ def get_metrics():
     source = services().gate.source  # the pod's slots are read now, from whichever worker answers
     SLOTS.set(source.count)
     SLOTS_BUSY.set(source.busy)
+    jobs = services().jobs
+    if jobs is not None:  # the job gauges, read from the scheduler now (bounded in time)
+        jobs.refresh_metrics()
     body, content_type = exposition()
     return Response(body, content_type=content_type)

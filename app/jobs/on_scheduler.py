@@ -83,3 +83,8 @@ def forget_records(job_id: str, dask_scheduler=None) -> None:
 
 def workers_count(dask_scheduler=None) -> int:
     return len(dask_scheduler.workers)
+
+
+def cluster_view(dask_scheduler=None) -> dict:
+    """Every job's snapshot and the workers, in one round trip (a /metrics scrape)."""
+    return {"jobs": snapshots(None, dask_scheduler=dask_scheduler), "workers": workers_count(dask_scheduler)}

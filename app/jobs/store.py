@@ -22,7 +22,7 @@ from .client import call, cluster_client, cluster_deadline, cluster_report, curr
 from .cluster import OFF
 from .graph import SCATTER_BYTES_PER_S, dataset_name, plan, submit
 from .metrics import observe_event, observe_jobs, observe_workers
-from .on_scheduler import IDEMPOTENCY, JOBS, create_record, forget_records, snapshots, workers_count
+from .on_scheduler import IDEMPOTENCY, JOBS, cluster_view, create_record, forget_records, snapshots, workers_count
 
 log = logging.getLogger("blockgrad.jobs")
 ID_PATTERN = re.compile(r"[0-9a-f]{32}")  # 128 random bits
@@ -33,6 +33,8 @@ RESULT_BYTES_PER_S = 20e6  # fetching a result from a niced worker: the route's 
 # A record whose graph was never published (the gunicorn worker died between the two) is
 # removed this long after its submission's own deadline: clocks of pods may differ a little.
 SUBMIT_GRACE_S = 60.0
+# A /metrics scrape waits at most this long for the scheduler: an unreachable one never hangs it.
+METRICS_READ_S = 1.0
 TASK_FAILED = {"code": "internal_error", "message": "A task of this job failed on the cluster; the cluster's log "
                                                     "has the traceback.", "details": {}}
 
@@ -132,6 +134,23 @@ class JobStore:
     def cluster_report(self) -> dict:
         """The cluster as this process last saw it, without asking it (/readyz)."""
         return cluster_report(self.address)
+
+    def refresh_metrics(self) -> None:
+        """The job gauges read from the scheduler now, for a scrape, within METRICS_READ_S. An
+        unreachable scheduler: 0 workers, the job gauges as last read. Nothing is forgotten here."""
+        if not self.address or self.address == OFF:
+            return
+        try:
+            with cluster_deadline(METRICS_READ_S):
+                client = self.client()
+                view = call(client, client._run_on_scheduler, cluster_view)
+        except BlockgradError:  # cluster_unavailable
+            observe_workers(0)
+            return
+        now = time.time()
+        states = [JobState(job_id, s["record"], s["outcome"], s["progress"]) for job_id, s in view["jobs"].items()]
+        observe_jobs(state for state in states if not state.abandoned(now))
+        observe_workers(view["workers"])
 
     def state(self, job_id: str) -> tuple[Any, JobState]:
         if not ID_PATTERN.fullmatch(job_id):
