@@ -10,8 +10,10 @@ NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    # orjson needs C-contiguous arrays; autograd may hand back expanded views.
-    return tensor.detach().cpu().contiguous().numpy()
+    # One torch call (detach and copy to the host); orjson needs C-contiguous arrays and
+    # autograd may hand back expanded views, copied by numpy only then.
+    array = tensor.numpy(force=True)
+    return array if array.flags.c_contiguous else array.copy(order="C")
 
 
 def close_body(body: object) -> None:
