@@ -16,6 +16,20 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return array if array.flags.c_contiguous else array.copy(order="C")
 
 
+def json_array(tensor: torch.Tensor) -> np.ndarray | orjson.Fragment:
+    """The tensor as orjson writes it (OPT_SERIALIZE_NUMPY): an array, or, for one number
+    broadcast (autograd's gradient of sum and mean: every stride 0), that number's text as
+    orjson writes it, repeated: the same bytes without formatting each entry."""
+    strides = tensor.stride()
+    if not strides or any(strides):
+        return to_numpy(tensor)
+    array = tensor.numpy(force=True)  # a view: every stride 0
+    text = orjson.dumps(array.reshape(-1)[:1], option=NUMPY)[1:-1]  # the number, as orjson writes it
+    for size in reversed(array.shape):  # innermost dimension first
+        text = b"[" + b",".join([text] * size) + b"]"
+    return orjson.Fragment(text)
+
+
 def close_body(body: object) -> None:
     """PEP 3333: whoever wraps a body passes the server's close() on to it, when it has one."""
     close = getattr(body, "close", None)
