@@ -57,7 +57,7 @@ def check_finite(matrix: np.ndarray) -> np.ndarray:
 def fits_dtype(matrix: np.ndarray, dtype: np.dtype) -> tuple[int, int] | None:
     """None if every value is finite in `dtype`, else the first (row, col) that overflows."""
     with np.errstate(over="ignore"):
-        finite = np.isfinite(matrix.astype(dtype))
+        finite = np.isfinite(matrix.astype(dtype, copy=False))  # no copy when already in `dtype`
     if finite.all():
         return None
     i, j = np.argwhere(~finite)[0]

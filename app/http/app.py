@@ -33,6 +33,21 @@ FLASK_CONFIG = {
 }
 
 
+class BlockgradFlask(Flask):
+    """Flask, asking once per function whether it is async: `ensure_sync` runs for every view
+    and hook of every request, and `inspect.iscoroutinefunction` is not free."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._made_sync: dict[Callable, Callable] = {}
+
+    def ensure_sync(self, func: Callable) -> Callable:
+        made = self._made_sync.get(func)
+        if made is None:
+            made = self._made_sync[func] = super().ensure_sync(func)
+        return made
+
+
 class BlockgradApi(Api):
     ERROR_SCHEMA = ErrorSchema  # the OpenAPI document shows our error object
 
@@ -46,7 +61,7 @@ def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
     # Models are loaded and checked here, once per process (in each worker: no preload_app);
     # a file that fails raises ModelError and the service does not start.
     objectives = served_objectives(settings)
-    app = Flask("app")
+    app = BlockgradFlask("app")
     # werkzeug would answer `/v2//health/live` with a 308 to an absolute URL built from the
     # Host header; without merging such paths are plain 404s.
     app.url_map.merge_slashes = False

@@ -64,7 +64,8 @@ class FrontEnd(Protocol):
 
 
 def serve(front_end: FrontEnd) -> Response:
-    settings = services().settings
+    served = services()  # one lookup through Flask's proxies for the whole request
+    settings = served.settings
     front_end.accept(request)
     decoded = front_end.decode(parsing.read_body(request), request)
     sizes = decoded.sizes
@@ -72,7 +73,7 @@ def serve(front_end: FrontEnd) -> Response:
         if sizes.factor is not None and sizes.outputs is not None:
             logged = sizes.outputs if decoded.logged_outputs is None else decoded.logged_outputs
             g.work = RequestRecord.of(sizes.n, sizes.dim, sizes.factor, logged, sizes.outputs)  # logged even when refused
-        prediction = admit(sizes, decoded.answer, settings, services().executor.most_lanes)
+        prediction = admit(sizes, decoded.answer, settings, served.executor.most_lanes)
         if prediction is not None:
             reserve_for_request(prediction.bytes)  # the body's reservation, resized to the prediction
     job = front_end.convert(decoded)
@@ -86,8 +87,8 @@ def serve(front_end: FrontEnd) -> Response:
     ticket = compute_slot(deadline)  # the request's first slot; its executor may take more
     try:
         with record.computing():
-            result = run(req, settings, deadline, services().executor)
-        result.band_slot = BandSlots(services().gate, deadline)  # blocks recomputed as written
+            result = run(req, settings, deadline, served.executor)
+        result.band_slot = BandSlots(served.gate, deadline)  # blocks recomputed as written
         g.device = str(result.device)
         return front_end.render(job, result, result.device, record.timed)
     finally:

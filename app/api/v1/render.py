@@ -13,7 +13,7 @@ import orjson
 from ...core.admission import output_elements
 from ...core.engine import Block
 from ...core.run import Result
-from ...http.streaming import NUMPY, gather, to_numpy
+from ...http.streaming import NUMPY, gather, json_array, to_numpy
 
 CHUNK_BYTES = 256 * 1024
 # An answer of at most this many numbers whose blocks were kept from pass one (computed and
@@ -28,7 +28,7 @@ def block_json(block: Block) -> bytes:
         "row": block.r, "col": block.c,
         "rows": block.row_span, "cols": block.col_span,
         "loss": to_numpy(block.loss)[()],  # numpy scalar: shortest digits of its dtype
-        "gradient": to_numpy(block.gradient),  # (rows, cols, 2D)
+        "gradient": json_array(block.gradient),  # (rows, cols, 2D)
     }, option=NUMPY)
 
 
@@ -68,7 +68,7 @@ def whole_json(head: dict, losses: np.ndarray, blocks: Iterator[Block]) -> bytes
         "row": block.r, "col": block.c,
         "rows": block.row_span, "cols": block.col_span,
         "loss": losses[block.r, block.c],
-        "gradient": to_numpy(block.gradient),
+        "gradient": json_array(block.gradient),
     } for block in blocks]), option=NUMPY)
 
 
