@@ -207,7 +207,7 @@ def all_at_once(url: str, body: bytes, clients: int) -> float:
     return seconds
 
 
-def four_concurrent_requests(bench, rounds: int = 5, clients: int = CONCURRENT) -> list[Result]:
+def four_concurrent_requests(bench, rounds: int = 9, clients: int = CONCURRENT) -> list[Result]:
     """`clients` concurrent N = 2048 requests on `make serve`'s configuration, total throughput
     with the default BLOCKGRAD_SLOTS_PER_REQUEST (all the pod's slots) against 1 (one slot a
     request), on two servers side by side, rounds interleaved; medians of `rounds`."""
