@@ -1,17 +1,22 @@
 """The pool thread's loop (ConnectionWorker.serve, app/serving/worker.py) without gunicorn: its
 turn ends when a request raises, the main loop's next head handed on while the thread lingers
 is run or closed (never lost, never left counted running), and a thread whose hand-off went
-to the backlog stops lingering so that it takes the backlog itself.
+to the backlog stops lingering so that it takes the backlog itself, and a connection whose
+thread waits for its next head does not make the worker count as serving.
 
 A worker object carries only what serve() reads; every collaborator is a fake that records."""
 import io
+import socket
+import threading
 
 import pytest
 
 from app.serving.turns import Turns
-from app.serving.worker import ConnectionWorker
+from app.serving.worker import BUSY, HEAD, IDLE, NEW, ConnectionWorker
+from tools.server import wait_until
 
 LONG_HOLD_S = 60.0  # never reached: nothing here waits for a hold
+WAIT_S = 30.0  # bound of every wait; reached only on failure
 
 
 class Unreader:
@@ -141,3 +146,22 @@ def test_pipelined_bytes_already_read_mean_no_lingering():
     running_first(w, conn)
     assert w.serve(conn) is True and w.next_head_calls == 0
     assert conn.parser.unreader.buf.tell() == position  # looking did not move the parser's buffer
+
+
+def test_a_thread_waiting_for_its_connection_s_next_head_is_not_serving():
+    w = object.__new__(ConnectionWorker)
+    w.linger_s, w.line_limit, w.head_limit = WAIT_S, 8190, 1 << 20
+    w.awaiting_next_head, w.awaiting_lock = 0, threading.Lock()
+    w.counts = {NEW: 0, HEAD: 0, IDLE: 0, BUSY: 1}  # the connection below, answered, in its pool thread
+    ours, client = socket.socketpair()
+    with ours, client:
+        conn = FakeConn("kept")
+        conn.sock, conn.head, conn.started = ours, bytearray(), None
+        verdicts = []
+        thread = threading.Thread(target=lambda: verdicts.append(w.next_head(conn)), daemon=True)
+        thread.start()
+        assert wait_until(lambda: w.awaiting_next_head == 1, WAIT_S, 0.001)
+        assert not w.serving()
+        client.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+        thread.join(WAIT_S)
+    assert verdicts == [True] and w.awaiting_next_head == 0 and w.serving()

@@ -185,6 +185,9 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.metrics = None
         self.shown: tuple | None = None
         self.linger_s = settings.linger_s
+        # Pool threads waiting for their connection's next head (next_head): not serving.
+        self.awaiting_next_head = 0
+        self.awaiting_lock = threading.Lock()
         self.turns = Turns(HOLD_S, max_lingering=int(self.cfg.threads * LINGERING_SHARE))  # complete heads
         self.deferred_until: float | None = None  # leaving new connections to a sibling until then
         self.notified = -math.inf
@@ -204,8 +207,9 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def serving(self) -> bool:
         """Whether a connection is accepted and not yet answered (new, part of a head, or in a
-        pool thread); idle kept-alive and closing ones do not count."""
-        return self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0
+        pool thread); idle kept-alive and closing ones do not count, nor those whose pool thread
+        waits for their next head."""
+        return self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] - self.awaiting_next_head > 0
 
     def leave_to_sibling(self) -> bool:
         """Asked when a new connection waits on the listener: leave it to a ready sibling
@@ -299,6 +303,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         False: nothing came, or part of a head (left in the parser's buffer, for the poller to
         complete), or the client left (conn.client_left)."""
         sock = conn.sock
+        with self.awaiting_lock:
+            self.awaiting_next_head += 1
         try:
             sock.settimeout(self.linger_s)
             data = sock.recv(RECV_BYTES)
@@ -307,12 +313,18 @@ class ConnectionWorker(gthread.ThreadWorker):
         except OSError:
             conn.client_left = True
             return False
+        finally:
+            with self.awaiting_lock:
+                self.awaiting_next_head -= 1
         if not data:
             conn.client_left = True
             return False
         now = time.monotonic()
         if self.head_verdict(data, 0) == READY:
             conn.head, conn.started = data, now
+            pod = slots.installed()
+            if pod is not None:  # at once: the main loop, not woken, last saw it waiting
+                pod.mark_serving(True)
             return True
         conn.parser.unreader.unread(data)
         conn.partial_head_since = now
