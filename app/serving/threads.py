@@ -21,8 +21,9 @@ STOP = object()
 
 class ServingThreads:
     """`submit(conn)` runs `handle(conn)` on a pool thread, then `done(conn, result)` on it
-    (result None when handle raised); it raises RuntimeError when no thread can start. Daemon threads: a stopping worker waits for its
-    connections itself (gthread's graceful timeout), never for idle threads."""
+    (result None when handle raised); it raises RuntimeError when no thread can start. Daemon
+    threads: a stopping worker waits for its connections itself (gthread's graceful timeout),
+    never for idle threads."""
 
     def __init__(self, size: int, handle: Callable[[Any], Any], done: Callable[[Any, Any], None],
                  take_next: Callable[[], Any] = lambda: None):
