@@ -1,9 +1,12 @@
 """The worker's pool threads (app/serving/threads.py): each connection handled once and
 reported done, sequential hand-overs served by one thread, at most `size` at once with the
-rest in a backlog, a failing handle reported as None, and nothing served after shutdown."""
+rest in a backlog, a failing handle reported as None, nothing served after shutdown, and a
+thread that cannot start not counted against `size`."""
 import queue
 import threading
 import time
+
+import pytest
 
 from app.serving.threads import ServingThreads
 
@@ -85,3 +88,15 @@ def test_a_thread_done_with_one_takes_the_next_held_back_without_a_hand_over():
     threads.submit(1)
     assert [done.get(timeout=WAIT_S)[0] for _ in range(3)] == [1, 2, 3]
     assert len(set(names)) == 1 and held == []
+
+
+def test_a_thread_that_cannot_start_is_not_counted(monkeypatch):
+    threads, done = pool(1, lambda conn: True)
+    with monkeypatch.context() as patched:
+        def refuse(thread):
+            raise RuntimeError("can't start new thread")
+        patched.setattr(threading.Thread, "start", refuse)
+        with pytest.raises(RuntimeError):
+            threads.submit(1)
+    threads.submit(2)  # the pool's one thread is still free to start, not a backlog
+    assert done.get(timeout=WAIT_S) == (2, True) and not threads.backlogged()

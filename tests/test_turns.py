@@ -6,7 +6,7 @@ Events, not times: "waits for the running one" is shown with a hold of a minute 
 ends long before by finishing; "runs beside after hold_s" with a hold of 10 ms against a running
 request that never ends. Every wait is bounded."""
 import threading
-from queue import SimpleQueue
+from queue import Empty, SimpleQueue
 
 from app.serving.turns import Turns
 from tools.server import wait_until
@@ -17,7 +17,7 @@ LONG_HOLD_S = 60.0
 
 def waiter(turns: Turns, item, log: list) -> threading.Thread:
     """A pool thread with a complete head for `item`: logs it once its turn has come."""
-    thread = threading.Thread(target=lambda: (turns.take(item, SimpleQueue()), log.append(item)), daemon=True)
+    thread = threading.Thread(target=lambda: (turns.wait_for_turn(item), log.append(item)), daemon=True)
     thread.start()
     return thread
 
@@ -94,3 +94,39 @@ def test_at_most_max_lingering_threads_linger():
     assert [turns.start_lingering() for _ in range(3)] == [True, True, False]
     turns.stop_lingering()
     assert turns.start_lingering() and not turns.start_lingering()
+
+
+class WokenAsTheHoldEnds(SimpleQueue):
+    """A thread's inbox whose hold expires just as the running request ends: the waker
+    (finish) takes the entry off the queue before the waiter can, and every later blocking
+    get finds nothing (a waker that has not put yet)."""
+
+    def __init__(self, turns: Turns):
+        super().__init__()
+        self.turns, self.blocking_gets = turns, 0
+
+    def get(self, block=True, timeout=None):
+        self.blocking_gets += 1
+        if self.blocking_gets == 1:
+            assert self.turns.finish(handoff=False) is None  # the running request ends: wakes this one
+        raise Empty
+
+
+def test_a_request_woken_as_its_hold_ends_runs_without_waiting_again():
+    turns = Turns(LONG_HOLD_S, max_lingering=4, new_inbox=lambda: WokenAsTheHoldEnds(turns))
+    turns.add("running", now=0.0)
+    assert turns.due(now=0.0) == ["running"]
+    turns.wait_for_turn("next")  # raises Empty if it waits for a wake-up a second time
+    inbox = turns._inboxes.inbox
+    assert inbox.blocking_gets == 1 and inbox.empty()
+    assert turns.running == 1 and not turns._queue  # counted once, by its waker
+    assert turns.take_next() is None  # one runs: nothing else may start
+
+
+def test_every_thread_waits_on_an_inbox_of_its_own():
+    turns = Turns(LONG_HOLD_S, max_lingering=4)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(turns._inbox()), daemon=True)
+    thread.start()
+    thread.join(WAIT_S)
+    assert seen and seen[0] is not turns._inbox() and turns._inbox() is turns._inbox()

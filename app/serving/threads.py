@@ -21,8 +21,9 @@ STOP = object()
 
 class ServingThreads:
     """`submit(conn)` runs `handle(conn)` on a pool thread, then `done(conn, result)` on it
-    (result None when handle raised). Daemon threads: a stopping worker waits for its
-    connections itself (gthread's graceful timeout), never for idle threads."""
+    (result None when handle raised); it raises RuntimeError when no thread can start. Daemon
+    threads: a stopping worker waits for its connections itself (gthread's graceful timeout),
+    never for idle threads."""
 
     def __init__(self, size: int, handle: Callable[[Any], Any], done: Callable[[Any, Any], None],
                  take_next: Callable[[], Any] = lambda: None):
@@ -47,7 +48,12 @@ class ServingThreads:
         if stopping:  # too late to serve it: the main loop closes it
             self.done(conn, None)
             return
-        threading.Thread(target=self._run, args=(conn,), name="serving", daemon=True).start()
+        try:
+            threading.Thread(target=self._run, args=(conn,), name="serving", daemon=True).start()
+        except BaseException:
+            with self._lock:
+                self._threads -= 1
+            raise
 
     def backlogged(self) -> bool:
         """Whether connections wait for a free thread (read without the lock: a hint)."""

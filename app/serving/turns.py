@@ -15,14 +15,17 @@ from queue import Empty, SimpleQueue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 
 class Turns:
-    def __init__(self, hold_s: float, max_lingering: int):
+    def __init__(self, hold_s: float, max_lingering: int, new_inbox: Callable[[], SimpleQueue] = SimpleQueue):
         self.hold_s = hold_s
         self.max_lingering = max(1, max_lingering)
         self._lock = threading.Lock()
+        self._inboxes = threading.local()  # each pool thread's inbox, where it waits for its turn
+        self._new_inbox = new_inbox
         self._queue: deque[tuple[Any, float, SimpleQueue | None]] = deque()  # (item, since, inbox)
         self.running = 0  # requests being served
         self.lingering = 0  # pool threads waiting for their connection's next request, or for its turn
@@ -37,7 +40,7 @@ class Turns:
     def due(self, now: float) -> list:
         """The main loop's items whose turn it is (nothing runs, or they have waited hold_s),
         in arrival order, counted as running; a pool thread's waiting item is woken instead."""
-        started, woken = [], []
+        started = []
         with self._lock:
             while self._queue:
                 item, since, inbox = self._queue[0]
@@ -45,10 +48,11 @@ class Turns:
                     break
                 self._queue.popleft()
                 self.running += 1
-                (started if inbox is None else woken).append((item, inbox))
-        for item, inbox in woken:
-            inbox.put(item)
-        return [item for item, _ in started]
+                if inbox is None:
+                    started.append(item)
+                else:
+                    inbox.put(item)
+        return started
 
     def oldest(self) -> float | None:
         """When the longest-waiting item arrived (the main loop wakes hold_s after it)."""
@@ -70,9 +74,9 @@ class Turns:
                 return None
             self._queue.popleft()
             self.running += 1
-        if inbox is not None:
-            inbox.put(item)
-            return None
+            if inbox is not None:
+                inbox.put(item)
+                return None
         return item
 
     def take_next(self) -> Any:
@@ -83,14 +87,15 @@ class Turns:
                 return None
             item, _, inbox = self._queue.popleft()
             self.running += 1
-        if inbox is not None:
-            inbox.put(item)
-            return None
+            if inbox is not None:
+                inbox.put(item)
+                return None
         return item
 
-    def take(self, item: Any, inbox: SimpleQueue) -> None:
+    def wait_for_turn(self, item: Any) -> None:
         """A pool thread has a complete head for `item`: return when it may run, at once when
         nothing runs, else when the running request ends or after hold_s at the latest."""
+        inbox = self._inbox()
         with self._lock:
             if not self.running:
                 self.running = 1
@@ -105,12 +110,16 @@ class Turns:
         with self._lock:
             try:
                 self._queue.remove(entry)
-            except ValueError:
-                pass  # its turn came just now: the wake-up is on its way
-            else:
-                self.running += 1
+            except ValueError:  # its turn came as the hold ended: the waker, counting it, put it there
+                inbox.get_nowait()
                 return
-        inbox.get(timeout=60.0)  # bounded for safety; the waker puts right after releasing the lock
+            self.running += 1
+
+    def _inbox(self) -> SimpleQueue:
+        inbox = getattr(self._inboxes, "inbox", None)
+        if inbox is None:
+            inbox = self._inboxes.inbox = self._new_inbox()
+        return inbox
 
     def start_lingering(self) -> bool:
         """Whether the calling thread may wait for its connection's next request (at most

@@ -7,9 +7,9 @@ waiting. It reads each request head without blocking into the connection's buffe
 connection with a complete head goes to a pool thread, where gunicorn's own parser reads the
 buffered bytes (put back in front of the socket, in its unreader) and serves the request as
 gthread does: keep-alive, pipelining, max_requests, graceful shutdown and the heartbeat are
-gthread's code. Having answered, the thread waits briefly (LINGER_S) for the connection's next
-head and serves it too, so that a busy kept-alive client's requests skip the poller; one that
-does not come in time, or comes in pieces, goes back to the poller.
+gthread's code. Having answered, the thread waits briefly (BLOCKGRAD_LINGER_S) for the
+connection's next head and serves it too, so that a busy kept-alive client's requests skip the
+poller; one that does not come in time, or comes in pieces, goes back to the poller.
 
 A connection's clock starts at accept, or at a kept-alive connection's first new byte: the head
 must arrive within BLOCKGRAD_HEADER_TIMEOUT_S (nothing sent: closed without a word; a partial
@@ -23,11 +23,9 @@ metrics are imported after fork, once PROMETHEUS_MULTIPROC_DIR is set).
 """
 import errno
 import heapq
-import io
 import itertools
 import json
 import math
-import queue
 import re
 import resource
 import selectors
@@ -72,19 +70,19 @@ BALANCE_POLL_S = 0.02
 # cost more CPU than running side by side gains (docs/small-requests.md). A longer request
 # only delays the next one by this much, then both run as before.
 HOLD_S = 0.005
-# How long a pool thread that has answered a kept-alive connection waits on it for the next
-# request before handing it back to the poller. A complete head arriving meanwhile is served on
-# the same thread: no wake-up of the main loop, no hand-over, no poller registration. Waiting in
-# a blocking recv costs no CPU; at most a quarter of the pool waits at once (MAX_LINGERING_SHARE).
-LINGER_S = 0.02
-MAX_LINGERING_SHARE = 4
+# A pool thread that has answered a kept-alive connection waits on it for the next request
+# (BLOCKGRAD_LINGER_S) before handing it back to the poller. A complete head arriving meanwhile is
+# served on the same thread: no wake-up of the main loop, no hand-over, no poller registration.
+# Waiting in a blocking recv costs no CPU; at most this share of the pool waits at once, so that
+# the pool always has threads to spare.
+LINGERING_SHARE = 0.25
 SPARE_FILES = 512  # descriptors beyond the connections: the pool's files, metrics, the app's own
 
 # What a connection is doing. Every state but BUSY waits in the poller (self.waiting).
 NEW = "new"  # accepted, no byte yet
 HEAD = "head"  # part of a head has arrived
 IDLE = "idle"  # kept alive after an answer, no byte of the next request yet
-BUSY = "busy"  # in a pool thread: a complete head, or waiting there for the next after an answer (LINGER_S)
+BUSY = "busy"  # in a pool thread: a complete head, or waiting there for the next after an answer (linger_s)
 CLOSING = "closing"  # answer sent, write side shut, waiting for the peer's FIN
 
 # What the bytes of a head say (head_verdict).
@@ -107,7 +105,7 @@ CLOSE_REASONS = (SERVED, NO_REQUEST, HEAD_TIMEOUT, HEAD_TOO_LARGE, KEEPALIVE_TIM
 
 def buffered(conn) -> bool:
     """Whether gunicorn's parser holds bytes read ahead (a pipelined next request)."""
-    return conn.parser.unreader.buf.seek(0, io.SEEK_END) > 0
+    return conn.parser.unreader.buf.getbuffer().nbytes > 0
 
 
 def head_timeout_answer(seconds: float) -> bytes:
@@ -162,8 +160,8 @@ class Conn(gthread.TConn):
         self.version = 0  # bumped on every change of state: older deadlines no longer apply
         self.drained = 0
         self.closed = False
-        self.left = False  # the client closed or reset it while its pool thread waited for a next request
-        self.arrived: float | None = None  # when bytes of a next head, read on the pool thread, arrived
+        self.client_left = False  # the client closed or reset it while its pool thread waited for a next request
+        self.partial_head_since: float | None = None  # when part of a next head, read on the pool thread, arrived
 
 
 class ConnectionWorker(gthread.ThreadWorker):
@@ -186,8 +184,11 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.clock = threading.local()  # the pool thread's request: its clock's start
         self.metrics = None
         self.shown: tuple | None = None
-        self.turns = Turns(HOLD_S, max_lingering=self.cfg.threads // MAX_LINGERING_SHARE)  # complete heads
-        self.inboxes = threading.local()  # a pool thread's inbox, where it waits for its request's turn
+        self.linger_s = settings.linger_s
+        # Pool threads waiting for their connection's next head (next_head): not serving.
+        self.awaiting_next_head = 0
+        self.awaiting_lock = threading.Lock()
+        self.turns = Turns(HOLD_S, max_lingering=int(self.cfg.threads * LINGERING_SHARE))  # complete heads
         self.deferred_until: float | None = None  # leaving new connections to a sibling until then
         self.notified = -math.inf
         self.heartbeat_s = min(HEARTBEAT_S, self.cfg.timeout / 4) if self.cfg.timeout else HEARTBEAT_S
@@ -206,8 +207,9 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def serving(self) -> bool:
         """Whether a connection is accepted and not yet answered (new, part of a head, or in a
-        pool thread); idle kept-alive and closing ones do not count."""
-        return self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0
+        pool thread); idle kept-alive and closing ones do not count, nor those whose pool thread
+        waits for their next head."""
+        return self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] - self.awaiting_next_head > 0
 
     def leave_to_sibling(self) -> bool:
         """Asked when a new connection waits on the listener: leave it to a ready sibling
@@ -265,7 +267,7 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def serve(self, conn):
         """On a pool thread: the request handed over, then the connection's next ones, each
-        served here when its complete head arrives within LINGER_S of the previous answer
+        served here when its complete head arrives within linger_s of the previous answer
         (next_head); otherwise the connection goes back to the poller (finish_request)."""
         while True:
             try:
@@ -275,14 +277,16 @@ class ConnectionWorker(gthread.ThreadWorker):
                 raise
             lingering = result is True and self.may_linger(conn) and self.turns.start_lingering()
             following = self.turns.finish(handoff=lingering)  # the next head's turn, while this thread waits
-            if following is not None:
-                self.enqueue_req(following)
             if not lingering:
                 return result
             try:
+                if following is not None:
+                    self.enqueue_req(following)
+                    if self.tpool.backlogged():  # it waits for a thread: this one takes the backlog
+                        return result
                 arrived = self.next_head(conn)
                 if arrived:
-                    self.turns.take(conn, self.inbox())
+                    self.turns.wait_for_turn(conn)
             finally:
                 self.turns.stop_lingering()
             if not arrived:
@@ -294,38 +298,47 @@ class ConnectionWorker(gthread.ThreadWorker):
         return self.alive and not buffered(conn) and not self.tpool.backlogged()
 
     def next_head(self, conn) -> bool:
-        """Wait at most LINGER_S for the connection's next bytes. True: a complete head (or one
+        """Wait at most linger_s for the connection's next bytes. True: a complete head (or one
         gunicorn's parser refuses from these bytes alone) is in conn.head, its clock started.
         False: nothing came, or part of a head (left in the parser's buffer, for the poller to
-        complete), or the client left (conn.left)."""
+        complete), or the client left (conn.client_left)."""
         sock = conn.sock
+        with self.awaiting_lock:
+            self.awaiting_next_head += 1
         try:
-            sock.settimeout(LINGER_S)
+            sock.settimeout(self.linger_s)
             data = sock.recv(RECV_BYTES)
         except TimeoutError:
             return False
         except OSError:
-            conn.left = True
+            conn.client_left = True
             return False
+        finally:
+            with self.awaiting_lock:
+                self.awaiting_next_head -= 1
         if not data:
-            conn.left = True
+            conn.client_left = True
             return False
         now = time.monotonic()
         if self.head_verdict(data, 0) == READY:
             conn.head, conn.started = data, now
+            pod = slots.installed()
+            if pod is not None:  # at once: the main loop, not woken, last saw it waiting
+                pod.mark_serving(True)
             return True
         conn.parser.unreader.unread(data)
-        conn.arrived = now
+        conn.partial_head_since = now
         return False
 
-    def inbox(self) -> queue.SimpleQueue:
-        inbox = getattr(self.inboxes, "inbox", None)
-        if inbox is None:
-            inbox = self.inboxes.inbox = queue.SimpleQueue()
-        return inbox
-
     def enqueue_req(self, conn):
-        self.tpool.submit(conn)
+        """`conn`, counted running in self.turns, to a pool thread. If no thread can start, its
+        turn ends unserved and the main loop closes it."""
+        try:
+            self.tpool.submit(conn)
+        except RuntimeError:  # threading's "can't start new thread"
+            self.log.exception("no pool thread for a request: its connection is closed")
+            self.turns.finish(handoff=False)
+            self.method_queue.defer(self.finish_request, conn, None)
 
     def handle(self, conn):
         """gthread's handle(), with the head this loop read put back in front of the socket."""
@@ -524,7 +537,7 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def finish_request(self, conn, result):
         """A pool thread is done with `conn` (called on the main loop); `result` True: keep it."""
-        if conn.left:
+        if conn.client_left:
             self.close(conn, CLIENT_CLOSED)
             return
         if result is not True or conn.closed:
@@ -538,8 +551,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         # (or the pool thread read part of a head): its clock starts with them.
         pending = conn.parser.unreader.take_buffered()
         if pending:
-            conn.started = now if conn.arrived is None else conn.arrived
-            conn.arrived = None
+            conn.started = now if conn.partial_head_since is None else conn.partial_head_since
+            conn.partial_head_since = None
             conn.head = bytearray(pending)
             self.head_bytes += len(pending)
             self.wait(conn, HEAD, conn.started + self.header_timeout_s)
