@@ -1,6 +1,7 @@
 """Helpers of the job tests: waiting for a local Dask cluster's workers (the `cluster` fixture
 in conftest.py, and tests that start a cluster of their own) and for a job, a .npy body, and
 `tile_faults`, the page faults of one tile computed as a Dask worker computes it."""
+import dataclasses
 import io
 
 import numpy as np
@@ -38,6 +39,22 @@ def npy(array: np.ndarray, **kwargs) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, array, **kwargs)
     return buffer.getvalue()
+
+
+TILE_N, TILE_DIM, TILE_FACTOR, TILE_BLOCKS = 2048, 64, 16, 4 * 4  # 128 x 128 blocks: 8 MiB of pairs each, as J2's
+TILE = ((0, 4), (0, 4))  # the tile's block rows and columns
+
+
+def tile_job() -> tuple[np.ndarray, dict]:
+    """The vectors and task spec of the job whose TILE `tile_faults` computes."""
+    from app.core.engine import elements_per_chunk
+    from app.core.job_tasks import JobSpec
+    from app.core.objectives import OBJECTIVES
+
+    vectors = np.random.default_rng(5).standard_normal((TILE_N, TILE_DIM)).astype(np.float32)
+    chunk = elements_per_chunk(16 * 1024 * 1024, OBJECTIVES["sum_of_squares"], TILE_DIM, vectors.itemsize)
+    spec = JobSpec(TILE_N, TILE_DIM, TILE_FACTOR, "sum_of_squares", 5.0, "float32", chunk)
+    return vectors, dataclasses.asdict(spec)
 
 
 def tile_faults(vectors, spec: dict, rows: tuple[int, int], cols: tuple[int, int]) -> int:
