@@ -8,7 +8,7 @@ import os
 
 from app.core.settings import Settings, available_cores
 from app.serving import addresses, tuning
-from app.serving.hooks import (child_exit, on_exit, on_starting, post_fork, post_request,  # noqa: F401
+from app.serving.hooks import (child_exit, on_exit, on_starting, post_fork,  # noqa: F401
                                post_worker_init, pre_request, worker_abort, worker_exit)
 
 settings = Settings.from_env()  # raises at start-up, naming the variable, on a bad value

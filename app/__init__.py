@@ -14,8 +14,9 @@ def create_app(overrides: Mapping[str, Any] | None = None):
     from .api import register_front_ends
     from .http.app import build_app, finish_app
     from .jobs.store import JobStore
-    from .serving import slots
+    from .serving import metrics_archive, slots
 
-    app, api = build_app(overrides or {}, slots.installed(), JobStore)  # the pod's compute slots under gunicorn
+    # The pod's compute slots and the metrics directory's lock under gunicorn.
+    app, api = build_app(overrides or {}, slots.installed(), JobStore, metrics_archive.scrape_lock)
     register_front_ends(app, api)
     return finish_app(app, api)

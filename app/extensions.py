@@ -4,6 +4,7 @@ Flask's `app.extensions` holds them under one key; `services()` is how request c
 them, `services_of(app)` how a test or a hook outside a request does.
 """
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -39,6 +40,8 @@ class Services:
     # URL prefix -> how errors under it look (app/http/errors.py's ErrorStyle), by front end.
     error_styles: dict[str, object] = field(default_factory=dict)
     jobs: Jobs | None = None  # the app factory's; holds no connection until the first job route
+    # Held while /metrics reads every worker's value files (under gunicorn, against the master's folds).
+    scrape_lock: Callable[[], AbstractContextManager] = nullcontext
 
 
 def install_services(app: Flask, services: Services) -> None:

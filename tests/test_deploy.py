@@ -4,6 +4,7 @@ Nothing here builds an image or needs a cluster: hadolint lints the Dockerfile,
 kubernetes-validate checks every manifest against the API schemas, and the rest
 reads the files and compares them with each other and with gunicorn.conf.py.
 """
+import ast
 import json
 import os
 import runpy
@@ -343,3 +344,13 @@ def test_dask_overlay_points_blockgrad_at_its_scheduler_and_fences_the_scheduler
     for name in ("dask-scheduler", "dask-worker"):
         command = container(deployment_named(name))["command"]
         assert command[:4] == ["python", "-m", "dask", name.split("-")[1]] and "--no-dashboard" in command
+
+
+def test_dask_workers_nanny_leaves_glibc_trim_threshold_alone_as_the_embedded_ones():
+    """The nanny's MALLOC_TRIM_THRESHOLD_ would make every chunk tensor a fresh mmap (docs/jobs.md)."""
+    from app.jobs.cluster import NANNY_ENVIRON
+
+    environ = env_of(deployment_named("dask-worker"))["DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON"]
+    assert environ == NANNY_ENVIRON
+    assert ast.literal_eval(environ) == {"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": 1,
+                                         "MKL_NUM_THREADS": 1, "OPENBLAS_NUM_THREADS": 1}

@@ -54,3 +54,12 @@ def test_the_watch_trims_only_past_its_slack():
 def test_small_passes_are_not_watched():
     assert heap.watch_for(heap.TRIM_SLACK_BYTES // 2) is None  # cannot grow past the slack
     assert isinstance(heap.watch_for(heap.TRIM_SLACK_BYTES), heap.HeapWatch)
+
+
+M_MXFAST = 1  # glibc's mallopt parameter
+
+
+@pytest.mark.skipif(heap.GLIBC is None, reason="glibc's mallopt")
+def test_mallopt_says_whether_glibc_took_the_value():
+    assert heap.mallopt(heap.M_PERTURB, 0) is True  # glibc's default: nothing changes
+    assert heap.mallopt(M_MXFAST, 1 << 20) is False  # past glibc's fastbin ceiling (160 bytes): refused

@@ -17,7 +17,7 @@ from app.jobs import programs
 from app.jobs.programs import program_key
 from examples.export_scorer import export_scorer
 from tests.numeric import assert_matches, largest
-from tests.test_jobs import npy, wait_for_job
+from tests.dask_cluster import npy, wait_for_job
 
 DIM = 4
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,11 +16,12 @@ blp = ApiBlueprint("metrics", __name__, description="Prometheus metrics.")
 @documents_errors(blp, "internal_error")
 def get_metrics():
     """Request counts, latencies, in-flight requests, outputs, compute time, errors and device."""
-    source = services().gate.source  # the pod's slots are read now, from whichever worker answers
+    found = services()
+    source = found.gate.source  # the pod's slots are read now, from whichever worker answers
     SLOTS.set(source.count)
     SLOTS_BUSY.set(source.busy)
-    jobs = services().jobs
-    if jobs is not None:  # the job gauges, read from the scheduler now (bounded in time)
-        jobs.refresh_metrics()
-    body, content_type = exposition()
+    if found.jobs is not None:  # the job gauges, read from the scheduler now (bounded in time)
+        found.jobs.refresh_metrics()
+    with found.scrape_lock():  # only the files' read: the master's folds wait for nothing else
+        body, content_type = exposition()
     return Response(body, content_type=content_type)

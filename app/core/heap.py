@@ -9,6 +9,9 @@ so it runs only once the process's resident memory has grown by TRIM_SLACK_BYTES
 last mark: ordinary requests never pay for it, and the growth stays within the slack
 (app/core/memory.py counts it for requests that keep blocks). docs/benchmarks.md has the
 measurements behind the slack.
+
+`mallopt` is the one way the rest of the service sets glibc's allocator parameters (the
+serving workers' arenas, the Dask workers' thresholds).
 """
 import ctypes
 import os
@@ -18,14 +21,32 @@ STATM = "/proc/self/statm"
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def load_malloc_trim():
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_PERTURB, M_ARENA_MAX = -1, -3, -6, -8
+
+
+def load_glibc():
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
         return None
 
 
-MALLOC_TRIM = load_malloc_trim() if os.path.exists(STATM) else None
+GLIBC = load_glibc()
+
+
+def glibc_function(name: str):
+    """glibc's function `name`, or None where this is not glibc."""
+    return getattr(GLIBC, name, None) if GLIBC is not None else None
+
+
+def mallopt(param: int, value: int) -> bool:
+    """glibc's mallopt(param, value): whether it took the value (False where this is not glibc)."""
+    function = glibc_function("mallopt")
+    return function is not None and function(param, value) == 1
+
+
+MALLOC_TRIM = glibc_function("malloc_trim") if os.path.exists(STATM) else None
 
 
 def resident_bytes() -> int:

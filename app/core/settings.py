@@ -9,6 +9,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+from urllib.parse import urlsplit
 
 
 def parse_int(name: str, raw: Any, default: int) -> int:
@@ -84,6 +85,30 @@ def parse_bool(name: str, raw: Any, default: bool) -> bool:
     return word in TRUE_WORDS
 
 
+# Dask's address schemes a scheduler listens on (`host:port` alone means tcp://).
+SCHEDULER_SCHEMES = ("tcp", "tls", "ws", "wss", "ucx")
+NO_CLUSTER = "off"
+
+
+def parse_scheduler(name: str, raw: Any, default: str | None) -> str | None:
+    """A Dask scheduler's address, `off`, or unset (the default); anything else raises naming
+    the variable here, not as an error at every job route and scrape."""
+    if raw is None or str(raw).strip() == "":
+        return default
+    address = str(raw).strip()
+    if address == NO_CLUSTER:
+        return address
+    parts = urlsplit(address if "://" in address else f"tcp://{address}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in SCHEDULER_SCHEMES or not parts.hostname or port is None or parts.path not in ("", "/"):
+        raise ValueError(f"{name} must be {NO_CLUSTER!r} or a scheduler address such as tcp://host:8786 "
+                         f"(scheme one of {', '.join(SCHEDULER_SCHEMES)}), got {raw!r}")
+    return address
+
+
 def env_int(name: str, default: int, environ: Mapping[str, Any] = os.environ) -> int:
     return parse_int(name, environ.get(name), default)
 
@@ -147,7 +172,7 @@ class Settings:
     workers: int = field(default_factory=default_workers, metadata={"env": "WEB_CONCURRENCY"})
     # Jobs (docs/jobs.md): an existing Dask scheduler's address; None: gunicorn starts an
     # embedded cluster of dask_workers single-threaded workers on 127.0.0.1.
-    dask_scheduler: str | None = None
+    dask_scheduler: str | None = field(default=None, metadata={"parse": parse_scheduler})
     dask_workers: int = field(default_factory=available_cores)
     max_job_n: int = 131072
     max_job_body_bytes: int = 256 * 1024 * 1024  # .npy bodies; N = 131072 x D = 64 float64 is 64 MiB
@@ -167,7 +192,9 @@ class Settings:
             name = variable_of(item)
             raw = environ.get(name)
             default = item.default if item.default_factory is MISSING else item.default_factory()
-            if item.type is int:
+            if "parse" in item.metadata:
+                values[item.name] = item.metadata["parse"](name, raw, default)
+            elif item.type is int:
                 values[item.name] = parse_int(name, raw, default)
             elif item.type is float:
                 values[item.name] = parse_float(name, raw, default)

@@ -2,6 +2,7 @@
 registered on it by the app factory (app/__init__.py), between `build_app` and `finish_app`."""
 import os
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from flask import Flask
@@ -53,10 +54,12 @@ class BlockgradApi(Api):
 
 
 def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
-              jobs: Callable[[Settings], Jobs] | None = None) -> tuple[Flask, Api]:
+              jobs: Callable[[Settings], Jobs] | None = None,
+              scrape_lock: Callable[[], AbstractContextManager] = nullcontext) -> tuple[Flask, Api]:
     """The app with its glue, and the Api its front ends register their blueprints on.
     `slots`: the compute slots (the pod's under gunicorn); None: COMPUTE_SLOTS of this process's own.
-    `jobs`: makes the job store from the settings."""
+    `jobs`: makes the job store from the settings. `scrape_lock`: held while /metrics reads
+    the value files."""
     settings = Settings.from_env({**os.environ, **{k: v for k, v in overrides.items() if k.startswith("BLOCKGRAD_")}})
     # Models are loaded and checked here, once per process (in each worker: no preload_app);
     # a file that fails raises ModelError and the service does not start.
@@ -73,7 +76,7 @@ def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
     install_services(app, Services(
         settings, objectives, Gate(settings.queue_depth, slots=slots, listener=MetricsListener()),
         MemoryLedger(settings.worker_memory_bytes, settings.upload_memory_share),
-        tile_executor(slots, settings), jobs=jobs(settings) if jobs else None))
+        tile_executor(slots, settings), jobs=jobs(settings) if jobs else None, scrape_lock=scrape_lock))
     configure_logging(settings.log_level)
     request_record.init_app(app)  # first, so that its hooks see every request
 

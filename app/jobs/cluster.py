@@ -28,6 +28,11 @@ OFF = "off"  # BLOCKGRAD_DASK_SCHEDULER=off: no cluster at all, job routes answe
 WORKER_NICE = 19
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10
+# What a nanny sets before it starts its worker: distributed's defaults (one thread for the
+# numeric libraries) less MALLOC_TRIM_THRESHOLD_, which would make every chunk tensor a fresh
+# mmap (tasks.restore_malloc_reuse; None unsets a default). As Dask configuration, given in
+# the environment: deploy/k8s/dask/workers.yaml sets the same.
+NANNY_ENVIRON = '{"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": 1, "MKL_NUM_THREADS": 1, "OPENBLAS_NUM_THREADS": 1}'
 # Without a dashboard each process still serves HTTP (health, metrics): on loopback, like the rest.
 LOOPBACK_ANY_PORT = "127.0.0.1:0"
 
@@ -79,7 +84,8 @@ def start_worker(address: str, memory_limit: str) -> subprocess.Popen:
     """A single-threaded `dask worker` under its nanny, niced, joining `address`."""
     # torch loaded before the first job, by the worker process only: `--preload` would have the
     # nanny's command line import it too (to check its arguments; docs/jobs.md, "Memory").
-    env = {**cluster_env(), "DASK_DISTRIBUTED__WORKER__PRELOAD": '["app.core.job_tasks"]'}
+    env = {**cluster_env(), "DASK_DISTRIBUTED__WORKER__PRELOAD": '["app.core.job_tasks"]',
+           "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON": NANNY_ENVIRON}
     return subprocess.Popen(
         dask_command("worker", address, "--host", "127.0.0.1", "--nthreads", "1",
                      "--no-dashboard", "--dashboard-address", LOOPBACK_ANY_PORT, "--memory-limit", memory_limit),

@@ -35,6 +35,8 @@ RESULT_BYTES_PER_S = 20e6  # fetching a result from a niced worker: the route's 
 SUBMIT_GRACE_S = 60.0
 # A /metrics scrape waits at most this long for the scheduler: an unreachable one never hangs it.
 METRICS_READ_S = 1.0
+# After a read that failed, scrapes read nothing for this long: a down scheduler costs each one nothing.
+METRICS_RETRY_S = 5.0
 TASK_FAILED = {"code": "internal_error", "message": "A task of this job failed on the cluster; the cluster's log "
                                                     "has the traceback.", "details": {}}
 
@@ -121,6 +123,7 @@ class JobStore:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.address = settings.dask_scheduler
+        self.metrics_read_after = 0.0  # time.monotonic() before which a scrape does not read
 
     def client(self):
         if not self.address or self.address == OFF:
@@ -136,21 +139,26 @@ class JobStore:
         return cluster_report(self.address)
 
     def refresh_metrics(self) -> None:
-        """The job gauges read from the scheduler now, for a scrape, within METRICS_READ_S. An
-        unreachable scheduler: 0 workers, the job gauges as last read. Nothing is forgotten here."""
-        if not self.address or self.address == OFF:
-            return
+        """The job gauges read from the scheduler now, for a scrape, within METRICS_READ_S. A
+        scheduler that cannot be read (unreachable, a bad address, any error): 0 workers, the
+        job gauges as last read, and no read for METRICS_RETRY_S. Nothing is forgotten here."""
+        if not self.address or self.address == OFF or time.monotonic() < self.metrics_read_after:
+            return  # after a failed read the workers gauge stays 0
         try:
             with cluster_deadline(METRICS_READ_S):
                 client = self.client()
                 view = call(client, client._run_on_scheduler, cluster_view)
-        except BlockgradError:  # cluster_unavailable
+            now = time.time()
+            states = [JobState(job_id, s["record"], s["outcome"], s["progress"]) for job_id, s in view["jobs"].items()]
+            states = [state for state in states if not state.abandoned(now)
+                      and not state.expired(now, self.settings.job_ttl_s)]  # both 404 already
+            observe_jobs(states)
+            observe_workers(view["workers"])
+        except Exception as exc:  # noqa: BLE001 - a scrape answers whatever the cluster does
+            if not isinstance(exc, BlockgradError):  # cluster_unavailable is the expected one
+                log.warning("job_metrics_unread", extra={"fields": {"error": repr(exc)}})
+            self.metrics_read_after = time.monotonic() + METRICS_RETRY_S
             observe_workers(0)
-            return
-        now = time.time()
-        states = [JobState(job_id, s["record"], s["outcome"], s["progress"]) for job_id, s in view["jobs"].items()]
-        observe_jobs(state for state in states if not state.abandoned(now))
-        observe_workers(view["workers"])
 
     def state(self, job_id: str) -> tuple[Any, JobState]:
         if not ID_PATTERN.fullmatch(job_id):
@@ -308,13 +316,13 @@ class JobStore:
             if found.abandoned(now):
                 self.forget_abandoned(client, found)
                 del states[job_id]
-        observe_jobs(states.values())
         active, kept = 0, []
-        for job_id, found in states.items():
+        for job_id, found in list(states.items()):
             if found.status in ACTIVE:
                 active += 1
             elif found.expired(now, self.settings.job_ttl_s):
                 self.forget(client, job_id)
+                del states[job_id]
             elif found.status == "succeeded":
                 kept.append((found.finished_at or found.record["created_at"], found.record["result_bytes"], job_id))
         total = 0
@@ -322,5 +330,7 @@ class JobStore:
             total += size
             if total > self.settings.max_job_results_bytes:
                 self.forget(client, job_id)
+                del states[job_id]
+        observe_jobs(states.values())
         return active
 

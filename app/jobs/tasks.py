@@ -5,14 +5,13 @@ wrappers and their arguments import nothing heavy, so the scheduler never loads 
 (it would stall its event loop for seconds); the workers import app.core.job_tasks on
 the first task they run.
 """
-import ctypes
 import json
 import logging
 
+from ..core.heap import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, mallopt
 from .on_scheduler import JOBS, OUTCOMES
 
 log = logging.getLogger("blockgrad.jobs")
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # the ceiling of glibc's own dynamic threshold (64-bit)
 _malloc_restored = False
 
@@ -28,22 +27,20 @@ def worker_log() -> logging.Logger:
 
 
 def restore_malloc_reuse() -> None:
-    """Once per worker process. A Dask nanny starts its worker with MALLOC_TRIM_THRESHOLD_=65536,
-    which also pins glibc's mmap threshold at 128 KiB: every tensor of a chunk is then a fresh
-    mmap that the kernel zeroes page by page on first touch, and most of a tile's CPU goes
-    to the kernel (docs/jobs.md, "Throughput"). These are the thresholds glibc's dynamic rule reaches in
-    a gunicorn worker: a chunk's tensors (up to 32 MiB) reuse freed heap memory, and up to
-    twice that is kept rather than returned. Not glibc: nothing to do."""
+    """Once per worker process. A Dask nanny with distributed's defaults starts its worker with
+    MALLOC_TRIM_THRESHOLD_=65536 (the embedded cluster's and deploy/k8s/dask's nannies do
+    not: cluster.NANNY_ENVIRON), which also pins glibc's mmap threshold at 128 KiB: every
+    tensor of a chunk is then a fresh mmap that the kernel zeroes page by page on first
+    touch, and most of a tile's CPU goes to the kernel (docs/jobs.md, "Throughput"). These
+    are the thresholds glibc's dynamic rule reaches in a gunicorn worker: a chunk's tensors
+    (up to 32 MiB) reuse freed heap memory, and up to twice that is kept rather than
+    returned. Not glibc: nothing to do."""
     global _malloc_restored
     if _malloc_restored:
         return
     _malloc_restored = True
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-        libc.mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_BYTES)
-    except (OSError, AttributeError):
-        pass
+    mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD_BYTES)
 
 
 def tile_task(vectors, spec: dict, rows: tuple[int, int], cols: tuple[int, int], program=None):

@@ -7,7 +7,6 @@ after on_starting has set PROMETHEUS_MULTIPROC_DIR).
 import logging
 import os
 import sys
-import threading
 from dataclasses import dataclass, field
 
 from gunicorn import systemd
@@ -23,7 +22,6 @@ from .recycling import WorkerRecycling
 # can end up with every busy connection. Closing each after this many requests (as nginx's
 # keepalive_requests does) lets the accept race, which the least busy worker wins, spread them.
 KEEPALIVE_REQUESTS = 100
-METRICS_PATH = "/metrics"  # the route that reads every worker's value files
 ARCHIVE_WAIT_S = 1.0  # the master's longest wait for scrapes to finish before a fold
 
 
@@ -41,7 +39,6 @@ class Process:
 
 
 process = Process()
-scrape = threading.local()  # the scrape lock of the request this thread serves
 
 
 def on_starting(server):
@@ -53,6 +50,7 @@ def on_starting(server):
         addresses.refuse_if_taken(server.cfg.address, server.cfg.reuse_port)
     process.settings = Settings.from_env()
     process.metrics = MetricsDir.prepare(server.cfg.worker_tmp_dir)
+    metrics_archive.install_scrape_dir(process.metrics.path)  # the app's scrapes lock it against folds
     recycling.enforce_floor(server.cfg, server.log)
     # Before the app is built (below, or in each worker after fork): every worker shares them.
     process.pod_slots = slots.create(available_cores(), parent=server.cfg.worker_tmp_dir)
@@ -87,14 +85,6 @@ def pre_request(worker, req):
     if KEEPALIVE_REQUESTS and getattr(req, "req_number", 0) >= KEEPALIVE_REQUESTS:
         req.must_close = True  # gunicorn then answers "Connection: close"
     process.recycling.before_request(worker)
-    if req.path == METRICS_PATH:
-        scrape.lock = metrics_archive.ScrapeLock(process.metrics.path)
-
-
-def post_request(worker, req, environ, resp):
-    lock, scrape.lock = getattr(scrape, "lock", None), None
-    if lock is not None:
-        lock.release()
 
 
 def worker_exit(server, worker):

@@ -12,7 +12,9 @@ app defines live gauges only.
 
 A scrape that listed the dead worker's file before the fold and read the new archive after it
 would count that worker twice (or fail on the vanished file): scrapes hold a shared lock on
-LOCK_NAME while they read, the fold holds it exclusively.
+LOCK_NAME while they read the files (`scrape_lock`, around the exposition only: nothing
+slower, such as the job gauges' read of the scheduler, runs under it), the fold holds it
+exclusively.
 
 prometheus-client is imported inside the functions: the master loads this module before
 PROMETHEUS_MULTIPROC_DIR is set, and the library picks its multiprocess mode on first import.
@@ -22,7 +24,7 @@ import glob
 import os
 import time
 from collections import defaultdict
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 FOLDED_TYPES = ("counter", "histogram", "summary")  # a histogram's file holds per-bucket counts: they add up
 ARCHIVE = "archive"  # in place of a pid: <type>_archive.db, read by every scrape like any worker's file
@@ -118,3 +120,27 @@ class ScrapeLock:
 
     def release(self) -> None:
         self._file.close()  # closing the file drops its lock
+
+
+_scrape_dir: str | None = None
+
+
+def install_scrape_dir(path: str | None) -> None:
+    """The master's metrics directory (inherited across fork): scrapes then lock it."""
+    global _scrape_dir
+    _scrape_dir = path
+
+
+@contextmanager
+def locked_scrape(path: str):
+    lock = ScrapeLock(path)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def scrape_lock():
+    """A context manager held while a scrape reads the value files: the shared lock under
+    gunicorn (the directory installed), nothing elsewhere (tests, a development server)."""
+    return nullcontext() if _scrape_dir is None else locked_scrape(_scrape_dir)

@@ -1,11 +1,11 @@
 """A worker process's own settings, applied after fork: torch threads, one malloc arena and a
 short GIL switch interval."""
-import ctypes
 import sys
+
+from app.core.heap import M_ARENA_MAX, mallopt
 
 SWITCH_INTERVAL_S = 0.001
 MALLOC_ARENAS = 1
-M_ARENA_MAX = -8  # glibc's mallopt parameter
 
 
 def torch_threads(workers: int) -> int:
@@ -20,10 +20,7 @@ def limit_malloc_arenas() -> None:
     threads parsing bodies, every arena would grow to a large request's size and the worker's
     memory with them. One is enough: a worker computes on few lanes, and torch's own work does not
     allocate per element. Not glibc: skip."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, MALLOC_ARENAS)
-    except (OSError, AttributeError):
-        pass
+    mallopt(M_ARENA_MAX, MALLOC_ARENAS)
 
 
 def tune_worker(workers: int) -> None:
