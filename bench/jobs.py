@@ -229,7 +229,9 @@ def job_scaling(bench=None, n: int = 8192, dim: int = 64, factor: int = 64) -> l
                    f"bound: synchronous 1-slot request {alone:.1f} s, two at once {pair:.1f} s, S_pair "
                    f"{s_pair:.2f}, 0.9 x S_pair {J2_SHARE * s_pair:.2f}; CPU: 1-worker job {cpus[1]:.1f} s, "
                    f"2-worker job {cpus[2]:.1f} s, synchronous request {alone_cpu:.1f} s (1-worker job / "
-                   f"synchronous {cpus[1] / max(alone_cpu, 1e-9):.2f}x); {sync_load} (sync), {load()} (jobs)")]
+                   f"synchronous {cpus[1] / max(alone_cpu, 1e-9):.2f}x); work per second, 2-worker job vs two "
+                   f"synchronous requests at once: {pair / (2 * times[2].compute_s):.2f}x; {sync_load} (sync), "
+                   f"{load()} (jobs)")]
 
 
 # J3 ---------------------------------------------------------------------------------------
