@@ -1,6 +1,7 @@
 """The Flask app's shared HTTP glue: settings, per-worker services, hooks; the front ends are
 registered on it by the app factory (app/__init__.py), between `build_app` and `finish_app`."""
 import os
+import types
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -34,6 +35,9 @@ FLASK_CONFIG = {
 }
 
 
+MOST_CACHED_HANDLERS = 512  # views and hooks of the app: a few dozen
+
+
 class BlockgradFlask(Flask):
     """Flask, asking once per function whether it is async: `ensure_sync` runs for every view
     and hook of every request, and `inspect.iscoroutinefunction` is not free."""
@@ -43,9 +47,15 @@ class BlockgradFlask(Flask):
         self._made_sync: dict[Callable, Callable] = {}
 
     def ensure_sync(self, func: Callable) -> Callable:
+        # Plain functions only: bound methods and partials may be new on every request
+        # (class-based views, after_this_request), and a cache would keep each alive.
+        if type(func) is not types.FunctionType:
+            return super().ensure_sync(func)
         made = self._made_sync.get(func)
         if made is None:
-            made = self._made_sync[func] = super().ensure_sync(func)
+            made = super().ensure_sync(func)
+            if len(self._made_sync) < MOST_CACHED_HANDLERS:
+                self._made_sync[func] = made
         return made
 
 

@@ -116,7 +116,11 @@ class ScrapeLock:
 
     def __init__(self, path: str):
         self._file = open(os.path.join(path, LOCK_NAME), "a+")
-        fcntl.flock(self._file, fcntl.LOCK_SH)
+        try:
+            fcntl.flock(self._file, fcntl.LOCK_SH)
+        except BaseException:
+            self._file.close()
+            raise
 
     def release(self) -> None:
         self._file.close()  # closing the file drops its lock
