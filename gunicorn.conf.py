@@ -33,9 +33,11 @@ worker_connections = settings.max_connections  # per worker (the worker class re
 # deadline and the read and send timeouts end stuck requests instead.
 timeout = max(120, math.ceil(2 * settings.request_timeout_s))
 graceful_timeout = math.ceil(settings.request_timeout_s) + 10  # SIGTERM: a whole deadline, then margin
-# Recycled against slow memory growth, one worker at a time (app/serving/recycling.py).
-max_requests = 1000
-max_requests_jitter = 200
+# Recycled, one worker at a time (app/serving/recycling.py), as a backstop against a leak (an
+# operator's model): a worker's memory does not grow with requests (docs/serving.md), and each
+# restart costs its clients throughput, so rarely.
+max_requests = 20000
+max_requests_jitter = 2000
 
 preload_app = False  # on CPU on_starting imports the app instead, after setting up metrics
 worker_tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None  # heartbeat off disk

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tools.server import gunicorn_settings
 
-from . import attacks, client_rows, cores, jobs, recycling, rows, small_requests, uploads
+from . import attacks, client_rows, cores, jobs, recycling, rows, small_requests, uploads, worker_growth
 from .measure import Result, table
 
 def dripping_uploads(bench) -> list:
@@ -38,6 +38,7 @@ ROWS = [
     attacks.idle_flood_row,
     attacks.slowloris_row,
     recycling.metrics_recycling_row,
+    worker_growth.worker_memory_growth,
     cores.lone_request_speedup,
     cores.concurrent_pairs_balance,
     cores.lone_request_cpu,
