@@ -1,27 +1,39 @@
-"""The pool thread's loop (ConnectionWorker.serve, app/serving/worker.py) without gunicorn: its
-turn ends when a request raises, the main loop's next head handed on while the thread lingers
-is run or closed (never lost, never left counted running), and a thread whose hand-off went
-to the backlog stops lingering so that it takes the backlog itself, and a connection whose
-thread waits for its next head does not make the worker count as serving.
+"""Lingering connections (app/serving/lingering.py) and the pool thread's loop that serves them
+(ConnectionWorker.serve and next_request, app/serving/worker.py), without gunicorn.
 
-A worker object carries only what serve() reads; every collaborator is a fake that records."""
+Kept-alive connections that send their next heads one after another are served by the one
+thread that answered the first, whichever connection sends; one thread at a time polls them;
+the main loop's heads come first; a close, part of a head or nothing within linger_s goes back
+to the main loop; the main loop takes back a head left waiting at two looks while the thread
+serves another; a lingering connection does not make the worker count as serving.
+
+Real socket pairs stand for the connections; the worker object carries only what serve()
+reads, its other collaborators fakes that record. Events, not times: every head a test sends
+is in the socket before the thread polls it (sent from inside the request before), and every
+wait is bounded."""
 import io
 import socket
 import threading
+import time
 
 import pytest
 
+from app.serving.lingering import Lingering
 from app.serving.turns import Turns
 from app.serving.worker import BUSY, HEAD, IDLE, NEW, ConnectionWorker
 from tools.server import wait_until
 
-LONG_HOLD_S = 60.0  # never reached: nothing here waits for a hold
+LONG_S = 60.0  # a linger, hold or look never reached: the test ends it first
 WAIT_S = 30.0  # bound of every wait; reached only on failure
+GET = b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n"
 
 
 class Unreader:
     def __init__(self):
         self.buf = io.BytesIO()
+
+    def unread(self, data: bytes) -> None:
+        self.buf = io.BytesIO(bytes(data) + self.buf.getvalue())
 
 
 class Parser:
@@ -29,139 +41,272 @@ class Parser:
         self.unreader = Unreader()
 
 
-class FakeConn:
+class Conn:
+    """A connection: the server's end of a socket pair (sock), the client's (client)."""
+
     def __init__(self, name: str):
         self.name, self.parser = name, Parser()
+        self.sock, self.client = socket.socketpair()
+        self.head, self.started, self.client_left, self.partial_head_since = bytearray(), None, False, None
+
+    def __repr__(self):
+        return self.name
+
+    def close(self):
+        self.sock.close()
+        self.client.close()
+
+
+@pytest.fixture
+def conns():
+    made = []
+
+    def make(*names):
+        made.extend(Conn(name) for name in names)
+        return made[-len(names):] if len(names) > 1 else made[-1]
+    yield make
+    for conn in made:
+        conn.close()
 
 
 class Deferred:
-    """gthread's method_queue: the calls the main loop would run."""
+    """gthread's method_queue: the calls the main loop would run, recorded."""
 
     def __init__(self):
-        self.calls = []
+        self.calls, self.lock = [], threading.Lock()
 
     def defer(self, func, *args):
-        self.calls.append((func.__name__, args))
+        with self.lock:
+            self.calls.append((func.__name__, args))
 
 
 class Pool:
-    def __init__(self, refuse: bool = False, backlog_after_submit: bool = False):
-        self.refuse, self.backlog_after_submit = refuse, backlog_after_submit
-        self.submitted, self.backlog = [], False
-
-    def submit(self, conn):
-        if self.refuse:
-            raise RuntimeError("can't start new thread")
-        self.submitted.append(conn)
-        self.backlog = self.backlog_after_submit
+    def __init__(self):
+        self.backlog = False
 
     def backlogged(self) -> bool:
         return self.backlog
 
 
-class Log:
-    def __init__(self):
-        self.errors = 0
-
-    def exception(self, *args):
-        self.errors += 1
-
-
-def worker(handle, pool: Pool, next_heads: list[bool]) -> ConnectionWorker:
-    """A ConnectionWorker with only serve()'s collaborators: `handle` per request, `next_heads`
-    the successive verdicts of next_head (counted in worker.next_head_calls)."""
+def worker(handle, linger_s: float = LONG_S, look_s: float = LONG_S) -> ConnectionWorker:
+    """A ConnectionWorker with only serve()'s collaborators; `handle(conn)` is each request."""
     w = object.__new__(ConnectionWorker)
-    w.alive, w.turns, w.tpool, w.method_queue, w.log = True, Turns(LONG_HOLD_S, max_lingering=4), pool, Deferred(), Log()
+    w.alive, w.turns, w.tpool, w.method_queue = True, Turns(LONG_S), Pool(), Deferred()
+    w.lingering = Lingering(linger_s, look_s, limit=8)
+    w.line_limit, w.head_limit = 8190, 1 << 20
     w.handle = handle
-    w.next_head_calls = 0
-
-    def next_head(conn):
-        w.next_head_calls += 1
-        return next_heads.pop(0)
-    w.next_head = next_head
     return w
 
 
-def running_first(w: ConnectionWorker, conn) -> None:
-    """`conn` started by the main loop, as submit_ready does."""
+def first_request(w: ConnectionWorker, conn) -> None:
+    """`conn`'s first head, started by the main loop (submit_ready)."""
     w.turns.add(conn, now=0.0)
     assert w.turns.due(now=0.0) == [conn]
 
 
-def test_a_raising_request_ends_its_turn_and_leaves_the_next_to_a_free_thread():
+def serving_thread(w: ConnectionWorker, conn) -> threading.Thread:
+    thread = threading.Thread(target=w.serve, args=(conn,), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_kept_alive_connections_sending_one_after_another_are_served_by_one_thread(conns):
+    """Each request's "client" sends the other connection's next head while it runs, as a
+    second client does while the first is served: the answering thread serves it next, and
+    the heads nobody sends in the end go back to the main loop after linger_s."""
+    a, b = conns("a", "b")
+    script = {("a", 1): b, ("b", 1): a, ("a", 2): b}  # after this request, that connection sends
+    served, threads = [], set()
+
+    def handle(conn):
+        served.append(conn.name)
+        threads.add(threading.get_ident())
+        sender = script.get((conn.name, served.count(conn.name)))
+        if sender is not None:
+            sender.client.sendall(GET)
+        return True
+    w = worker(handle, linger_s=0.05)
+    assert w.lingering.add(b, now=time.monotonic())  # answered before
+    first_request(w, a)
+    thread = serving_thread(w, a)
+    thread.join(WAIT_S)
+    assert not thread.is_alive()
+    assert served == ["a", "b", "a", "b"] and threads == {thread.ident}
+    back = [args for name, args in w.method_queue.calls if name == "finish_request"]
+    assert sorted(back, key=lambda args: args[0].name) == [(a, True), (b, True)]
+    assert w.turns.running == 0 and len(w.lingering) == 0 and not w.lingering.watched
+
+
+def test_the_main_loop_s_next_head_comes_before_a_lingering_one(conns):
+    a, b, polled = conns("a", "b", "polled")
+    served = []
+
+    def handle(conn):
+        served.append(conn.name)
+        if conn is a:
+            b.client.sendall(GET)  # a lingering connection's head ...
+            w.turns.add(polled, now=0.0)  # ... and the main loop's, read after it
+        return conn is not polled  # polled is answered with Connection: close
+    w = worker(handle, linger_s=0.05)
+    assert w.lingering.add(b, now=time.monotonic())  # answered before
+    first_request(w, a)
+    serving_thread(w, a).join(WAIT_S)
+    assert served == ["a", "polled", "b"]
+    assert ("finish_request", (polled, False)) in w.method_queue.calls
+
+
+def test_a_close_and_part_of_a_head_go_back_to_the_main_loop(conns):
+    a, gone, partial = conns("a", "gone", "partial")
+
+    def handle(conn):
+        gone.client.close()
+        partial.client.sendall(b"GET /healthz HTTP/1.1\r\n")
+        return True
+    w = worker(handle, linger_s=0.05)
+    for conn in (gone, partial):
+        assert w.lingering.add(conn, now=time.monotonic())
+    first_request(w, a)
+    serving_thread(w, a).join(WAIT_S)
+    calls = w.method_queue.calls
+    assert ("finish_request", (gone, True)) in calls and gone.client_left
+    assert ("finish_request", (partial, True)) in calls and not partial.client_left
+    assert partial.parser.unreader.buf.getvalue() == b"GET /healthz HTTP/1.1\r\n"  # for the poller
+    assert partial.partial_head_since is not None  # its header clock started with those bytes
+
+
+def test_an_answered_connection_joins_the_poll_of_the_thread_already_polling(conns):
+    a, c = conns("a", "c")
+    served = {}
+    w = worker(lambda conn: served.setdefault(conn.name, threading.get_ident()) and True)
+    assert w.lingering.add(a, now=time.monotonic())
+    watcher = threading.Thread(target=lambda: served.setdefault("watcher", w.next_request()), daemon=True)
+    watcher.start()
+    assert wait_until(lambda: w.lingering.watched, WAIT_S, 0.001)
+    first_request(w, c)
+    other = serving_thread(w, c)  # answers c, which lingers: the watcher polls it from now on
+    other.join(WAIT_S)
+    assert not other.is_alive() and served["c"] == other.ident and len(w.lingering) == 2
+    c.client.sendall(GET)
+    watcher.join(WAIT_S)
+    assert served["watcher"] is c and w.turns.running == 1  # its turn taken, for the watcher to serve
+
+
+def test_a_raising_request_ends_its_turn(conns):
+    a = conns("a")
+
     def handle(conn):
         raise OSError("reset")
-    w, first, polled = worker(handle, Pool(), []), FakeConn("first"), FakeConn("polled")
-    running_first(w, first)
-    w.turns.add(polled, now=0.0)  # waits for first to end
+    w = worker(handle)
+    first_request(w, a)
     with pytest.raises(OSError):
-        w.serve(first)
-    assert w.turns.running == 0 and w.turns.lingering == 0
-    assert w.turns.take_next() is polled  # the thread that ends it takes it
+        w.serve(a)
+    assert w.turns.running == 0 and len(w.lingering) == 0
 
 
-def test_a_next_head_whose_thread_cannot_start_is_closed_and_its_turn_ended():
-    w, first, polled = worker(lambda conn: True, Pool(refuse=True), [False]), FakeConn("first"), FakeConn("polled")
-    running_first(w, first)
-    w.turns.add(polled, now=0.0)
-    assert w.serve(first) is True  # first itself goes back to the poller, kept alive
-    assert w.method_queue.calls == [("finish_request", (polled, None))]  # closed by the main loop
-    assert w.log.errors == 1
-    assert w.turns.running == 0 and w.turns.lingering == 0
+def test_pipelined_bytes_already_read_mean_no_lingering(conns):
+    a = conns("a")
+    a.parser.unreader.buf = io.BytesIO(GET)
+    w = worker(lambda conn: True)
+    first_request(w, a)
+    w.serve(a)
+    assert w.method_queue.calls == [("finish_request", (a, True))] and len(w.lingering) == 0
+    assert a.parser.unreader.buf.getvalue() == GET  # looking did not move the parser's buffer
 
 
-def test_a_thread_whose_hand_off_waits_in_the_backlog_stops_lingering():
-    pool = Pool(backlog_after_submit=True)
-    w, first, polled = worker(lambda conn: True, pool, [True]), FakeConn("first"), FakeConn("polled")
-    running_first(w, first)
-    w.turns.add(polled, now=0.0)
-    assert w.serve(first) is True
-    assert pool.submitted == [polled] and w.next_head_calls == 0
-    assert w.turns.lingering == 0 and w.turns.running == 1  # polled, waiting for this thread
+def test_with_connections_waiting_for_a_thread_none_lingers(conns):
+    a = conns("a")
+    w = worker(lambda conn: True)
+    w.tpool.backlog = True
+    first_request(w, a)
+    w.serve(a)
+    assert w.method_queue.calls == [("finish_request", (a, True))] and len(w.lingering) == 0
 
 
-def test_a_next_head_handed_on_to_a_free_thread_while_this_one_lingers():
-    pool = Pool()
-    w, first, polled = worker(lambda conn: True, pool, [False]), FakeConn("first"), FakeConn("polled")
-    running_first(w, first)
-    w.turns.add(polled, now=0.0)
-    assert w.serve(first) is True
-    assert pool.submitted == [polled] and w.next_head_calls == 1
-    assert w.turns.lingering == 0 and w.turns.running == 1
+def test_a_lingering_connection_is_not_serving(conns):
+    w = worker(lambda conn: True)
+    w.counts = {NEW: 0, HEAD: 0, IDLE: 0, BUSY: 1}  # the connection below: answered, on the pool's side
+    assert w.serving()
+    assert w.lingering.add(conns("kept"), now=time.monotonic())
+    assert not w.serving()
 
 
-def test_a_thread_serves_the_next_heads_that_arrive_while_it_lingers():
-    served = []
-    w, conn = worker(lambda c: served.append(c) or True, Pool(), [True, True, False]), FakeConn("kept")
-    running_first(w, conn)
-    assert w.serve(conn) is True
-    assert served == [conn] * 3 and w.next_head_calls == 3
-    assert w.turns.running == 0 and w.turns.lingering == 0
+# -- Lingering alone ----------------------------------------------------------------------
 
 
-def test_pipelined_bytes_already_read_mean_no_lingering():
-    w, conn = worker(lambda c: True, Pool(), []), FakeConn("pipelined")
-    conn.parser.unreader.buf = io.BytesIO(b"GET / HTTP/1.1\r\n")
-    position = conn.parser.unreader.buf.tell()
-    running_first(w, conn)
-    assert w.serve(conn) is True and w.next_head_calls == 0
-    assert conn.parser.unreader.buf.tell() == position  # looking did not move the parser's buffer
+def test_at_most_limit_connections_linger(conns):
+    lingering = Lingering(LONG_S, LONG_S, limit=2)
+    assert [lingering.add(conn, now=0.0) for conn in conns("a", "b", "c")] == [True, True, False]
 
 
-def test_a_thread_waiting_for_its_connection_s_next_head_is_not_serving():
-    w = object.__new__(ConnectionWorker)
-    w.linger_s, w.line_limit, w.head_limit = WAIT_S, 8190, 1 << 20
-    w.awaiting_next_head, w.awaiting_lock = 0, threading.Lock()
-    w.counts = {NEW: 0, HEAD: 0, IDLE: 0, BUSY: 1}  # the connection below, answered, in its pool thread
-    ours, client = socket.socketpair()
-    with ours, client:
-        conn = FakeConn("kept")
-        conn.sock, conn.head, conn.started = ours, bytearray(), None
-        verdicts = []
-        thread = threading.Thread(target=lambda: verdicts.append(w.next_head(conn)), daemon=True)
-        thread.start()
-        assert wait_until(lambda: w.awaiting_next_head == 1, WAIT_S, 0.001)
-        assert not w.serving()
-        client.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
-        thread.join(WAIT_S)
-    assert verdicts == [True] and w.awaiting_next_head == 0 and w.serving()
+def test_one_thread_at_a_time_polls_and_a_wake_interrupts_it(conns):
+    a = conns("a")
+    lingering = Lingering(LONG_S, LONG_S, limit=8)
+    assert lingering.watch() is None  # none lingers
+    lingering.add(a, now=0.0)
+    watched = lingering.watch()
+    assert watched == [(a, LONG_S)] and lingering.watch() is None  # another thread polls them
+    lingering.wake()
+    assert lingering.wait(watched, now=0.0) == []  # woken: nothing readable
+    a.client.sendall(GET)
+    assert lingering.wait(watched, now=0.0) == [a]
+    assert lingering.claim(a) and not lingering.claim(a)  # taken once
+    assert lingering.unwatch() is False  # none left to look after
+
+
+def test_the_main_loop_takes_back_a_head_seen_waiting_at_two_looks_in_a_row(conns):
+    look_s = 0.02
+    a, b = conns("a", "b")
+    lingering = Lingering(LONG_S, look_s, limit=8)
+    lingering.add(a, now=0.0)
+    lingering.add(b, now=0.0)
+    assert lingering.left_alone()  # no thread polls and the main loop does not look yet
+    a.client.sendall(GET)
+    assert lingering.look(now=1.0) == ([], [])  # first seen
+    assert lingering.looking and not lingering.left_alone()
+    assert lingering.look(now=1.0 + look_s / 2) == ([], [])  # not yet waited look_s
+    assert lingering.look(now=1.0 + look_s) == ([], [(a, 1.0)])  # taken back, seen since 1.0
+    assert not lingering.claim(a) and len(lingering) == 1
+
+
+def test_a_polled_connection_is_never_taken_back_and_due_ones_go_back(conns):
+    a, b = conns("a", "b")
+    lingering = Lingering(0.5, 0.02, limit=8)
+    lingering.add(a, now=0.0)
+    lingering.add(b, now=1.0)
+    a.client.sendall(GET)
+    watched = lingering.watch()
+    assert lingering.look(now=0.1) == ([], []) and lingering.look(now=0.2) == ([], [])  # a thread polls
+    assert lingering.unwatch() is False  # the main loop already looks
+    assert lingering.look(now=0.6) == ([a], [])  # past linger_s: back to the poller, head and all
+    assert lingering.look(now=9.0, everything=True) == ([b], [])  # the worker stops
+    assert watched and len(lingering) == 0 and not lingering.looking
+
+
+def test_a_head_taken_back_by_the_main_loop_is_examined_as_the_poller_s(conns):
+    """take_back: the bytes waiting go to the parser's buffer for finish_request, the header
+    clock (and the turn) counted from when the main loop first saw them; a close is the client's."""
+    sent, gone = conns("sent", "gone")
+    w = worker(lambda conn: True)
+    back = []
+    w.finish_request = lambda conn, result: back.append((conn, result))
+    sent.client.sendall(GET)
+    gone.client.close()
+    w.take_back(sent, since=5.0)
+    w.take_back(gone, since=6.0)
+    assert back == [(sent, True), (gone, True)]
+    assert sent.parser.unreader.buf.getvalue() == GET and sent.partial_head_since == 5.0 and not sent.client_left
+    assert gone.client_left
+
+
+def test_a_stopping_worker_s_main_loop_takes_every_lingering_connection_back(conns):
+    a, b = conns("a", "b")
+    w = worker(lambda conn: True)
+    back = []
+    w.finish_request = lambda conn, result: back.append((conn, result))
+    for conn in (a, b):
+        assert w.lingering.add(conn, now=time.monotonic())
+    w.tend_lingering()
+    assert back == []  # kept while the worker runs
+    w.alive = False
+    w.tend_lingering()
+    assert back == [(a, True), (b, True)] and len(w.lingering) == 0

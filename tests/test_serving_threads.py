@@ -1,7 +1,8 @@
-"""The worker's pool threads (app/serving/threads.py): each connection handled once and
-reported done, sequential hand-overs served by one thread, at most `size` at once with the
-rest in a backlog, a failing handle reported as None, nothing served after shutdown, and a
-thread that cannot start not counted against `size`."""
+"""The worker's pool threads (app/serving/threads.py): each connection handled once, sequential
+hand-overs served by one thread, at most `size` at once with the rest in a backlog (its owner
+told), a failing handle reported done as None, nothing served after shutdown (reported done),
+and a thread that cannot start not counted against `size`. `handle` answers for its connection:
+the tests' handle records what it returned, as the worker's hands it back itself."""
 import queue
 import threading
 import time
@@ -13,9 +14,15 @@ from app.serving.threads import ServingThreads
 WAIT_S = 30.0  # bound of every wait; reached only on failure
 
 
-def pool(size, handle):
+def pool(size, handle, on_backlog=lambda: None):
+    """(threads, done): `done` receives (conn, what handle returned) after each handle, and
+    (conn, None) for each the pool reports done itself."""
     done: queue.SimpleQueue = queue.SimpleQueue()
-    return ServingThreads(size, handle, lambda conn, result: done.put((conn, result))), done
+
+    def handled(conn):
+        done.put((conn, handle(conn)))
+    return ServingThreads(size, handled, lambda conn, result: done.put((conn, result)),
+                          on_backlog=on_backlog), done
 
 
 def test_sequential_connections_are_served_by_one_thread():
@@ -46,9 +53,11 @@ def test_at_most_size_run_at_once_and_the_backlog_is_served():
             running[0] -= 1
         return True
 
-    threads, done = pool(2, handle)
+    backlogged = []
+    threads, done = pool(2, handle, on_backlog=lambda: backlogged.append(True))
     for conn in range(6):
         threads.submit(conn)
+    assert len(backlogged) == 4  # told of each connection left waiting for a thread
     deadline = time.monotonic() + WAIT_S
     while running[0] < 2 and time.monotonic() < deadline:  # both threads inside handle: the rest wait
         time.sleep(0.001)

@@ -1,6 +1,6 @@
 """Turns (app/serving/turns.py): one request at a time in arrival order, whoever read its head
-(the main loop or the pool thread that answered the connection before), the next after the
-running one ends or after hold_s, and a bounded number of lingering threads.
+(the main loop, or a pool thread from a lingering connection), the next after the running one
+ends or after hold_s.
 
 Events, not times: "waits for the running one" is shown with a hold of a minute that the test
 ends long before by finishing; "runs beside after hold_s" with a hold of 10 ms against a running
@@ -28,24 +28,24 @@ def queued(turns: Turns, count: int) -> bool:
 
 
 def test_with_nothing_running_the_first_takes_its_turn_at_once():
-    turns, log = Turns(LONG_HOLD_S, max_lingering=4), []
+    turns, log = Turns(LONG_HOLD_S), []
     waiter(turns, "a", log).join(WAIT_S)
     assert log == ["a"] and turns.running == 1
 
 
 def test_a_thread_s_next_request_waits_for_the_running_one_to_end():
-    turns, log = Turns(LONG_HOLD_S, max_lingering=4), []
+    turns, log = Turns(LONG_HOLD_S), []
     turns.add("first", now=0.0)
     assert turns.due(now=0.0) == ["first"] and turns.running == 1
     thread = waiter(turns, "next", log)
     assert queued(turns, 1) and log == []  # held: one request runs
-    assert turns.finish(handoff=True) is None  # ending it wakes the waiting thread
+    assert turns.finish() is None  # ending it wakes the waiting thread
     thread.join(WAIT_S)
     assert log == ["next"] and turns.running == 1
 
 
 def test_past_the_hold_a_waiting_request_runs_beside_the_running_one():
-    turns, log = Turns(0.01, max_lingering=4), []
+    turns, log = Turns(0.01), []
     turns.add("long", now=0.0)
     assert turns.due(now=0.0) == ["long"]
     waiter(turns, "next", log).join(WAIT_S)  # "long" never ends
@@ -55,7 +55,7 @@ def test_past_the_hold_a_waiting_request_runs_beside_the_running_one():
 
 
 def test_the_main_loop_starts_the_first_at_once_and_the_rest_after_the_hold():
-    turns = Turns(1.0, max_lingering=4)
+    turns = Turns(1.0)
     for name in ("a", "b", "c"):
         turns.add(name, now=10.0)
     assert turns.due(now=10.0) == ["a"]
@@ -65,35 +65,20 @@ def test_the_main_loop_starts_the_first_at_once_and_the_rest_after_the_hold():
 
 
 def test_turns_follow_arrival_order_whoever_read_the_head():
-    turns, log = Turns(LONG_HOLD_S, max_lingering=4), []
+    turns, log = Turns(LONG_HOLD_S), []
     turns.add("running", now=0.0)
     turns.due(now=0.0)
     turns.add("polled", now=0.0)  # read by the main loop, before the thread's
     thread = waiter(turns, "lingered", log)
     assert queued(turns, 2)
-    # A thread that will not linger leaves the main loop's item for its own take_next.
-    assert turns.finish(handoff=False) is None and turns.running == 0
+    # Ending a request leaves the main loop's item for the thread's own take_next.
+    assert turns.finish() is None and turns.running == 0
     assert turns.take_next() == "polled" and turns.running == 1
     assert log == []
-    assert turns.finish(handoff=False) is None  # the thread's item is next: woken
+    assert turns.finish() is None  # the thread's item is next: woken
     thread.join(WAIT_S)
     assert log == ["lingered"] and turns.running == 1
     assert turns.take_next() is None  # one runs, none waits
-
-
-def test_a_thread_about_to_linger_hands_the_main_loop_s_next_item_on():
-    turns = Turns(LONG_HOLD_S, max_lingering=4)
-    turns.add("running", now=0.0)
-    turns.due(now=0.0)
-    turns.add("polled", now=0.0)
-    assert turns.finish(handoff=True) == "polled" and turns.running == 1
-
-
-def test_at_most_max_lingering_threads_linger():
-    turns = Turns(LONG_HOLD_S, max_lingering=2)
-    assert [turns.start_lingering() for _ in range(3)] == [True, True, False]
-    turns.stop_lingering()
-    assert turns.start_lingering() and not turns.start_lingering()
 
 
 class WokenAsTheHoldEnds(SimpleQueue):
@@ -108,12 +93,12 @@ class WokenAsTheHoldEnds(SimpleQueue):
     def get(self, block=True, timeout=None):
         self.blocking_gets += 1
         if self.blocking_gets == 1:
-            assert self.turns.finish(handoff=False) is None  # the running request ends: wakes this one
+            assert self.turns.finish() is None  # the running request ends: wakes this one
         raise Empty
 
 
 def test_a_request_woken_as_its_hold_ends_runs_without_waiting_again():
-    turns = Turns(LONG_HOLD_S, max_lingering=4, new_inbox=lambda: WokenAsTheHoldEnds(turns))
+    turns = Turns(LONG_HOLD_S, new_inbox=lambda: WokenAsTheHoldEnds(turns))
     turns.add("running", now=0.0)
     assert turns.due(now=0.0) == ["running"]
     turns.wait_for_turn("next")  # raises Empty if it waits for a wake-up a second time
@@ -124,7 +109,7 @@ def test_a_request_woken_as_its_hold_ends_runs_without_waiting_again():
 
 
 def test_every_thread_waits_on_an_inbox_of_its_own():
-    turns = Turns(LONG_HOLD_S, max_lingering=4)
+    turns = Turns(LONG_HOLD_S)
     seen = []
     thread = threading.Thread(target=lambda: seen.append(turns._inbox()), daemon=True)
     thread.start()

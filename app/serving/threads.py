@@ -7,8 +7,9 @@ Future and its callbacks. Here an idle thread waits on a queue of its own; a con
 to the most recently idle one, or to a new thread up to `size`, or waits in a backlog that the
 next thread to finish takes from. A thread that has finished also asks `take_next` for work
 its owner holds back (the worker's complete heads waiting for the running request to end),
-so that it goes from one request to the next without sleeping. Standard library only: the
-master loads this module.
+so that it goes from one request to the next without sleeping; `on_backlog` is told when a
+connection waits for a thread (the worker's thread polling its lingering connections then
+stops to take it). Standard library only: the master loads this module.
 """
 import queue
 import threading
@@ -20,14 +21,15 @@ STOP = object()
 
 
 class ServingThreads:
-    """`submit(conn)` runs `handle(conn)` on a pool thread, then `done(conn, result)` on it
-    (result None when handle raised); it raises RuntimeError when no thread can start. Daemon
-    threads: a stopping worker waits for its connections itself (gthread's graceful timeout),
-    never for idle threads."""
+    """`submit(conn)` runs `handle(conn)` on a pool thread, which answers for `conn` from then
+    on; `done(conn, None)` only when handle raised or the pool is stopping (the owner closes
+    it). submit raises RuntimeError when no thread can start. Daemon threads: a stopping worker
+    waits for its connections itself (gthread's graceful timeout), never for idle threads."""
 
     def __init__(self, size: int, handle: Callable[[Any], Any], done: Callable[[Any, Any], None],
-                 take_next: Callable[[], Any] = lambda: None):
+                 take_next: Callable[[], Any] = lambda: None, on_backlog: Callable[[], None] = lambda: None):
         self.size, self.handle, self.done, self.take_next = max(1, size), handle, done, take_next
+        self.on_backlog = on_backlog
         self._lock = threading.Lock()
         self._idle: list[queue.SimpleQueue] = []  # LIFO: the most recently idle thread's cache is warm
         self._backlog: deque = deque()
@@ -40,11 +42,14 @@ class ServingThreads:
             if not stopping and self._idle:
                 self._idle.pop().put(conn)
                 return
-            if not stopping and self._threads >= self.size:
+            backlog = not stopping and self._threads >= self.size
+            if backlog:
                 self._backlog.append(conn)
-                return
-            if not stopping:
+            elif not stopping:
                 self._threads += 1
+        if backlog:
+            self.on_backlog()
+            return
         if stopping:  # too late to serve it: the main loop closes it
             self.done(conn, None)
             return
@@ -71,10 +76,9 @@ class ServingThreads:
         inbox: queue.SimpleQueue = queue.SimpleQueue()
         while conn is not STOP:
             try:
-                result = self.handle(conn)
-            except BaseException:  # noqa: BLE001 - the main loop closes the connection
-                result = None
-            self.done(conn, result)
+                self.handle(conn)
+            except BaseException:  # noqa: BLE001 - the owner closes the connection
+                self.done(conn, None)
             following = self.take_next()
             if following is not None:
                 conn = following

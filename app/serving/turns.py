@@ -5,10 +5,10 @@ of either; for small requests those hand-offs cost more CPU than running side by
 (docs/small-requests.md). So a complete request waits for the one running to end, at most
 `hold_s`, then runs beside it: a long request delays the next by that much only.
 
-A waiting request is either the main loop's (a head read by the poller: `add`; whoever ends
-a request or the main loop's `due` starts it on a pool thread) or a pool thread's own (the next
-request on the connection it has just answered: `take` waits on the thread's inbox until it is
-woken or `hold_s` has passed). The queue is in arrival order. Standard library only: the
+A waiting request is either the main loop's (a head read by the poller: `add`; the thread that
+ends a request takes it, `take_next`, or the main loop's `due` starts it on a pool thread) or a
+pool thread's own (a lingering connection's head, app/serving/lingering.py: `wait_for_turn` waits
+on the thread's inbox until it is woken or `hold_s` has passed). The queue is in arrival order. Standard library only: the
 master loads this module.
 """
 from queue import Empty, SimpleQueue
@@ -20,15 +20,13 @@ from typing import Any
 
 
 class Turns:
-    def __init__(self, hold_s: float, max_lingering: int, new_inbox: Callable[[], SimpleQueue] = SimpleQueue):
+    def __init__(self, hold_s: float, new_inbox: Callable[[], SimpleQueue] = SimpleQueue):
         self.hold_s = hold_s
-        self.max_lingering = max(1, max_lingering)
         self._lock = threading.Lock()
         self._inboxes = threading.local()  # each pool thread's inbox, where it waits for its turn
         self._new_inbox = new_inbox
         self._queue: deque[tuple[Any, float, SimpleQueue | None]] = deque()  # (item, since, inbox)
         self.running = 0  # requests being served
-        self.lingering = 0  # pool threads waiting for their connection's next request, or for its turn
 
     # -- the main loop ---------------------------------------------------------------------
 
@@ -61,23 +59,19 @@ class Turns:
 
     # -- pool threads ----------------------------------------------------------------------
 
-    def finish(self, handoff: bool) -> Any:
-        """The calling thread's request has ended. If the next item's turn has come, a pool
-        thread's is woken; the main loop's is returned (to be started elsewhere) only with
-        `handoff`, else left for `take_next`."""
+    def finish(self) -> None:
+        """The calling thread's request has ended. If the next item is a pool thread's, its turn
+        has come and it is woken; the main loop's is left for `take_next`."""
         with self._lock:
             self.running -= 1
             if self.running or not self._queue:
-                return None
+                return
             item, _, inbox = self._queue[0]
-            if inbox is None and not handoff:
-                return None
+            if inbox is None:
+                return
             self._queue.popleft()
             self.running += 1
-            if inbox is not None:
-                inbox.put(item)
-                return None
-        return item
+            inbox.put(item)
 
     def take_next(self) -> Any:
         """On a thread that is free: the main loop's next item, if its turn has come (a pool
@@ -120,16 +114,3 @@ class Turns:
         if inbox is None:
             inbox = self._inboxes.inbox = self._new_inbox()
         return inbox
-
-    def start_lingering(self) -> bool:
-        """Whether the calling thread may wait for its connection's next request (at most
-        max_lingering threads at once, so that the pool always has threads to spare)."""
-        with self._lock:
-            if self.lingering >= self.max_lingering:
-                return False
-            self.lingering += 1
-            return True
-
-    def stop_lingering(self) -> None:
-        with self._lock:
-            self.lingering -= 1

@@ -7,9 +7,11 @@ waiting. It reads each request head without blocking into the connection's buffe
 connection with a complete head goes to a pool thread, where gunicorn's own parser reads the
 buffered bytes (put back in front of the socket, in its unreader) and serves the request as
 gthread does: keep-alive, pipelining, max_requests, graceful shutdown and the heartbeat are
-gthread's code. Having answered, the thread waits briefly (BLOCKGRAD_LINGER_S) for the
-connection's next head and serves it too, so that a busy kept-alive client's requests skip the
-poller; one that does not come in time, or comes in pieces, goes back to the poller.
+gthread's code. Having answered, the thread keeps the connection for BLOCKGRAD_LINGER_S among
+the worker's lingering ones (app/serving/lingering.py) and serves the next complete head that
+any of them sends, so that busy kept-alive clients' requests skip the poller and follow one
+another on one thread; a connection that sends nothing in time, or a head in pieces, goes back
+to the poller.
 
 A connection's clock starts at accept, or at a kept-alive connection's first new byte: the head
 must arrive within BLOCKGRAD_HEADER_TIMEOUT_S (nothing sent: closed without a word; a partial
@@ -42,6 +44,7 @@ from gunicorn.workers import gthread
 from app.core.settings import Settings
 from app.serving import slots
 from app.serving.coalesce import coalesce
+from app.serving.lingering import Lingering
 from app.serving.threads import ServingThreads
 from app.serving.turns import Turns
 
@@ -70,12 +73,13 @@ BALANCE_POLL_S = 0.02
 # cost more CPU than running side by side gains (docs/small-requests.md). A longer request
 # only delays the next one by this much, then both run as before.
 HOLD_S = 0.005
-# A pool thread that has answered a kept-alive connection waits on it for the next request
-# (BLOCKGRAD_LINGER_S) before handing it back to the poller. A complete head arriving meanwhile is
-# served on the same thread: no wake-up of the main loop, no hand-over, no poller registration.
-# Waiting in a blocking recv costs no CPU; at most this share of the pool waits at once, so that
-# the pool always has threads to spare.
-LINGERING_SHARE = 0.25
+# Kept-alive connections answered within BLOCKGRAD_LINGER_S that wait for their next head on
+# the pool's side (app/serving/lingering.py), at most: one thread polls them all at once.
+LINGERING_LIMIT = 64
+# While a request runs, how often the main loop looks at the lingering connections: a head seen
+# waiting at two looks in a row starts beside it. Each timed wake of the loop costs ~50-130 us
+# of CPU here (docs/small-requests.md), so not every HOLD_S.
+LOOK_S = 0.02
 SPARE_FILES = 512  # descriptors beyond the connections: the pool's files, metrics, the app's own
 
 # What a connection is doing. Every state but BUSY waits in the poller (self.waiting).
@@ -184,11 +188,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.clock = threading.local()  # the pool thread's request: its clock's start
         self.metrics = None
         self.shown: tuple | None = None
-        self.linger_s = settings.linger_s
-        # Pool threads waiting for their connection's next head (next_head): not serving.
-        self.awaiting_next_head = 0
-        self.awaiting_lock = threading.Lock()
-        self.turns = Turns(HOLD_S, max_lingering=int(self.cfg.threads * LINGERING_SHARE))  # complete heads
+        self.turns = Turns(HOLD_S)  # complete heads
+        self.lingering = Lingering(settings.linger_s, LOOK_S, LINGERING_LIMIT)  # answered, kept alive
         self.deferred_until: float | None = None  # leaving new connections to a sibling until then
         self.notified = -math.inf
         self.heartbeat_s = min(HEARTBEAT_S, self.cfg.timeout / 4) if self.cfg.timeout else HEARTBEAT_S
@@ -207,9 +208,8 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def serving(self) -> bool:
         """Whether a connection is accepted and not yet answered (new, part of a head, or in a
-        pool thread); idle kept-alive and closing ones do not count, nor those whose pool thread
-        waits for their next head."""
-        return self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] - self.awaiting_next_head > 0
+        pool thread); idle kept-alive and closing ones do not count, nor the lingering ones."""
+        return self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] - len(self.lingering) > 0
 
     def leave_to_sibling(self) -> bool:
         """Asked when a new connection waits on the listener: leave it to a ready sibling
@@ -263,59 +263,72 @@ class ConnectionWorker(gthread.ThreadWorker):
     def get_thread_pool(self):
         return ServingThreads(self.cfg.threads, self.serve,
                               lambda conn, keep: self.method_queue.defer(self.finish_request, conn, keep),
-                              self.turns.take_next)
+                              self.turns.take_next, self.lingering.wake)
 
-    def serve(self, conn):
-        """On a pool thread: the request handed over, then the connection's next ones, each
-        served here when its complete head arrives within linger_s of the previous answer
-        (next_head); otherwise the connection goes back to the poller (finish_request)."""
-        while True:
+    def serve(self, conn) -> None:
+        """On a pool thread: the request handed over, then each next one that is ready for
+        this thread (next_request), until none is. An answered connection kept alive lingers
+        (app/serving/lingering.py), any other goes back to the main loop (finish_request)."""
+        while conn is not None:
             try:
                 result = self.handle(conn)
             except BaseException:
-                self.turns.finish(handoff=False)
-                raise
-            lingering = result is True and self.may_linger(conn) and self.turns.start_lingering()
-            following = self.turns.finish(handoff=lingering)  # the next head's turn, while this thread waits
-            if not lingering:
-                return result
-            try:
-                if following is not None:
-                    self.enqueue_req(following)
-                    if self.tpool.backlogged():  # it waits for a thread: this one takes the backlog
-                        return result
-                arrived = self.next_head(conn)
-                if arrived:
-                    self.turns.wait_for_turn(conn)
-            finally:
-                self.turns.stop_lingering()
-            if not arrived:
-                return result
+                self.turns.finish()
+                raise  # the pool hands it back to the main loop, which closes it
+            if not (result is True and self.may_linger(conn) and self.lingering.add(conn, time.monotonic())):
+                self.method_queue.defer(self.finish_request, conn, result)
+            self.turns.finish()
+            conn = self.next_request()
 
     def may_linger(self, conn) -> bool:
         """Not while stopping, nor with pipelined bytes already read (the poller examines
         them), nor while connections wait for a free thread."""
         return self.alive and not buffered(conn) and not self.tpool.backlogged()
 
-    def next_head(self, conn) -> bool:
-        """Wait at most linger_s for the connection's next bytes. True: a complete head (or one
-        gunicorn's parser refuses from these bytes alone) is in conn.head, its clock started.
-        False: nothing came, or part of a head (left in the parser's buffer, for the poller to
-        complete), or the client left (conn.client_left)."""
-        sock = conn.sock
-        with self.awaiting_lock:
-            self.awaiting_next_head += 1
+    def next_request(self):
+        """For a thread that has just answered: the next complete head whose turn has come,
+        counted running in Turns. The main loop's first; else the lingering connections', this
+        thread polling them until one sends a head or the earliest is due, unless another
+        thread polls them. None: nothing for this thread (back to the pool)."""
+        while self.alive and not self.tpool.backlogged():
+            following = self.turns.take_next()
+            if following is not None:
+                break
+            watched = self.lingering.watch()
+            if watched is None:
+                break
+            chosen = None
+            try:
+                for conn in self.lingering.wait(watched, time.monotonic()):
+                    if not self.lingering.claim(conn):
+                        continue
+                    if self.read_next_head(conn):
+                        chosen = conn
+                        break
+                    self.method_queue.defer(self.finish_request, conn, True)  # part of a head, or a close
+                for conn in self.lingering.expired(time.monotonic()):
+                    self.method_queue.defer(self.finish_request, conn, True)
+            finally:
+                if self.lingering.unwatch():
+                    self.method_queue.defer(self.tend_lingering)  # wakes the main loop to look after them
+            if chosen is not None:
+                self.turns.wait_for_turn(chosen)
+                return chosen
+        else:
+            following = None
+        if self.lingering.left_alone():
+            self.method_queue.defer(self.tend_lingering)
+        return following
+
+    def read_next_head(self, conn) -> bool:
+        """A lingering connection is readable: True when a complete head (or one gunicorn's
+        parser refuses from these bytes alone) is in conn.head, its clock started. False: part
+        of a head (left in the parser's buffer, for the poller to complete), or the client
+        left (conn.client_left)."""
         try:
-            sock.settimeout(self.linger_s)
-            data = sock.recv(RECV_BYTES)
-        except TimeoutError:
-            return False
+            data = conn.sock.recv(RECV_BYTES)
         except OSError:
-            conn.client_left = True
-            return False
-        finally:
-            with self.awaiting_lock:
-                self.awaiting_next_head -= 1
+            data = b""
         if not data:
             conn.client_left = True
             return False
@@ -337,7 +350,7 @@ class ConnectionWorker(gthread.ThreadWorker):
             self.tpool.submit(conn)
         except RuntimeError:  # threading's "can't start new thread"
             self.log.exception("no pool thread for a request: its connection is closed")
-            self.turns.finish(handoff=False)
+            self.turns.finish()
             self.method_queue.defer(self.finish_request, conn, None)
 
     def handle(self, conn):
@@ -377,7 +390,9 @@ class ConnectionWorker(gthread.ThreadWorker):
                     self.deferred_until = None
             if want != self._accepting:
                 self.set_accept_enabled(want)
-        self.submit_ready(time.monotonic())
+        now = time.monotonic()
+        self.tend_lingering(now)
+        self.submit_ready(now)
         self.wait_for_and_dispatch_events(timeout=self.poll_timeout())
         self.expire(time.monotonic())
         self.show_metrics()
@@ -389,6 +404,35 @@ class ConnectionWorker(gthread.ThreadWorker):
         for conn in self.turns.due(now):
             self.enqueue_req(conn)
 
+    def tend_lingering(self, now: float | None = None) -> None:
+        """While no pool thread polls the lingering connections (one serves a request), look
+        at them every LOOK_S: those past linger_s go back to the poller, and a head seen waiting
+        at two looks in a row is taken back and queued for its turn (Turns), counted from when
+        it was first seen, so that a long request holds it back by at most about 2 x LOOK_S.
+        All go back once the worker stops."""
+        now = time.monotonic() if now is None else now
+        back, taken = self.lingering.look(now, everything=not self.alive)
+        for conn in back:
+            self.finish_request(conn, True)
+        for conn, since in taken:
+            self.take_back(conn, since)
+
+    def take_back(self, conn: Conn, since: float) -> None:
+        """A lingering connection's next bytes, waiting since `since`, read here and examined as
+        the poller's (finish_request)."""
+        try:
+            data = conn.sock.recv(RECV_BYTES, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            data = None  # no longer readable: it waits in the poller
+        except OSError:
+            data = b""
+        if data == b"":
+            conn.client_left = True
+        elif data:
+            conn.parser.unreader.unread(data)
+            conn.partial_head_since = since
+        self.finish_request(conn, True)
+
     def stop(self):
         """Graceful shutdown: no new connections; connections without a byte of a request get
         gthread's short linger (a request arriving meanwhile is answered with Connection:
@@ -398,6 +442,8 @@ class ConnectionWorker(gthread.ThreadWorker):
             pod.mark_ready(False)  # first: a worker seen not polling its listener is surely not ready
         self.set_accept_enabled(False)
         self.deferred_until = None
+        self.lingering.wake()  # the thread polling them stops; the main loop takes them back
+        self.tend_lingering()
         now = time.monotonic()
         linger = now + gthread.STOP_KEEPALIVE_LINGER
         for conn in list(self.waiting):
@@ -410,6 +456,7 @@ class ConnectionWorker(gthread.ThreadWorker):
             self.close(conn, SHUTDOWN)
         self.show_metrics()
         self.tpool.shutdown(wait=False)
+        self.lingering.close()
         self.poller.close()
         self.method_queue.close()
 
@@ -419,6 +466,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         oldest = self.turns.oldest()
         if oldest is not None:
             longest = min(longest, max(0.0, oldest + HOLD_S - now))
+        if self.lingering.looking:
+            longest = min(longest, LOOK_S)
         if not self.deadlines:
             return longest
         return min(longest, max(0.0, self.deadlines[0][0] - now))
@@ -498,12 +547,13 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.examine(conn, searched)
         self.make_room(keep=conn)
 
-    def examine(self, conn: Conn, searched: int) -> None:
+    def examine(self, conn: Conn, searched: int, arrived: float | None = None) -> None:
         """Hand `conn` over once its head is complete (or certain to be refused by gunicorn's
-        parser without another read); answer it here when it is too large."""
+        parser without another read), its turn counted from `arrived` (default now); answer it
+        here when it is too large."""
         verdict = self.head_verdict(conn.head, searched)
         if verdict == READY:
-            self.hand_over(conn)
+            self.hand_over(conn, arrived)
         elif verdict == TOO_LARGE:
             self.refuse(conn, LimitRequestHeaders("max buffer headers"))
 
@@ -516,10 +566,10 @@ class ConnectionWorker(gthread.ThreadWorker):
             return READY  # the parser answers 414
         return TOO_LARGE if len(head) > self.head_limit else PARTIAL
 
-    def hand_over(self, conn: Conn) -> None:
+    def hand_over(self, conn: Conn, arrived: float | None = None) -> None:
         self.leave_poller(conn)
         self.set_state(conn, BUSY)
-        self.turns.add(conn, time.monotonic())
+        self.turns.add(conn, time.monotonic() if arrived is None else arrived)
 
     def leave_poller(self, conn: Conn) -> None:
         if self.waiting.pop(conn, False) is None:
@@ -556,7 +606,7 @@ class ConnectionWorker(gthread.ThreadWorker):
             conn.head = bytearray(pending)
             self.head_bytes += len(pending)
             self.wait(conn, HEAD, conn.started + self.header_timeout_s)
-            self.examine(conn, 0)
+            self.examine(conn, 0, arrived=conn.started)
         else:
             conn.started = None
             due = now + self.cfg.keepalive
