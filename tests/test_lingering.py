@@ -12,6 +12,8 @@ reads, its other collaborators fakes that record. Events, not times: every head 
 is in the socket before the thread polls it (sent from inside the request before), and every
 wait is bounded."""
 import io
+import logging
+import os
 import socket
 import threading
 import time
@@ -20,7 +22,10 @@ import pytest
 
 from app.serving.lingering import Lingering
 from app.serving.turns import Turns
-from app.serving.worker import BUSY, HEAD, IDLE, NEW, ConnectionWorker
+from gunicorn.config import Config
+from gunicorn.workers import gthread
+
+from app.serving.worker import BUSY, HEAD, IDLE, LOOK_S, NEW, POLL_S, ConnectionWorker
 from tools.server import wait_until
 
 LONG_S = 60.0  # a linger, hold or look never reached: the test ends it first
@@ -80,6 +85,14 @@ class Deferred:
             self.calls.append((func.__name__, args))
 
 
+class Log:
+    def __init__(self):
+        self.errors = 0
+
+    def exception(self, *args):
+        self.errors += 1
+
+
 class Pool:
     def __init__(self):
         self.backlog = False
@@ -91,7 +104,7 @@ class Pool:
 def worker(handle, linger_s: float = LONG_S, look_s: float = LONG_S) -> ConnectionWorker:
     """A ConnectionWorker with only serve()'s collaborators; `handle(conn)` is each request."""
     w = object.__new__(ConnectionWorker)
-    w.alive, w.turns, w.tpool, w.method_queue = True, Turns(LONG_S), Pool(), Deferred()
+    w.alive, w.stopping, w.turns, w.tpool, w.method_queue, w.log = True, False, Turns(LONG_S), Pool(), Deferred(), Log()
     w.lingering = Lingering(linger_s, look_s, limit=8)
     w.line_limit, w.head_limit = 8190, 1 << 20
     w.handle = handle
@@ -112,8 +125,8 @@ def serving_thread(w: ConnectionWorker, conn) -> threading.Thread:
 
 def test_kept_alive_connections_sending_one_after_another_are_served_by_one_thread(conns):
     """Each request's "client" sends the other connection's next head while it runs, as a
-    second client does while the first is served: the answering thread serves it next, and
-    the heads nobody sends in the end go back to the main loop after linger_s."""
+    second client does while the first is served: the answering thread serves it next. The
+    last request closes its connection and the other client leaves: nothing lingers."""
     a, b = conns("a", "b")
     script = {("a", 1): b, ("b", 1): a, ("a", 2): b}  # after this request, that connection sends
     served, threads = [], set()
@@ -124,8 +137,10 @@ def test_kept_alive_connections_sending_one_after_another_are_served_by_one_thre
         sender = script.get((conn.name, served.count(conn.name)))
         if sender is not None:
             sender.client.sendall(GET)
-        return True
-    w = worker(handle, linger_s=0.05)
+            return True
+        a.client.close()
+        return False  # answered with Connection: close
+    w = worker(handle)
     assert w.lingering.add(b, now=time.monotonic())  # answered before
     first_request(w, a)
     thread = serving_thread(w, a)
@@ -133,7 +148,7 @@ def test_kept_alive_connections_sending_one_after_another_are_served_by_one_thre
     assert not thread.is_alive()
     assert served == ["a", "b", "a", "b"] and threads == {thread.ident}
     back = [args for name, args in w.method_queue.calls if name == "finish_request"]
-    assert sorted(back, key=lambda args: args[0].name) == [(a, True), (b, True)]
+    assert back == [(b, False), (a, True)] and a.client_left
     assert w.turns.running == 0 and len(w.lingering) == 0 and not w.lingering.watched
 
 
@@ -146,13 +161,14 @@ def test_the_main_loop_s_next_head_comes_before_a_lingering_one(conns):
         if conn is a:
             b.client.sendall(GET)  # a lingering connection's head ...
             w.turns.add(polled, now=0.0)  # ... and the main loop's, read after it
-        return conn is not polled  # polled is answered with Connection: close
-    w = worker(handle, linger_s=0.05)
+        return False  # each answered with Connection: close
+    w = worker(handle)
     assert w.lingering.add(b, now=time.monotonic())  # answered before
     first_request(w, a)
     serving_thread(w, a).join(WAIT_S)
-    assert served == ["a", "polled", "b"]
-    assert ("finish_request", (polled, False)) in w.method_queue.calls
+    assert served == ["a", "polled", "b"] and len(w.lingering) == 0
+    back = [args for name, args in w.method_queue.calls if name == "finish_request"]
+    assert back == [(a, False), (polled, False), (b, False)]
 
 
 def test_a_close_and_part_of_a_head_go_back_to_the_main_loop(conns):
@@ -161,8 +177,8 @@ def test_a_close_and_part_of_a_head_go_back_to_the_main_loop(conns):
     def handle(conn):
         gone.client.close()
         partial.client.sendall(b"GET /healthz HTTP/1.1\r\n")
-        return True
-    w = worker(handle, linger_s=0.05)
+        return False
+    w = worker(handle)
     for conn in (gone, partial):
         assert w.lingering.add(conn, now=time.monotonic())
     first_request(w, a)
@@ -174,32 +190,41 @@ def test_a_close_and_part_of_a_head_go_back_to_the_main_loop(conns):
     assert partial.partial_head_since is not None  # its header clock started with those bytes
 
 
-def test_an_answered_connection_joins_the_poll_of_the_thread_already_polling(conns):
+def test_an_answered_connection_added_while_a_thread_polls_wakes_it(conns):
+    """The polling thread's poll does not include a connection added since: add wakes it, and
+    its next poll (after unwatch and watch again) does."""
     a, c = conns("a", "c")
-    served = {}
-    w = worker(lambda conn: served.setdefault(conn.name, threading.get_ident()) and True)
-    assert w.lingering.add(a, now=time.monotonic())
-    watcher = threading.Thread(target=lambda: served.setdefault("watcher", w.next_request()), daemon=True)
-    watcher.start()
-    assert wait_until(lambda: w.lingering.watched, WAIT_S, 0.001)
-    first_request(w, c)
-    other = serving_thread(w, c)  # answers c, which lingers: the watcher polls it from now on
-    other.join(WAIT_S)
-    assert not other.is_alive() and served["c"] == other.ident and len(w.lingering) == 2
+    lingering = Lingering(LONG_S, LONG_S, limit=8)
+    lingering.add(a, now=time.monotonic())
+    watched = lingering.watch()
+    woken = []
+    thread = threading.Thread(target=lambda: woken.append(lingering.wait(watched, time.monotonic())), daemon=True)
+    thread.start()
+    lingering.add(c, now=time.monotonic())
+    thread.join(WAIT_S)
+    assert woken == [[]]  # nothing readable: woken by the add
+    lingering.unwatch()
+    again = lingering.watch()
+    assert [conn for conn, _ in again] == [a, c]
     c.client.sendall(GET)
-    watcher.join(WAIT_S)
-    assert served["watcher"] is c and w.turns.running == 1  # its turn taken, for the watcher to serve
+    assert lingering.wait(again, time.monotonic()) == [c]
 
 
-def test_a_raising_request_ends_its_turn(conns):
-    a = conns("a")
+def test_a_raising_request_goes_back_to_the_main_loop_and_ends_its_turn(conns):
+    """Also a connection the thread took from the lingering ones: it answers for each it serves."""
+    a, b = conns("a", "b")
 
     def handle(conn):
+        if conn is a:
+            b.client.sendall(GET)
+            return False
         raise OSError("reset")
     w = worker(handle)
+    assert w.lingering.add(b, now=time.monotonic())
     first_request(w, a)
-    with pytest.raises(OSError):
-        w.serve(a)
+    w.serve(a)
+    back = [args for name, args in w.method_queue.calls if name == "finish_request"]
+    assert back == [(a, False), (b, None)] and w.log.errors == 1  # b closed by the main loop
     assert w.turns.running == 0 and len(w.lingering) == 0
 
 
@@ -230,6 +255,67 @@ def test_a_lingering_connection_is_not_serving(conns):
     assert not w.serving()
 
 
+def test_a_thread_leaving_lingering_connections_alone_wakes_the_main_loop(conns):
+    """Taking the main loop's head instead of polling them, or choosing one head and leaving
+    the others, with the main loop not looking: it is woken (tend_lingering deferred), so that
+    it looks after them; once it looks, nothing is deferred."""
+    a, b, polled = conns("a", "b", "polled")
+    w = worker(lambda conn: True)
+    assert w.lingering.add(a, now=time.monotonic())
+    w.turns.add(polled, now=0.0)
+    assert w.next_request() is polled
+    assert w.method_queue.calls == [("tend_lingering", ())]
+    w.turns.finish()
+    assert w.lingering.add(b, now=time.monotonic())
+    b.client.sendall(GET)
+    assert w.next_request() is b  # a left: the main loop not looking yet
+    assert w.method_queue.calls == [("tend_lingering", ())] * 2
+    w.turns.finish()
+    w.lingering.look(time.monotonic())  # the main loop looks from now on
+    assert w.lingering.add(b, now=time.monotonic())
+    b.client.sendall(GET)
+    assert w.next_request() is b and w.method_queue.calls == [("tend_lingering", ())] * 2
+
+
+def test_while_connections_linger_the_main_loop_sleeps_at_most_look_s(conns):
+    w = worker(lambda conn: True)
+    w.deferred_until, w.deadlines = None, []
+    assert w.poll_timeout() == POLL_S
+    assert w.lingering.add(conns("a"), now=time.monotonic())
+    w.lingering.look(time.monotonic())
+    assert w.poll_timeout() <= LOOK_S
+
+
+def test_a_backlog_stops_the_polling_thread(conns):
+    """Connections waiting for a free thread: the pool wakes the polling thread, which leaves
+    (to take the backlog) with the lingering connections left to the main loop."""
+    a = conns("a")
+    w = worker(lambda conn: True)
+    assert w.lingering.add(a, now=time.monotonic())
+    found = []
+    thread = threading.Thread(target=lambda: found.append(w.next_request()), daemon=True)
+    thread.start()
+    assert wait_until(lambda: w.lingering.watched, WAIT_S, 0.001)
+    w.tpool.backlog = True
+    w.lingering.wake()  # what ServingThreads' on_backlog does
+    thread.join(WAIT_S)
+    assert found == [None] and len(w.lingering) == 1 and not w.lingering.watched
+    assert w.method_queue.calls == [("tend_lingering", ())]
+
+
+def test_the_master_s_worker_object_opens_no_more_files_than_gthread_s():
+    """gunicorn makes a worker object in the master for every spawn: a pipe made then would
+    stay open there for good (the lingering set's is made after fork)."""
+    def opened(cls) -> int:
+        before = len(os.listdir("/proc/self/fd"))
+        made = cls(0, os.getpid(), [], None, 30, Config(), logging.getLogger("test"))
+        try:
+            return len(os.listdir("/proc/self/fd")) - before
+        finally:
+            made.tmp.close()
+    assert opened(ConnectionWorker) == opened(gthread.ThreadWorker)
+
+
 # -- Lingering alone ----------------------------------------------------------------------
 
 
@@ -250,7 +336,8 @@ def test_one_thread_at_a_time_polls_and_a_wake_interrupts_it(conns):
     a.client.sendall(GET)
     assert lingering.wait(watched, now=0.0) == [a]
     assert lingering.claim(a) and not lingering.claim(a)  # taken once
-    assert lingering.unwatch() is False  # none left to look after
+    lingering.unwatch()
+    assert not lingering.left_alone()  # none left to look after
 
 
 def test_the_main_loop_takes_back_a_head_seen_waiting_at_two_looks_in_a_row(conns):
@@ -276,7 +363,8 @@ def test_a_polled_connection_is_never_taken_back_and_due_ones_go_back(conns):
     a.client.sendall(GET)
     watched = lingering.watch()
     assert lingering.look(now=0.1) == ([], []) and lingering.look(now=0.2) == ([], [])  # a thread polls
-    assert lingering.unwatch() is False  # the main loop already looks
+    lingering.unwatch()
+    assert not lingering.left_alone()  # the main loop already looks
     assert lingering.look(now=0.6) == ([a], [])  # past linger_s: back to the poller, head and all
     assert lingering.look(now=9.0, everything=True) == ([b], [])  # the worker stops
     assert watched and len(lingering) == 0 and not lingering.looking

@@ -39,7 +39,7 @@ def test_a_thread_s_next_request_waits_for_the_running_one_to_end():
     assert turns.due(now=0.0) == ["first"] and turns.running == 1
     thread = waiter(turns, "next", log)
     assert queued(turns, 1) and log == []  # held: one request runs
-    assert turns.finish() is None  # ending it wakes the waiting thread
+    turns.finish()  # ending it wakes the waiting thread
     thread.join(WAIT_S)
     assert log == ["next"] and turns.running == 1
 
@@ -72,10 +72,11 @@ def test_turns_follow_arrival_order_whoever_read_the_head():
     thread = waiter(turns, "lingered", log)
     assert queued(turns, 2)
     # Ending a request leaves the main loop's item for the thread's own take_next.
-    assert turns.finish() is None and turns.running == 0
+    turns.finish()
+    assert turns.running == 0
     assert turns.take_next() == "polled" and turns.running == 1
     assert log == []
-    assert turns.finish() is None  # the thread's item is next: woken
+    turns.finish()  # the thread's item is next: woken
     thread.join(WAIT_S)
     assert log == ["lingered"] and turns.running == 1
     assert turns.take_next() is None  # one runs, none waits
@@ -93,7 +94,7 @@ class WokenAsTheHoldEnds(SimpleQueue):
     def get(self, block=True, timeout=None):
         self.blocking_gets += 1
         if self.blocking_gets == 1:
-            assert self.turns.finish() is None  # the running request ends: wakes this one
+            self.turns.finish()  # the running request ends: wakes this one
         raise Empty
 
 

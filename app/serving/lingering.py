@@ -9,8 +9,8 @@ wakes for a head that arrives while a request runs, nor takes the GIL from it
 
 While the thread that polled them serves a request, no thread polls: a head arriving then
 waits for that request to end. So that a long request delays it by little, the main loop looks
-at them every look_s meanwhile (`look`) and takes back a head it has seen waiting at two looks
-in a row. Standard library only: the master loads this module.
+at them every look_s while any linger (`look`; it takes nothing while a thread polls them) and
+takes back a head it has seen waiting at two looks in a row. Standard library only: the master loads this module.
 """
 import contextlib
 import os
@@ -93,25 +93,21 @@ class Lingering:
                 self._seen.pop(conn, None)
         return gone
 
-    def unwatch(self) -> bool:
-        """The watching thread stops polling; True when the main loop must be woken to look
-        after those left (`left_alone`)."""
+    def unwatch(self) -> None:
+        """The watching thread stops polling."""
         with self._lock:
             self.watched = False
-            return self._left_alone()
 
     def left_alone(self) -> bool:
         """Whether some wait with no thread polling and the main loop not looking: a pool
         thread that leaves them so wakes the main loop."""
         with self._lock:
-            return self._left_alone()
-
-    def _left_alone(self) -> bool:
-        return bool(self._due) and not self.watched and not self._looking
+            return bool(self._due) and not self.watched and not self._looking
 
     def wake(self) -> None:
-        """Interrupt the watching thread's poll (a connection added, the pool's backlog, stop)."""
-        with contextlib.suppress(BlockingIOError):
+        """Interrupt the watching thread's poll (a connection added, the pool's backlog, stop).
+        The pipe is never closed: it lives as long as the worker process."""
+        with contextlib.suppress(BlockingIOError):  # full: a wake is pending already
             os.write(self._wake_w, b"\0")
 
     # -- the main loop ---------------------------------------------------------------------
@@ -158,8 +154,3 @@ class Lingering:
                 by_fd[fd] = conn
                 poller.register(fd, select.POLLIN)
         return {by_fd[fd] for fd, _ in poller.poll(0)}
-
-    def close(self) -> None:
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)

@@ -22,8 +22,8 @@ STOP = object()
 
 class ServingThreads:
     """`submit(conn)` runs `handle(conn)` on a pool thread, which answers for `conn` from then
-    on; `done(conn, None)` only when handle raised or the pool is stopping (the owner closes
-    it). submit raises RuntimeError when no thread can start. Daemon threads: a stopping worker
+    on; `done(conn, None)` when the pool is stopping, and as a backstop should handle raise
+    (the owner closes it; the worker's handle never raises). submit raises RuntimeError when no thread can start. Daemon threads: a stopping worker
     waits for its connections itself (gthread's graceful timeout), never for idle threads."""
 
     def __init__(self, size: int, handle: Callable[[Any], Any], done: Callable[[Any, Any], None],

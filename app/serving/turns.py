@@ -5,10 +5,10 @@ of either; for small requests those hand-offs cost more CPU than running side by
 (docs/small-requests.md). So a complete request waits for the one running to end, at most
 `hold_s`, then runs beside it: a long request delays the next by that much only.
 
-A waiting request is either the main loop's (a head read by the poller: `add`; the thread that
-ends a request takes it, `take_next`, or the main loop's `due` starts it on a pool thread) or a
-pool thread's own (a lingering connection's head, app/serving/lingering.py: `wait_for_turn` waits
-on the thread's inbox until it is woken or `hold_s` has passed). The queue is in arrival order. Standard library only: the
+A waiting request is either the main loop's (a head read by the poller: `add`; the thread
+that ends a request takes it, `take_next`, or the main loop's `due` starts it on a pool
+thread) or a pool thread's own (a lingering connection's head, app/serving/lingering.py:
+`wait_for_turn` waits on the thread's inbox until it is woken or `hold_s` has passed). The queue is in arrival order. Standard library only: the
 master loads this module.
 """
 from queue import Empty, SimpleQueue

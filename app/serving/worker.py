@@ -76,9 +76,10 @@ HOLD_S = 0.005
 # Kept-alive connections answered within BLOCKGRAD_LINGER_S that wait for their next head on
 # the pool's side (app/serving/lingering.py), at most: one thread polls them all at once.
 LINGERING_LIMIT = 64
-# While a request runs, how often the main loop looks at the lingering connections: a head seen
-# waiting at two looks in a row starts beside it. Each timed wake of the loop costs ~50-130 us
-# of CPU here (docs/small-requests.md), so not every HOLD_S.
+# How often the main loop looks at the lingering connections while any linger: with no thread
+# polling them, a head seen waiting at two looks in a row starts beside the running request.
+# Each timed wake of the loop costs ~50-130 us of CPU here (docs/small-requests.md), so not
+# every HOLD_S.
 LOOK_S = 0.02
 SPARE_FILES = 512  # descriptors beyond the connections: the pool's files, metrics, the app's own
 
@@ -86,7 +87,7 @@ SPARE_FILES = 512  # descriptors beyond the connections: the pool's files, metri
 NEW = "new"  # accepted, no byte yet
 HEAD = "head"  # part of a head has arrived
 IDLE = "idle"  # kept alive after an answer, no byte of the next request yet
-BUSY = "busy"  # in a pool thread: a complete head, or waiting there for the next after an answer (linger_s)
+BUSY = "busy"  # on the pool's side: a complete head in a pool thread, or lingering after an answer (linger_s)
 CLOSING = "closing"  # answer sent, write side shut, waiting for the peer's FIN
 
 # What the bytes of a head say (head_verdict).
@@ -164,7 +165,7 @@ class Conn(gthread.TConn):
         self.version = 0  # bumped on every change of state: older deadlines no longer apply
         self.drained = 0
         self.closed = False
-        self.client_left = False  # the client closed or reset it while its pool thread waited for a next request
+        self.client_left = False  # the client closed or reset it while it lingered (app/serving/lingering.py)
         self.partial_head_since: float | None = None  # when part of a next head, read on the pool thread, arrived
 
 
@@ -189,7 +190,9 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.metrics = None
         self.shown: tuple | None = None
         self.turns = Turns(HOLD_S)  # complete heads
-        self.lingering = Lingering(settings.linger_s, LOOK_S, LINGERING_LIMIT)  # answered, kept alive
+        self.linger_s = settings.linger_s
+        self.lingering: Lingering | None = None  # answered, kept alive; made after fork (a pipe)
+        self.stopping = False
         self.deferred_until: float | None = None  # leaving new connections to a sibling until then
         self.notified = -math.inf
         self.heartbeat_s = min(HEARTBEAT_S, self.cfg.timeout / 4) if self.cfg.timeout else HEARTBEAT_S
@@ -244,6 +247,9 @@ class ConnectionWorker(gthread.ThreadWorker):
         if raise_open_files_limit(needed) < needed:
             self.log.warning("RLIMIT_NOFILE is below %d: BLOCKGRAD_MAX_CONNECTIONS = %d may not all open",
                              needed, self.max_connections)
+        # After fork, as gthread makes its method queue: the master makes a worker object per
+        # spawn and would keep its pipe.
+        self.lingering = Lingering(self.linger_s, LOOK_S, LINGERING_LIMIT)
         super().init_process()
 
     def load_wsgi(self):
@@ -268,13 +274,14 @@ class ConnectionWorker(gthread.ThreadWorker):
     def serve(self, conn) -> None:
         """On a pool thread: the request handed over, then each next one that is ready for
         this thread (next_request), until none is. An answered connection kept alive lingers
-        (app/serving/lingering.py), any other goes back to the main loop (finish_request)."""
+        (app/serving/lingering.py), any other goes back to the main loop (finish_request),
+        also one whose request raised: this thread answers for every connection it serves."""
         while conn is not None:
             try:
                 result = self.handle(conn)
-            except BaseException:
-                self.turns.finish()
-                raise  # the pool hands it back to the main loop, which closes it
+            except BaseException:  # noqa: BLE001 - this thread answers for conn: the main loop closes it
+                self.log.exception("serving a request")
+                result = None
             if not (result is True and self.may_linger(conn) and self.lingering.add(conn, time.monotonic())):
                 self.method_queue.defer(self.finish_request, conn, result)
             self.turns.finish()
@@ -289,7 +296,10 @@ class ConnectionWorker(gthread.ThreadWorker):
         """For a thread that has just answered: the next complete head whose turn has come,
         counted running in Turns. The main loop's first; else the lingering connections', this
         thread polling them until one sends a head or the earliest is due, unless another
-        thread polls them. None: nothing for this thread (back to the pool)."""
+        thread polls them. None: nothing for this thread (back to the pool). Lingering
+        connections it leaves with no thread polling are left to the main loop, woken if it
+        does not look already."""
+        following = chosen = None
         while self.alive and not self.tpool.backlogged():
             following = self.turns.take_next()
             if following is not None:
@@ -297,28 +307,37 @@ class ConnectionWorker(gthread.ThreadWorker):
             watched = self.lingering.watch()
             if watched is None:
                 break
-            chosen = None
             try:
-                for conn in self.lingering.wait(watched, time.monotonic()):
-                    if not self.lingering.claim(conn):
-                        continue
-                    if self.read_next_head(conn):
-                        chosen = conn
-                        break
-                    self.method_queue.defer(self.finish_request, conn, True)  # part of a head, or a close
-                for conn in self.lingering.expired(time.monotonic()):
-                    self.method_queue.defer(self.finish_request, conn, True)
+                chosen = self.first_head(watched)
             finally:
-                if self.lingering.unwatch():
-                    self.method_queue.defer(self.tend_lingering)  # wakes the main loop to look after them
+                self.lingering.unwatch()
             if chosen is not None:
-                self.turns.wait_for_turn(chosen)
-                return chosen
-        else:
-            following = None
+                break
         if self.lingering.left_alone():
             self.method_queue.defer(self.tend_lingering)
+        if chosen is not None:
+            self.turns.wait_for_turn(chosen)
+            return chosen
         return following
+
+    def first_head(self, watched: list):
+        """Poll the lingering connections (Lingering.wait): the first of them to send a
+        complete head, claimed; a close, part of a head and those due go back to the main loop."""
+        for conn in self.lingering.wait(watched, time.monotonic()):
+            if not self.lingering.claim(conn):
+                continue
+            try:
+                arrived = self.read_next_head(conn)
+            except Exception:  # noqa: BLE001 - claimed: this thread answers for it
+                self.log.exception("reading a lingering connection's next head")
+                self.method_queue.defer(self.finish_request, conn, None)
+                continue
+            if arrived:
+                return conn
+            self.method_queue.defer(self.finish_request, conn, True)  # part of a head, or a close
+        for conn in self.lingering.expired(time.monotonic()):
+            self.method_queue.defer(self.finish_request, conn, True)
+        return None
 
     def read_next_head(self, conn) -> bool:
         """A lingering connection is readable: True when a complete head (or one gunicorn's
@@ -405,21 +424,22 @@ class ConnectionWorker(gthread.ThreadWorker):
             self.enqueue_req(conn)
 
     def tend_lingering(self, now: float | None = None) -> None:
-        """While no pool thread polls the lingering connections (one serves a request), look
-        at them every LOOK_S: those past linger_s go back to the poller, and a head seen waiting
-        at two looks in a row is taken back and queued for its turn (Turns), counted from when
-        it was first seen, so that a long request holds it back by at most about 2 x LOOK_S.
-        All go back once the worker stops."""
+        """Every LOOK_S while any connection lingers; nothing is taken while a pool thread polls
+        them. Otherwise (that thread serves a request) those past linger_s go back to the
+        poller, and a head seen waiting at two looks in a row is taken back and queued for its
+        turn (Turns), counted from when it was first seen, so that a long request holds it back
+        by at most about 2 x LOOK_S. All go back once the worker stops."""
         now = time.monotonic() if now is None else now
-        back, taken = self.lingering.look(now, everything=not self.alive)
+        back, taken = self.lingering.look(now, everything=self.stopping or not self.alive)
         for conn in back:
             self.finish_request(conn, True)
         for conn, since in taken:
             self.take_back(conn, since)
 
     def take_back(self, conn: Conn, since: float) -> None:
-        """A lingering connection's next bytes, waiting since `since`, read here and examined as
-        the poller's (finish_request)."""
+        """A lingering connection's next bytes, waiting since `since` (the look that first saw
+        them, up to LOOK_S after they came: the header clock and the turn count from it), read
+        here and examined as the poller's (finish_request)."""
         try:
             data = conn.sock.recv(RECV_BYTES, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
@@ -442,6 +462,7 @@ class ConnectionWorker(gthread.ThreadWorker):
             pod.mark_ready(False)  # first: a worker seen not polling its listener is surely not ready
         self.set_accept_enabled(False)
         self.deferred_until = None
+        self.stopping = True  # also when the parent died, the worker still alive
         self.lingering.wake()  # the thread polling them stops; the main loop takes them back
         self.tend_lingering()
         now = time.monotonic()
@@ -456,7 +477,6 @@ class ConnectionWorker(gthread.ThreadWorker):
             self.close(conn, SHUTDOWN)
         self.show_metrics()
         self.tpool.shutdown(wait=False)
-        self.lingering.close()
         self.poller.close()
         self.method_queue.close()
 
