@@ -236,6 +236,33 @@ def test_binary_request_and_response_byte_by_byte(client, datatype, objective):
                              ALL_OUTPUTS)
 
 
+@pytest.mark.parametrize("datatype", ["FP32", "FP64"])
+@pytest.mark.parametrize("n,factor", [(8, 4), (9, 4), (12, 3)])
+def test_broadcast_block_rows_are_written_as_the_reference_s_numbers(client, datatype, n, factor):
+    """`mean` over blocks of one size (8 / 4, 12 / 3) makes every block row one number
+    broadcast, written without being made; ragged blocks (9 / 4) give a row several numbers,
+    copied into place. Either way the bytes are the reference's."""
+    vectors = torch.randn(n, 3, dtype=torch.float64).to(TORCH[datatype])
+    bounds = [k * (n // factor) for k in range(factor)] + [n]
+    body, headers = binary_request(vectors.numpy(), datatype, parameters={
+        "factor": factor, "objective": "mean", "binary_data_output": True})
+    response = client.post(INFER, data=body, headers=headers)
+    assert response.status_code == 200, response.get_data()
+    _, tensors = read_response(response)
+    expected = reference_outputs(vectors, factor, "mean", 5.0, bounds)["block_gradients"].numpy()
+    assert tensors["block_gradients"].shape == expected.shape
+    assert tensors["block_gradients"].tobytes() == expected.astype(NUMPY[datatype]).tobytes()
+
+
+def test_a_broadcast_slab_is_written_as_the_same_slab_made():
+    from app.api.v2.codec import RowSlabs, iter_body
+    for dtype, shape, chunk in ((np.float32, (5, 7, 6), 64), (np.float64, (3, 4, 2), 40), (np.float32, (2, 2, 2), 1 << 20)):
+        number = np.array([-0.0 if dtype == np.float64 else 0.1], dtype=dtype)
+        broadcast = RowSlabs(shape, np.dtype(dtype), lambda: iter([np.broadcast_to(number, shape)]))
+        made = np.full(shape, number[0], dtype=dtype)
+        assert b"".join(iter_body(iter([b"{}"]), [broadcast], chunk)) == b"{}" + made.tobytes()
+
+
 def test_binary_answer_equals_v1(client):
     """The same numbers, bit for bit, as /v1/gradients' JSON (shortest round-trip digits)."""
     vectors = np.random.default_rng(1).standard_normal((8, 3)).astype(np.float32)

@@ -142,7 +142,21 @@ def iter_body(header: Iterator[bytes], payload: list[np.ndarray | RowSlabs],
     yield from header
     for array in payload:
         for slab in slabs(array):
+            if slab.size and not any(slab.strides):  # one number broadcast: its bytes repeated
+                yield from repeated(slab.reshape(-1)[:1].astype(slab.dtype.newbyteorder("<")).tobytes(),
+                                    slab.size, chunk_bytes)
+                continue
             little = np.ascontiguousarray(slab, dtype=slab.dtype.newbyteorder("<"))  # no copy on little-endian hosts
             view = memoryview(little).cast("B")  # the slab's own bytes, no copy
             for start in range(0, view.nbytes, chunk_bytes):
                 yield view[start:start + chunk_bytes].tobytes()
+
+
+def repeated(number: bytes, count: int, chunk_bytes: int) -> Iterator[bytes]:
+    """`number` (one entry's bytes) `count` times, in pieces of about chunk_bytes."""
+    per_chunk = max(1, chunk_bytes // len(number))
+    whole = number * per_chunk
+    for _ in range(count // per_chunk):
+        yield whole
+    if count % per_chunk:
+        yield number * (count % per_chunk)

@@ -285,18 +285,34 @@ def output_tensors(request: InferRequest, result: Result | None, device=None,
 
 def gradient_rows(result: Result, timed: Callable[[Iterator], Iterator] = iter) -> Iterator[np.ndarray]:
     """The (N, N, 2D) pair-matrix gradient as (rows, N, 2D) slabs, one block row each, top
-    to bottom, every block copied into place (ragged last blocks need no padding)."""
+    to bottom."""
     n, dim = result.request.n, result.request.dim
-    slab, top = None, -1
+    row: list = []
     for block in timed(result.blocks()):  # row-block-major: a block row's blocks come together
-        if block.row_span[0] != top:
-            if slab is not None:
-                yield slab.numpy()
-            top = block.row_span[0]
-            slab = torch.empty((block.row_span[1] - top, n, 2 * dim), dtype=result.accumulated.dtype)  # on the host
-        slab[:, block.col_span[0]:block.col_span[1]].copy_(block.gradient)
-    if slab is not None:
-        yield slab.numpy()
+        if row and block.row_span[0] != row[0].row_span[0]:
+            yield block_row(row, n, dim)
+            row = []
+        row.append(block)
+    if row:
+        yield block_row(row, n, dim)
+
+
+def block_row(blocks: list, n: int, dim: int) -> np.ndarray:
+    """One block row's slab (rows, N, 2D): every block copied into place (ragged last blocks
+    need no padding); or, when every block is one and the same number broadcast (autograd's
+    gradient of sum, and of mean over blocks of one size), that number broadcast over the
+    slab (every stride 0), which codec.iter_body writes without making it."""
+    rows = blocks[0].row_span[1] - blocks[0].row_span[0]
+    gradients = [block.gradient for block in blocks]
+    if not any(stride for gradient in gradients for stride in gradient.stride()):
+        firsts = torch.stack([gradient.reshape(-1)[0] for gradient in gradients]).cpu()  # (F,)
+        bits = firsts.view(torch.int32 if firsts.element_size() == 4 else torch.int64)  # -0.0 is not 0.0
+        if bool((bits == bits[0]).all()):
+            return np.broadcast_to(firsts[:1].numpy(), (rows, n, 2 * dim))
+    slab = torch.empty((rows, n, 2 * dim), dtype=gradients[0].dtype)  # on the host
+    for block, gradient in zip(blocks, gradients):
+        slab[:, block.col_span[0]:block.col_span[1]].copy_(gradient)
+    return slab.numpy()
 
 
 def field_label(name: str) -> str:
