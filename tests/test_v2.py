@@ -254,13 +254,82 @@ def test_broadcast_block_rows_are_written_as_the_reference_s_numbers(client, dat
     assert tensors["block_gradients"].tobytes() == expected.astype(NUMPY[datatype]).tobytes()
 
 
-def test_a_broadcast_slab_is_written_as_the_same_slab_made():
+def test_a_broadcast_slab_is_written_as_its_number_repeated():
+    """The bytes of the same slab made, little-endian, in pieces of whole numbers (the made
+    slab's pieces are chunk_bytes: a piece length that is not tells the paths apart)."""
     from app.api.v2.codec import RowSlabs, iter_body
-    for dtype, shape, chunk in ((np.float32, (5, 7, 6), 64), (np.float64, (3, 4, 2), 40), (np.float32, (2, 2, 2), 1 << 20)):
-        number = np.array([-0.0 if dtype == np.float64 else 0.1], dtype=dtype)
+    for dtype, shape, chunk in ((np.float32, (5, 7, 6), 66), (np.float64, (3, 4, 2), 44),
+                                (np.dtype(">f4"), (2, 3, 2), 10), (np.float32, (2, 2, 2), 1 << 20)):
+        number = np.array([0.1], dtype=dtype)
         broadcast = RowSlabs(shape, np.dtype(dtype), lambda: iter([np.broadcast_to(number, shape)]))
-        made = np.full(shape, number[0], dtype=dtype)
-        assert b"".join(iter_body(iter([b"{}"]), [broadcast], chunk)) == b"{}" + made.tobytes()
+        pieces = list(iter_body(iter([]), [broadcast], chunk))
+        made = np.full(shape, number[0], dtype=np.dtype(dtype).newbyteorder("<"))
+        assert b"".join(pieces) == made.tobytes()
+        whole = chunk // made.itemsize * made.itemsize
+        assert [len(piece) for piece in pieces[:-1]] == [whole] * (len(pieces) - 1)
+
+
+def blocks_of(grads: dict, n: int, bounds: list[int]):
+    """Blocks (row-block-major) with the given gradients, keyed (r, c)."""
+    from app.core.engine import Block
+    return [Block(r, c, (bounds[r], bounds[r + 1]), (bounds[c], bounds[c + 1]), torch.tensor(0.0), grads[r, c])
+            for r in range(len(bounds) - 1) for c in range(len(bounds) - 1)]
+
+
+def rows_of(blocks, n: int, dim: int) -> list[np.ndarray]:
+    from types import SimpleNamespace
+
+    from app.api.v2.infer import gradient_rows
+    result = SimpleNamespace(request=SimpleNamespace(n=n, dim=dim), blocks=lambda: iter(blocks))
+    return list(gradient_rows(result))
+
+
+def test_block_rows_broadcast_only_one_and_the_same_number():
+    n, dim, bounds = 5, 2, [0, 2, 5]  # ragged: 2 and 3 rows, 2 and 3 columns
+    def same(value, r, c):
+        return torch.tensor(value).expand(bounds[r + 1] - bounds[r], bounds[c + 1] - bounds[c], 2 * dim)
+    grads = {(0, 0): same(0.0, 0, 0), (0, 1): same(-0.0, 0, 1),  # equal as numbers, not as bits
+             (1, 0): same(0.5, 1, 0), (1, 1): same(0.5, 1, 1)}  # one number: broadcast
+    rows = rows_of(blocks_of(grads, n, bounds), n, dim)
+    assert [row.shape for row in rows] == [(2, 5, 4), (3, 5, 4)]
+    assert any(rows[0].strides) and not any(rows[1].strides)
+    assert np.signbit(rows[0][:, 2:]).all() and not np.signbit(rows[0][:, :2]).any()
+    assert (rows[1] == 0.5).all()
+    partly = {(0, 0): torch.randn(2, 1, 1).expand(2, 2, 4), (0, 1): torch.randn(2, 3, 4),
+              (1, 0): same(1.0, 1, 0), (1, 1): torch.randn(3, 3, 4)}  # a dense block after a number
+    rows = rows_of(blocks_of(partly, n, bounds), n, dim)
+    assert all(any(row.strides) for row in rows)
+    for (r, c), grad in partly.items():
+        assert np.array_equal(rows[r][:, bounds[c]:bounds[c + 1]], grad.numpy())
+
+
+def test_a_block_row_holds_no_dense_gradient_past_its_copy():
+    """Each dense block is copied into its row's slab as it comes: of the ones before, only the
+    last is alive (the loop's variable) when the next is made, not the row's (a block row may
+    span many bands of chunks)."""
+    import gc
+    import weakref
+
+    from app.core.engine import Block
+    n, dim, factor = 8, 2, 4
+    alive = []
+
+    def block(r, c):
+        grad = torch.randn(2, 2, 2 * dim)
+        alive.append(weakref.ref(grad))
+        return Block(r, c, (2 * r, 2 * r + 2), (2 * c, 2 * c + 2), torch.tensor(0.0), grad)
+
+    def blocks():
+        for r in range(factor):
+            for c in range(factor):
+                gc.collect()
+                assert sum(ref() is not None for ref in alive) <= 1, "copied blocks' gradients are still held"
+                yield block(r, c)
+    from types import SimpleNamespace
+
+    from app.api.v2.infer import gradient_rows
+    result = SimpleNamespace(request=SimpleNamespace(n=n, dim=dim), blocks=blocks)
+    assert len(list(gradient_rows(result))) == factor
 
 
 def test_binary_answer_equals_v1(client):

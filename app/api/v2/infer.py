@@ -284,35 +284,50 @@ def output_tensors(request: InferRequest, result: Result | None, device=None,
 
 
 def gradient_rows(result: Result, timed: Callable[[Iterator], Iterator] = iter) -> Iterator[np.ndarray]:
-    """The (N, N, 2D) pair-matrix gradient as (rows, N, 2D) slabs, one block row each, top
-    to bottom."""
+    """The (N, N, 2D) pair-matrix gradient as (rows, N, 2D) slabs, one block row each, top to
+    bottom, every block copied into place as it comes (ragged last blocks need no padding), so
+    that no more than the blocks' band is held. Blocks that are one number broadcast are held
+    until one is not (they hold a number each): a row of them all equal is that number broadcast
+    over the slab (every stride 0: autograd's gradient of sum, and of mean over blocks of one
+    size), which codec.iter_body writes without making it."""
     n, dim = result.request.n, result.request.dim
-    row: list = []
+    top, numbers, slab = None, [], None
     for block in timed(result.blocks()):  # row-block-major: a block row's blocks come together
-        if row and block.row_span[0] != row[0].row_span[0]:
-            yield block_row(row, n, dim)
-            row = []
-        row.append(block)
-    if row:
-        yield block_row(row, n, dim)
+        if block.row_span[0] != top:
+            if top is not None:
+                yield slab.numpy() if slab is not None else broadcast_row(numbers, n, dim)
+            top, numbers, slab = block.row_span[0], [], None
+        if slab is None and not any(block.gradient.stride()):
+            numbers.append(block)
+            continue
+        if slab is None:
+            slab = new_slab(block, n, dim)
+            for held in numbers:
+                slab[:, held.col_span[0]:held.col_span[1]].copy_(held.gradient)
+            numbers = []
+        slab[:, block.col_span[0]:block.col_span[1]].copy_(block.gradient)
+    if top is not None:
+        yield slab.numpy() if slab is not None else broadcast_row(numbers, n, dim)
 
 
-def block_row(blocks: list, n: int, dim: int) -> np.ndarray:
-    """One block row's slab (rows, N, 2D): every block copied into place (ragged last blocks
-    need no padding); or, when every block is one and the same number broadcast (autograd's
-    gradient of sum, and of mean over blocks of one size), that number broadcast over the
-    slab (every stride 0), which codec.iter_body writes without making it."""
-    rows = blocks[0].row_span[1] - blocks[0].row_span[0]
-    gradients = [block.gradient for block in blocks]
-    if not any(stride for gradient in gradients for stride in gradient.stride()):
-        firsts = torch.stack([gradient.reshape(-1)[0] for gradient in gradients]).cpu()  # (F,)
-        bits = firsts.view(torch.int32 if firsts.element_size() == 4 else torch.int64)  # -0.0 is not 0.0
-        if bool((bits == bits[0]).all()):
-            return np.broadcast_to(firsts[:1].numpy(), (rows, n, 2 * dim))
-    slab = torch.empty((rows, n, 2 * dim), dtype=gradients[0].dtype)  # on the host
-    for block, gradient in zip(blocks, gradients):
-        slab[:, block.col_span[0]:block.col_span[1]].copy_(gradient)
+BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # compared as bits: -0.0 is not 0.0
+
+
+def broadcast_row(blocks: list, n: int, dim: int) -> np.ndarray:
+    """A block row whose blocks are each one number broadcast: that number over the slab when
+    they are all the same, else each copied into place."""
+    firsts = torch.stack([block.gradient.reshape(-1)[0] for block in blocks]).cpu()  # (F,)
+    bits = firsts.view(BITS[firsts.element_size()])
+    if bool((bits == bits[0]).all()):
+        return np.broadcast_to(firsts[:1].numpy(), (blocks[0].row_span[1] - blocks[0].row_span[0], n, 2 * dim))
+    slab = new_slab(blocks[0], n, dim)
+    for block in blocks:
+        slab[:, block.col_span[0]:block.col_span[1]].copy_(block.gradient)
     return slab.numpy()
+
+
+def new_slab(block, n: int, dim: int) -> torch.Tensor:
+    return torch.empty((block.row_span[1] - block.row_span[0], n, 2 * dim), dtype=block.gradient.dtype)  # on the host
 
 
 def field_label(name: str) -> str:
