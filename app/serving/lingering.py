@@ -10,7 +10,8 @@ wakes for a head that arrives while a request runs, nor takes the GIL from it
 While the thread that polled them serves a request, no thread polls: a head arriving then
 waits for that request to end. So that a long request delays it by little, the main loop looks
 at them every look_s while any linger (`look`; it takes nothing while a thread polls them) and
-takes back a head it has seen waiting at two looks in a row. Standard library only: the master loads this module.
+takes back a head it has seen waiting at two looks in a row. Standard library only: the master
+loads this module.
 """
 import contextlib
 import os
@@ -26,7 +27,7 @@ class Lingering:
         self._due: dict[Any, float] = {}  # conn -> when it goes back to the poller, in the order answered
         self._seen: dict[Any, float] = {}  # the main loop's: when it first found a conn readable, no thread polling
         self.watched = False  # a pool thread polls them
-        self._looking = False  # the main loop looks again within look_s
+        self.looking = False  # the main loop looks again within look_s (set by `look`)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -60,14 +61,8 @@ class Lingering:
     def wait(self, watched: list[tuple[Any, float]], now: float) -> list:
         """Block until one of `watched` is readable (a head, or a close), the earliest is due,
         or `wake`; the readable ones, in the order they were answered."""
-        poller = select.poll()
+        poller, by_fd = polling([conn for conn, _ in watched])
         poller.register(self._wake_r, select.POLLIN)
-        by_fd = {}
-        for conn, _ in watched:
-            fd = conn.sock.fileno()
-            if fd >= 0:  # -1: closed since (taken back and closed by the main loop)
-                by_fd[fd] = conn
-                poller.register(fd, select.POLLIN)
         timeout_ms = max(0.0, min(due for _, due in watched) - now) * 1000
         ready = set()
         for fd, _ in poller.poll(timeout_ms):
@@ -87,10 +82,13 @@ class Lingering:
     def expired(self, now: float) -> list:
         """Those due back to the poller, taken out."""
         with self._lock:
-            gone = [conn for conn, due in self._due.items() if due <= now]
-            for conn in gone:
-                del self._due[conn]
-                self._seen.pop(conn, None)
+            return self._take_due(now)
+
+    def _take_due(self, now: float) -> list:
+        gone = [conn for conn, due in self._due.items() if due <= now]
+        for conn in gone:
+            del self._due[conn]
+            self._seen.pop(conn, None)
         return gone
 
     def unwatch(self) -> None:
@@ -102,7 +100,7 @@ class Lingering:
         """Whether some wait with no thread polling and the main loop not looking: a pool
         thread that leaves them so wakes the main loop."""
         with self._lock:
-            return bool(self._due) and not self.watched and not self._looking
+            return bool(self._due) and not self.watched and not self.looking
 
     def wake(self) -> None:
         """Interrupt the watching thread's poll (a connection added, the pool's backlog, stop).
@@ -120,37 +118,31 @@ class Lingering:
             if everything:
                 back, self._due = list(self._due), {}
                 self._seen.clear()
-                self._looking = False
+                self.looking = False
                 return back, []
             back, taken = [], []
             if self.watched or not self._due:  # the polling thread sends back those due itself
                 self._seen.clear()
             else:
-                back = [conn for conn, due in self._due.items() if due <= now]
-                for conn in back:
-                    del self._due[conn]
-                readable = self._readable(list(self._due))
+                back = self._take_due(now)
+                poller, by_fd = polling(list(self._due))
+                readable = {by_fd[fd] for fd, _ in poller.poll(0)}
                 self._seen = {conn: since for conn, since in self._seen.items() if conn in readable}
                 for conn in readable:
                     since = self._seen.setdefault(conn, now)
                     if now - since >= self.look_s:
                         del self._due[conn], self._seen[conn]
                         taken.append((conn, since))
-            self._looking = bool(self._due)
+            self.looking = bool(self._due)
             return back, taken
 
-    @property
-    def looking(self) -> bool:
-        """Whether the main loop must look again within look_s (set by `look`)."""
-        return self._looking
 
-    @staticmethod
-    def _readable(conns: list) -> set:
-        poller = select.poll()
-        by_fd = {}
-        for conn in conns:
-            fd = conn.sock.fileno()
-            if fd >= 0:
-                by_fd[fd] = conn
-                poller.register(fd, select.POLLIN)
-        return {by_fd[fd] for fd, _ in poller.poll(0)}
+def polling(conns: list) -> tuple[select.poll, dict[int, Any]]:
+    """A poll object over the connections' sockets, and the connection of each descriptor."""
+    poller, by_fd = select.poll(), {}
+    for conn in conns:
+        fd = conn.sock.fileno()
+        if fd >= 0:  # -1: closed since (taken back and closed by the main loop)
+            by_fd[fd] = conn
+            poller.register(fd, select.POLLIN)
+    return poller, by_fd

@@ -301,11 +301,10 @@ def gradient_rows(result: Result, timed: Callable[[Iterator], Iterator] = iter) 
             numbers.append(block)
             continue
         if slab is None:
-            slab = new_slab(block, n, dim)
-            for held in numbers:
-                slab[:, held.col_span[0]:held.col_span[1]].copy_(held.gradient)
+            slab = empty_slab(block, n, dim)
+            copy_into(slab, numbers)
             numbers = []
-        slab[:, block.col_span[0]:block.col_span[1]].copy_(block.gradient)
+        copy_into(slab, [block])
     if top is not None:
         yield slab.numpy() if slab is not None else broadcast_row(numbers, n, dim)
 
@@ -320,14 +319,20 @@ def broadcast_row(blocks: list, n: int, dim: int) -> np.ndarray:
     bits = firsts.view(BITS[firsts.element_size()])
     if bool((bits == bits[0]).all()):
         return np.broadcast_to(firsts[:1].numpy(), (blocks[0].row_span[1] - blocks[0].row_span[0], n, 2 * dim))
-    slab = new_slab(blocks[0], n, dim)
-    for block in blocks:
-        slab[:, block.col_span[0]:block.col_span[1]].copy_(block.gradient)
+    slab = empty_slab(blocks[0], n, dim)
+    copy_into(slab, blocks)
     return slab.numpy()
 
 
-def new_slab(block, n: int, dim: int) -> torch.Tensor:
-    return torch.empty((block.row_span[1] - block.row_span[0], n, 2 * dim), dtype=block.gradient.dtype)  # on the host
+def empty_slab(block, n: int, dim: int) -> torch.Tensor:
+    """The host slab (rows, N, 2D) of the block's row."""
+    return torch.empty((block.row_span[1] - block.row_span[0], n, 2 * dim), dtype=block.gradient.dtype)
+
+
+def copy_into(slab: torch.Tensor, blocks: list) -> None:
+    """Blocks of the slab's row, each copied into place (ragged last blocks need no padding)."""
+    for block in blocks:
+        slab[:, block.col_span[0]:block.col_span[1]].copy_(block.gradient)
 
 
 def field_label(name: str) -> str:
