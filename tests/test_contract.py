@@ -10,7 +10,6 @@ timeouts) come from one more server, `edge` below. Not produced here: `internal_
 `device_out_of_memory` are injected faults (a bug, a GPU out of memory), tested by patching in
 tests/test_error_table.py.
 """
-import http.client
 import io
 import json
 import os
