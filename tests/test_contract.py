@@ -428,7 +428,10 @@ def test_readme_v1_example_answers_as_shown(served):
     assert got["accumulated"] == [[20.0] * 5] * 10  # "each vector is in 10 row pairs and 10 column pairs"
     losses = json.loads(re.search(r'"losses":(\[\[.*?\]\])', shown).group(1))
     assert losses == [[1305.0, 1367.5001], [1367.5, 1430.0001]]
-    assert got["losses"] == losses  # float32's shortest digits, as written in the README
+    if got["device"] == "cpu":  # the README's machine: float32's shortest digits, as written there
+        assert got["losses"] == losses
+    else:  # a GPU may sum a block's 250 numbers in another order: within float32's rounding
+        assert [x for row in got["losses"] for x in row] == pytest.approx([x for row in losses for x in row], rel=1e-6)
     reference = [float(loss) for loss, _ in reference_blocks(torch.tensor(body["vectors"]), 2, "sum")]
     assert [x for row in losses for x in row] == pytest.approx(reference, rel=1e-6)
     # docs/api.md: the same request with the default outputs (1050 numbers) is sent whole, with a Content-Length.
