@@ -39,3 +39,18 @@ def cluster():
     finally:
         close_clients()
         stop_embedded(cluster)
+
+
+# --- The service as users run it (issue 27): one gunicorn for the whole session ------------
+@pytest.fixture(scope="session")
+def served():
+    """The service as `make serve` starts it: tools/server.py's gunicorn_server (gunicorn -c
+    gunicorn.conf.py wsgi:app), with gunicorn.conf.py's worker count and the app's default
+    device, and the embedded Dask cluster that on_starting starts when BLOCKGRAD_DASK_SCHEDULER
+    is unset (gunicorn_server sets it to `off` unless told otherwise: set empty here, which is
+    unset). Nothing else is overridden: the contract is tested at the defaults users get.
+    Tests that use it must not change it (no recycling, no kills, no settings)."""
+    from tools.server import gunicorn_server
+
+    with gunicorn_server(workers=None, device=None, env={"BLOCKGRAD_DASK_SCHEDULER": ""}) as server:
+        yield server

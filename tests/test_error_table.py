@@ -1,16 +1,19 @@
-"""The one error table: every code is sent with the status, details and headers the README's
-table gives (literals here), and where /openapi.json documents an example, it is the answer."""
+"""The one error table: every code has the status the docs' table gives (literals here), and
+where /openapi.json documents an example, it is the answer the app sends.
+
+Each code's real condition, on the server users run, is tests/test_contract.py's. Here, in
+process: the codes whose condition a test client can make as it is, and the two injected
+faults that no request can cause (`internal_error`: a bug; `device_out_of_memory`: a GPU out
+of memory), made by patching the call that fails.
+"""
 import pytest
 import torch
-from gunicorn.http.errors import InvalidChunkSize
-from werkzeug.exceptions import BadRequest, ClientDisconnected
 
 from app import create_app
 from app.api.v2.views import ERROR_STYLE as V2_STYLE
-from app.core.errors import client_closed, job_not_done
-from app.core.gate import Gate
-from app.core.deadline import Deadline
 from app.http.errors import ERROR_CODE_HEADER, ERRORS
+
+from .test_contract import PRODUCED
 
 V1 = {"vectors": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]}
 
@@ -25,51 +28,8 @@ def fail_with(exc):
     return fail
 
 
-class ExpiredDeadline(Deadline):
-    """The default 60 s deadline, already past when first checked."""
-
-    def __init__(self, timeout_s, **kwargs):
-        super().__init__(timeout_s, **kwargs)
-        self.expires = 0
-
-
-class ClientGone(Deadline):
-    """A client that has left by the first check between blocks."""
-
-    def check(self):
-        raise client_closed()
-
-
-def full_gate():
-    """The slot taken and 4 requests waiting: the next is refused."""
-    gate = Gate(queue_depth=4, slots=0)
-    gate._queue.extend(object() for _ in range(4))
-    return gate
-
-
-class FiredAlarm:
-    """The read deadline passed while the body was being read."""
-    fired = True
-
-    def __init__(self, *args):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-
-def running_job_result(store, job_id, before_fetch=None):
-    """JobStore.result when every job is still running."""
-    raise job_not_done(job_id, "running")
-
-
 # code -> (settings, the request that triggers it, patches (target, value), error style)
 TRIGGERS = {
-    "bad_request": ({}, post_v1(), [("app.http.parsing.read_body",
-                                                         fail_with(InvalidChunkSize(b"zz")))], None),
     "bad_json": ({}, lambda c: c.post("/v1/gradients", data="x", content_type="application/json"), [], None),
     "unauthorized": ({"BLOCKGRAD_API_TOKEN": "s3cret"}, post_v1(), [], None),
     "not_found": ({}, lambda c: c.get("/v1/gradient"), [], None),
@@ -83,17 +43,10 @@ TRIGGERS = {
     "non_finite_result": ({}, lambda c: c.post("/v1/gradients", json={
         "vectors": [[0.0], [1e20]], "factor": 2, "objective": "sum_of_squares"}), [], None),
     "internal_error": ({}, post_v1(), [("app.http.pipeline.run", fail_with(RuntimeError("boom")))], None),
-    "deadline_exceeded": ({}, post_v1(), [("app.core.deadline.Deadline", ExpiredDeadline)], None),
     "device_out_of_memory": ({}, post_v1(), [("app.core.run.load_vectors",
                                               fail_with(torch.OutOfMemoryError("out of memory")))], None),
     "not_ready": ({"BLOCKGRAD_DEVICE": "cuda"}, lambda c: c.get("/readyz"), [], None),
-    "read_timeout": ({}, post_v1(), [("app.http.parsing.ReadAlarm", FiredAlarm),
-                                     ("app.http.parsing.read_arriving", fail_with(ClientDisconnected()))], None),
-    "overloaded": ({}, post_v1(), [("app.http.pipeline.compute_slot", lambda deadline: full_gate().acquire(deadline))], None),
-    "client_closed": ({}, post_v1(), [("app.core.deadline.Deadline", ClientGone)], None),
     "job_not_found": ({}, lambda c: c.get("/v1/jobs/nope"), [], None),
-    "job_not_done": ({}, lambda c: c.get(f"/v1/jobs/{'0' * 32}/result"),
-                     [("app.jobs.store.JobStore.result", running_job_result)], None),
     "cluster_unavailable": ({"BLOCKGRAD_DASK_SCHEDULER": "tcp://127.0.0.1:1"}, lambda c: c.get(f"/v1/jobs/{'0' * 32}"),
                             [], None),
 }
@@ -102,13 +55,11 @@ TRIGGERS = {
 # The contract, written out from the README's error table (not from the code under test):
 # code -> (status, details for the trigger above, words the message must hold, headers).
 CONTRACT = {
-    "bad_request": (400, {}, ["HTTP/1.1"], {}),
     "bad_json": (400, {}, ["JSON"], {}),
     "unauthorized": (401, {}, ["Authorization: Bearer"], {"WWW-Authenticate": "Bearer"}),
     "not_found": (404, None, ["/v1/gradient", "POST /v1/gradients"], {}),
     "model_not_found": (404, None, ["other", "blockgrad"], {}),
     "job_not_found": (404, {"id": "nope"}, ["nope"], {}),
-    "job_not_done": (409, {"status": "running"}, ["running"], {"Retry-After": ""}),
     "cluster_unavailable": (503, {"scheduler": "tcp://127.0.0.1:1"}, ["scheduler"], {"Retry-After": ""}),
     "method_not_allowed": (405, {"allowed": ["GET", "HEAD", "OPTIONS"]}, ["POST", "GET"], {"Allow": "GET"}),
     "too_large": (413, {"limit": "BLOCKGRAD_MAX_BODY_BYTES", "allowed": 32 * 1024 * 1024}, ["33554432"], {}),
@@ -118,17 +69,30 @@ CONTRACT = {
     "validation_error": (422, {"fields": {"factor": ["Must be between 1 and N = 3."]}}, ["factor"], {}),
     "non_finite_result": (422, {"block": {"row": 0, "col": 1}}, ["float64"], {}),
     "internal_error": (500, {}, [], {}),
-    "deadline_exceeded": (503, {"timeout_s": 60.0}, ["60 s"], {"Retry-After": ""}),
     "device_out_of_memory": (503, {}, ["memory"], {"Retry-After": ""}),
     "not_ready": (503, {}, ["BLOCKGRAD_DEVICE=cuda"], {}),
-    "read_timeout": (408, {"timeout_s": 30.0}, ["BLOCKGRAD_READ_TIMEOUT_S"], {}),
-    "overloaded": (503, {"queue_depth": 4}, ["BLOCKGRAD_QUEUE_DEPTH"], {"Retry-After": ""}),
-    "client_closed": (499, {}, [], {}),
 }
 
 
-def test_every_code_has_a_trigger_and_a_contract():
-    assert set(TRIGGERS) == set(ERRORS) == set(CONTRACT)
+# docs/api.md's error table: each code's status ((499): never sent, logged with it).
+STATUSES = {
+    "bad_request": 400, "bad_json": 400, "unauthorized": 401, "not_found": 404, "model_not_found": 404,
+    "job_not_found": 404, "method_not_allowed": 405, "read_timeout": 408, "job_not_done": 409, "too_large": 413,
+    "limit_exceeded": 413, "unsupported_media_type": 415, "validation_error": 422, "non_finite_result": 422,
+    "internal_error": 500, "deadline_exceeded": 503, "device_out_of_memory": 503, "cluster_unavailable": 503,
+    "not_ready": 503, "overloaded": 503, "client_closed": 499,
+}
+
+
+def test_every_code_has_its_documented_status():
+    assert {code: entry.status for code, entry in ERRORS.items()} == STATUSES
+
+
+def test_every_code_is_produced_somewhere():
+    """In process here, or on a real server by tests/test_contract.py (the two injected faults only here)."""
+    assert set(TRIGGERS) == set(CONTRACT)
+    assert set(TRIGGERS) | set(PRODUCED) == set(ERRORS)
+    assert {"internal_error", "device_out_of_memory"} <= set(TRIGGERS) - set(PRODUCED)
 
 
 def documented_examples(client) -> dict:

@@ -14,5 +14,6 @@ class DType:
 DTYPES = {"float32": DType(item_bytes=4, text_bytes=16, torch=torch.float32),
           "float64": DType(item_bytes=8, text_bytes=25, torch=torch.float64)}
 DEFAULT_DTYPE = "float32"
+UNKNOWN_DTYPE = f"Must be one of: {', '.join(DTYPES)}."
 WIDEST = DTYPES["float64"]  # what a dtype outside the table is predicted as
 TORCH_DTYPES = {name: dtype.torch for name, dtype in DTYPES.items()}

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .dtypes import DEFAULT_DTYPE, DTYPES
+from .dtypes import DEFAULT_DTYPE, DTYPES, UNKNOWN_DTYPE
 from .errors import validation_error
 from .objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET, OBJECTIVES, Objective
 from .served_objectives import objective_dim, objective_dtypes
@@ -90,7 +90,7 @@ def build_request(vectors: np.ndarray, *, objectives: Mapping[str, Objective] = 
     else:
         errors.update(objective_fit(objective, objectives[objective], vectors.shape[1], dtype))
     if dtype not in DTYPES:
-        errors["dtype"] = [f"Must be one of: {', '.join(DTYPES)}."]
+        errors["dtype"] = [UNKNOWN_DTYPE]
     elif not errors:
         cell = fits_dtype(vectors, np.dtype(dtype))
         if cell is not None:

@@ -2,12 +2,17 @@
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .dtypes import DEFAULT_DTYPE, DTYPES
+from .dtypes import DEFAULT_DTYPE, DTYPES, UNKNOWN_DTYPE
+from .errors import field_error
 from .objectives import DEFAULT_OBJECTIVE, Objective
+from .request import factor_out_of_range
+from .vectors import EMPTY_ROWS, NO_ROWS
 
 
 @dataclass(frozen=True)
 class Sizes:
+    """Valid once made (validation_error otherwise): every front end makes one before it admits a
+    request, so no limit, cost or memory model ever reads an N or D of 0 (they divide by them)."""
     n: int
     dim: int
     factor: int | None  # None: not valid as sent (the request is refused when converted)
@@ -15,6 +20,16 @@ class Sizes:
     objective: str = DEFAULT_OBJECTIVE
     dtype: str = DEFAULT_DTYPE
     bytes_per_pair: int | None = None  # a model objective's activations per pair; None for built-ins
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise field_error("vectors", NO_ROWS)
+        if self.dim < 1:
+            raise field_error("vectors", EMPTY_ROWS)
+        if self.factor is not None and not 1 <= self.factor <= self.n:
+            raise field_error("factor", factor_out_of_range(self.n))
+        if self.dtype not in DTYPES:
+            raise field_error("dtype", UNKNOWN_DTYPE)
 
 
 def request_sizes(n: int, dim: int, factor: int | None, outputs: tuple[str, ...] | None, *, objective: object,

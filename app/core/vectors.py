@@ -11,19 +11,23 @@ NUMBER_TYPES = frozenset((float, int))
 JSON_TYPE_NAMES = {bool: "a boolean", str: "a string", type(None): "null", list: "a list", dict: "an object"}
 
 
+NO_ROWS = "Must be a non-empty list of rows, each a list of numbers."
+EMPTY_ROWS = "Rows must not be empty."
+
+
 class MatrixError(ValueError):
     """A message a person can act on, naming the offending row and column."""
 
 
 def parse_matrix(value: object) -> np.ndarray:
     if not isinstance(value, list) or not value:
-        raise MatrixError("Must be a non-empty list of rows, each a list of numbers.")
+        raise MatrixError(NO_ROWS)
     for i, row in enumerate(value):
         if type(row) is not list:
             raise MatrixError(f"Row {i} is {json_type(row)}, not a list of numbers.")
     width = len(value[0])
     if width == 0:
-        raise MatrixError("Rows must not be empty.")
+        raise MatrixError(EMPTY_ROWS)
     if any(len(row) != width for row in value):
         i = next(i for i, row in enumerate(value) if len(row) != width)
         raise MatrixError(f"Rows must all have the same length: row 0 has {width} numbers, row {i} has {len(value[i])}.")
@@ -41,9 +45,9 @@ def parse_matrix(value: object) -> np.ndarray:
 def check_matrix(matrix: np.ndarray) -> np.ndarray:
     """An (N, D) array decoded elsewhere (binary tensor data): the same rules as parse_matrix."""
     if matrix.ndim != 2 or matrix.shape[0] == 0:
-        raise MatrixError("Must be a non-empty list of rows, each a list of numbers.")
+        raise MatrixError(NO_ROWS)
     if matrix.shape[1] == 0:
-        raise MatrixError("Rows must not be empty.")
+        raise MatrixError(EMPTY_ROWS)
     return check_finite(matrix)
 
 

@@ -4,6 +4,7 @@ from marshmallow import Schema, ValidationError, fields, pre_load
 from marshmallow.validate import Length
 
 from ...core.errors import many_unknown, unknown_fields
+from ...core.sizes import Sizes
 from ...extensions import services
 from ...jobs.limits import admit_job
 from .schemas import GradientRequestSchema
@@ -33,8 +34,9 @@ class JobRequestSchema(GradientRequestSchema):
             raise unknown_fields(unknown, self.fields)
         vectors = data.get("vectors") if isinstance(data, dict) else None
         if isinstance(vectors, list) and vectors and isinstance(vectors[0], list):
-            factor = data.get("factor")
-            admit_job(len(vectors), len(vectors[0]), factor if type(factor) is int else None, services().settings)
+            n, factor = len(vectors), data.get("factor")
+            valid_factor = type(factor) is int and 1 <= factor <= n
+            admit_job(Sizes(n, len(vectors[0]), factor if valid_factor else None, None), services().settings)
         return data
 
 

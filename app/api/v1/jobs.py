@@ -114,7 +114,8 @@ def query_request(vectors: np.ndarray) -> GradientRequest:
     values["outputs"] = outputs
     if errors:
         raise validation_error(errors)
-    admit_job(vectors.shape[0], vectors.shape[1], values.get("factor"), services().settings)
+    (n, dim), factor = vectors.shape, values.get("factor")
+    admit_job(Sizes(n, dim, factor if factor is not None and 1 <= factor <= n else None, None), services().settings)
     try:
         vectors = check_matrix(vectors)
     except MatrixError as exc:
