@@ -513,6 +513,11 @@ def test_not_ready(edge):
     assert "BLOCKGRAD_DEVICE=cuda" in error["message"]
     ready = requests.get(edge.url + "/v2/health/ready", timeout=WAIT_S)
     assert (ready.status_code, ready.content) == (400, b"")  # docs/api.md: 400, empty body
+    body = {"vectors": [[1.0], [2.0]], "factor": 1}  # a request on that device: the same 503, not a 500
+    error = v1_error(post(edge, V1, body, headers=AUTH), 503, "not_ready")
+    assert "BLOCKGRAD_DEVICE=cuda" in error["message"]
+    v2 = {"inputs": [{"name": "vectors", "datatype": "FP32", "shape": [2, 1], "data": [1.0, 2.0]}]}
+    v2_error(post(edge, V2, v2, headers=AUTH), 503, "not_ready")
 
 
 def test_cluster_unavailable_on_a_get(edge):

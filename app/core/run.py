@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .deadline import Deadline
-from .device import release_device_memory, resolve_device
+from .device import ready_device, release_device_memory
 from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, Chunk, add_to_vectors, band_blocks, block_bounds, chunk_gradients,
                      elements_per_chunk, plan_bands)
 from .errors import device_out_of_memory, non_finite_accumulated, non_finite_block
@@ -80,7 +80,7 @@ def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = No
         executor: TileExecutor | None = None) -> Result:
     """Compute an admitted request on this worker's device (app/core/admission.py admits);
     `executor` runs pass one's tiles (on CPU, over the free compute slots), serial elsewhere."""
-    device = resolve_device(settings.device)
+    device = ready_device(settings.device)  # not_ready (503), as /readyz says, when it cannot compute
     deadline = deadline or Deadline(settings.request_timeout_s)
     if executor is None or device.type != "cpu":
         executor = SerialExecutor()

@@ -19,7 +19,7 @@ from flask import Request, Response, g, request
 
 from ..core import deadline as deadline_module  # Deadline looked up per request (tests replace it)
 from ..core.admission import admit
-from ..core.device import resolve_device
+from ..core.device import ready_device
 from ..core.gate import Ticket
 from ..core.memory import AnswerCost
 from ..core.request import GradientRequest
@@ -80,7 +80,7 @@ def serve(front_end: FrontEnd) -> Response:
     req = job.gradient
     g.work = record = RequestRecord.of(req.n, req.dim, req.factor, job.logged_outputs, req.outputs)
     if not req.outputs:  # nothing to compute: no slot taken
-        device = resolve_device(settings.device)
+        device = ready_device(settings.device)
         g.device = str(device)
         return front_end.render(job, None, device, record.timed)
     deadline = request_deadline()
