@@ -35,8 +35,10 @@ def mismatches(actual, expected, dtype, *, scale=None, rtol=None) -> np.ndarray:
     floor = float(np.finfo(name).smallest_normal) + (0.0 if scale is None else as_array(scale))
     assert np.isfinite(floor).all(), "an infinite scale would pass anything"
     bad = ~np.isfinite(actual)
-    with np.errstate(invalid="ignore"):
-        bad |= ~(np.abs(actual - expected) <= rtol * (np.abs(expected) + floor))
+    # rtol applied to each part before they are added: |expected| + scale may pass the largest
+    # float64 (a loss of 1.7e308), and an infinite tolerance would pass anything.
+    with np.errstate(invalid="ignore", over="ignore"):
+        bad |= ~(np.abs(actual - expected) <= rtol * np.abs(expected) + rtol * floor)
     return bad
 
 
