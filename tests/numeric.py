@@ -10,6 +10,7 @@ A whole-tensor absolute tolerance (the old rtol=atol=2e-5) let a 16% error throu
 entries of 1.2e-4 (mean at N = 37); this does not.
 """
 import math
+from decimal import Decimal
 
 import numpy as np
 import torch
@@ -51,6 +52,16 @@ def assert_matches(actual, expected, dtype, *, scale=None, rtol=None, what: str 
         raise AssertionError(f"{what or 'values'}: {int(bad.sum())} of {bad.size} entries off the reference "
                              f"(rtol {RTOL[NAMES[dtype]] if rtol is None else rtol}); first at {where}: "
                              f"{a[where]!r} vs expected {e[where]!r}")
+
+
+def assert_near_exact(actual: float, exact: Decimal, dtype, what: str = "") -> None:
+    """One number against an exact (Decimal) answer: the same rtol, with the floor the dtype's
+    smallest subnormal, its grid's unit, since an exact reference leaves no other slack (the
+    floor of `mismatches` would pass any subnormal answer)."""
+    name = NAMES[dtype]
+    tiny = Decimal(float(np.finfo(name).smallest_subnormal))
+    error = abs(Decimal(float(actual)) - exact)
+    assert error <= Decimal(RTOL[name]) * abs(exact) + tiny, f"{what}: {actual!r} vs exact {exact:.8e}"
 
 
 def largest(expected) -> float:
