@@ -100,12 +100,15 @@ def test_a_paused_stream_holds_no_slot_and_each_band_computes_on_one(one_slot, m
     other = {}
 
     def second():
-        other["status"] = app.test_client().post("/v1/gradients", json=document(vectors, ["accumulated"])).status_code
+        other["response"] = app.test_client().post("/v1/gradients", json=document(vectors, ["accumulated"]))
 
     thread = threading.Thread(target=second)
     thread.start()
     thread.join(WAIT_S)
-    assert other.get("status") == 200
+    assert "response" in other, "the second request did not finish"
+    assert other["response"].status_code == 200
+    # sum_of_squares: 2B in each block, and each entry of V in 2N pairs, so 4N V
+    assert_matches(other["response"].get_json()["accumulated"], 4 * N * vectors, "float64", what="second request")
     assert one_slot.taken == taken_before + 1
 
     received.extend(pieces)
