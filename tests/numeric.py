@@ -10,6 +10,7 @@ A whole-tensor absolute tolerance (the old rtol=atol=2e-5) let a 16% error throu
 entries of 1.2e-4 (mean at N = 37); this does not.
 """
 import math
+from decimal import Decimal
 
 import numpy as np
 import torch
@@ -35,8 +36,10 @@ def mismatches(actual, expected, dtype, *, scale=None, rtol=None) -> np.ndarray:
     floor = float(np.finfo(name).smallest_normal) + (0.0 if scale is None else as_array(scale))
     assert np.isfinite(floor).all(), "an infinite scale would pass anything"
     bad = ~np.isfinite(actual)
-    with np.errstate(invalid="ignore"):
-        bad |= ~(np.abs(actual - expected) <= rtol * (np.abs(expected) + floor))
+    # rtol applied to each part before they are added: |expected| + scale may pass the largest
+    # float64 (a loss of 1.7e308), and an infinite tolerance would pass anything.
+    with np.errstate(invalid="ignore", over="ignore"):
+        bad |= ~(np.abs(actual - expected) <= rtol * np.abs(expected) + rtol * floor)
     return bad
 
 
@@ -49,6 +52,16 @@ def assert_matches(actual, expected, dtype, *, scale=None, rtol=None, what: str 
         raise AssertionError(f"{what or 'values'}: {int(bad.sum())} of {bad.size} entries off the reference "
                              f"(rtol {RTOL[NAMES[dtype]] if rtol is None else rtol}); first at {where}: "
                              f"{a[where]!r} vs expected {e[where]!r}")
+
+
+def assert_near_exact(actual: float, exact: Decimal, dtype, what: str = "") -> None:
+    """One number against an exact (Decimal) answer: the same rtol, with the floor the dtype's
+    smallest subnormal, its grid's unit, since an exact reference leaves no other slack (the
+    floor of `mismatches` would pass any subnormal answer)."""
+    name = NAMES[dtype]
+    tiny = Decimal(float(np.finfo(name).smallest_subnormal))
+    error = abs(Decimal(float(actual)) - exact)
+    assert error <= Decimal(RTOL[name]) * abs(exact) + tiny, f"{what}: {actual!r} vs exact {exact:.8e}"
 
 
 def largest(expected) -> float:

@@ -4,6 +4,10 @@ import torch
 
 from app.core.device import resolve_device
 
+from tools.reference import batch_matrix, concat_matrix, reference_accumulated, reference_blocks
+
+from .numeric import assert_matches, loss_terms
+
 resolve = resolve_device.__wrapped__  # the uncached function: each test sets its own CUDA
 
 
@@ -39,18 +43,29 @@ def test_without_cuda(no_gpu):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_api_on_cuda_matches_cpu():
+def test_api_on_cuda_matches_cpu_and_the_seed_loops():
+    """Both devices' answers against the literal loops (CPU, float64), under numeric.py."""
     from app import create_app
-    body = {"vectors": torch.randn(23, 4, dtype=torch.float64).tolist(), "factor": 4, "dtype": "float64",
+    vectors = torch.randn(23, 4, dtype=torch.float64)
+    body = {"vectors": vectors.tolist(), "factor": 4, "dtype": "float64",
             "objective": "logsumexp", "outputs": ["blocks", "accumulated", "losses"]}
-    cpu = create_app({"TESTING": True, "BLOCKGRAD_DEVICE": "cpu"}).test_client().post("/v1/gradients", json=body)
-    gpu = create_app({"TESTING": True, "BLOCKGRAD_DEVICE": "cuda"}).test_client().post("/v1/gradients", json=body)
-    assert cpu.status_code == gpu.status_code == 200
-    cpu_body, gpu_body = cpu.get_json(), gpu.get_json()
-    assert gpu_body["device"] == "cuda:0" and cpu_body["device"] == "cpu"
-    torch.testing.assert_close(torch.tensor(gpu_body["accumulated"]), torch.tensor(cpu_body["accumulated"]))
-    for a, b in zip(gpu_body["blocks"], cpu_body["blocks"]):
-        torch.testing.assert_close(torch.tensor(a["gradient"]), torch.tensor(b["gradient"]))
+    expected = reference_blocks(vectors, 4, "logsumexp")
+    inputs = batch_matrix(concat_matrix(vectors), factor=4)
+    scales = [loss_terms(block, "logsumexp") for block in inputs]
+    for device, name in (("cpu", "cpu"), ("cuda", "cuda:0")):
+        response = create_app({"TESTING": True, "BLOCKGRAD_DEVICE": device}).test_client().post("/v1/gradients",
+                                                                                              json=body)
+        assert response.status_code == 200, response.get_data()
+        answer = response.get_json()
+        assert answer["device"] == name
+        assert_matches(answer["accumulated"], reference_accumulated(vectors, 4, "logsumexp"), "float64",
+                       what=f"{name} accumulated")
+        assert_matches(answer["losses"], torch.stack([loss for loss, _ in expected]).reshape(4, 4), "float64",
+                       scale=torch.tensor(scales).reshape(4, 4), what=f"{name} losses")
+        assert len(answer["blocks"]) == 16
+        for k, (block, (_, grad)) in enumerate(zip(answer["blocks"], expected, strict=True)):
+            assert (block["row"], block["col"]) == divmod(k, 4)
+            assert_matches(block["gradient"], grad, "float64", what=f"{name} block {k} gradient")
 
 
 def test_readiness_is_checked_once_and_cached(monkeypatch):

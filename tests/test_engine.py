@@ -171,7 +171,8 @@ def test_summarize_float64_keeps_what_float32_cannot():
     req = make_request(vectors, objective="sum_of_squares", dtype="float64")
     summary = run(req, CPU, Deadline(60))
     assert summary.losses.dtype == torch.float64
-    assert float(summary.losses[1, 1]) == pytest.approx(2 * 2 * 1e40)
+    # block (1, 1) pairs V[2:4] with V[2:4]: V[3, 0] = 1e20 is in four of its entries, the rest 0
+    assert_matches(summary.losses[1, 1], 4 * 1e40, torch.float64, what="loss of block (1, 1)")
 
 
 def test_deadline_stops_between_blocks():
@@ -186,13 +187,22 @@ def test_deadline_stops_between_blocks():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("objective", OBJECTIVES)
-def test_cuda_matches_cpu(objective):
+def test_cuda_matches_cpu_and_the_seed_loops(objective):
+    """CUDA against the literal loops on the CPU (the oracle) and against the CPU engine, under numeric.py."""
     vectors = torch.randn(37, 8, dtype=torch.float64)
     cpu_blocks, cpu_acc = engine_run(vectors, 5, objective)
     gpu_blocks, gpu_acc = engine_run(vectors.cuda(), 5, objective)
-    torch.testing.assert_close(gpu_acc.cpu(), cpu_acc)
-    for a, b in zip(gpu_blocks, cpu_blocks):
-        torch.testing.assert_close(a.gradient.cpu(), b.gradient)
+    expected = reference_blocks(vectors, 5, objective)
+    inputs = batch_matrix(concat_matrix(vectors), factor=5)
+    assert len(gpu_blocks) == len(cpu_blocks) == len(expected) == 25
+    assert_matches(gpu_acc, reference_accumulated(vectors, 5, objective), torch.float64, what="cuda accumulated")
+    assert_matches(gpu_acc, cpu_acc, torch.float64, what="cuda accumulated against the cpu's")
+    for k, (gpu, cpu, (loss, grad)) in enumerate(zip(gpu_blocks, cpu_blocks, expected, strict=True)):
+        assert (gpu.r, gpu.c) == (cpu.r, cpu.c) == divmod(k, 5)
+        assert gpu.gradient.device.type == "cuda"
+        assert_matches(gpu.gradient, grad, torch.float64, what=f"cuda block {k} gradient")
+        assert_matches(gpu.gradient, cpu.gradient, torch.float64, what=f"cuda block {k} gradient against the cpu's")
+        assert_matches(gpu.loss, loss, torch.float64, scale=loss_terms(inputs[k], objective), what=f"cuda block {k} loss")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,11 +1,13 @@
 """The one comparison with the reference (tests/numeric.py) can fail where it should."""
+from decimal import Decimal
+
 import numpy as np
 import pytest
 import torch
 
 from tools.reference import reference_accumulated, reference_blocks
 
-from .numeric import assert_matches
+from .numeric import assert_matches, assert_near_exact
 
 
 def mean_answer(client, n=37):
@@ -61,3 +63,22 @@ def test_scale_is_a_floor_for_sums_that_cancel():
     assert_matches(expected + 1e-6, expected, "float32", scale=1.0)
     with pytest.raises(AssertionError):
         assert_matches(expected + 1e-6, expected, "float32")
+
+
+def test_a_scale_near_the_largest_float64_does_not_pass_everything():
+    """|expected| + scale past 1.8e308 must not make the tolerance infinite (then any answer passes)."""
+    assert_matches([1.7e308], [1.7e308], "float64", scale=1.7e308)
+    for wrong in (1.0e308, -1.7e308, 0.0):
+        with pytest.raises(AssertionError):
+            assert_matches([wrong], [1.7e308], "float64", scale=1.7e308)
+
+
+def test_an_exact_reference_holds_subnormals_to_their_grid():
+    tiny = float(np.finfo(np.float32).smallest_subnormal)  # 1.4e-45
+    assert_near_exact(3 * tiny, Decimal(3 * tiny), "float32")
+    assert_near_exact(4 * tiny, Decimal(3 * tiny), "float32")  # one unit of the grid
+    with pytest.raises(AssertionError):
+        assert_near_exact(5 * tiny, Decimal(3 * tiny), "float32")  # assert_matches' floor would pass it
+    assert_matches([5 * tiny], [3 * tiny], "float32")
+    with pytest.raises(AssertionError):
+        assert_near_exact(1.0001, Decimal(1), "float32")

@@ -19,8 +19,9 @@ from app.core.settings import Settings
 
 from tools.reference import batch_matrix, concat_matrix
 
+from .numeric import assert_matches, assert_near_exact
+
 NUMPY = {"float32": np.float32, "float64": np.float64}
-RTOL = {"float32": 2e-5, "float64": 1e-12}
 OFFSET = 2.5
 # 400 digits: logsumexp subtracts its loss (up to 1.8e308) from each entry, which must stay exact to ~1.
 CONTEXT = decimal.Context(prec=400, Emax=10 ** 6, Emin=-10 ** 6)
@@ -79,14 +80,6 @@ def representable(value: Decimal, dtype: str) -> bool:
     return abs(value) <= Decimal(float(np.finfo(NUMPY[dtype]).max))
 
 
-def assert_close(actual: float, exact: Decimal, dtype: str, what: str):
-    # Relative to the exact value, plus one unit in the last place of the subnormals:
-    # an answer in the subnormal range cannot be closer than its grid.
-    tiny = Decimal(float(np.finfo(NUMPY[dtype]).smallest_subnormal))
-    error = abs(Decimal(float(actual)) - exact)
-    assert error <= Decimal(RTOL[dtype]) * abs(exact) + tiny, f"{what}: {actual!r} vs exact {exact:.8e}"
-
-
 CASES = [  # (dtype, scale): the subnormal and near-maximum ends, and squares that underflow
     ("float32", 1e-45), ("float32", 1e-42), ("float32", 1e-40), ("float32", 1e-23), ("float32", 1e36),
     ("float32", 3e38), ("float64", 1e-320), ("float64", 1e-310), ("float64", 1e-160), ("float64", 1e306),
@@ -114,14 +107,17 @@ def check_against_exact(vectors: np.ndarray, factor: int, objective: str, dtype:
         assert error.code == "non_finite_result" and overflows, "refused an answer the dtype holds"
         return
     assert not overflows, "a 200 for an answer the dtype cannot hold"
-    for block, (loss, grad) in zip(result.blocks(), exact, strict=True):
+    blocks = list(result.blocks())
+    assert len(blocks) == len(exact) == factor * factor
+    for block, (loss, grad) in zip(blocks, exact, strict=True):
         where = f"{objective} {dtype} block ({block.r}, {block.c})"
-        assert_close(float(block.loss), loss, dtype, where + " loss")
+        assert_near_exact(float(block.loss), loss, dtype, where + " loss")
         for actual, expected in zip(block.gradient.reshape(-1).tolist(), grad, strict=True):
-            assert_close(actual, expected, dtype, where + " gradient")
-    for actual_row, exact_row in zip(result.accumulated.tolist(), exact_accumulated):
-        for actual, expected in zip(actual_row, exact_row):
-            assert_close(actual, expected, dtype, f"{objective} {dtype} accumulated")
+            assert_near_exact(actual, expected, dtype, where + " gradient")
+    assert tuple(result.accumulated.shape) == vectors.shape
+    for actual_row, exact_row in zip(result.accumulated.tolist(), exact_accumulated, strict=True):
+        for actual, expected in zip(actual_row, exact_row, strict=True):
+            assert_near_exact(actual, expected, dtype, f"{objective} {dtype} accumulated")
 
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
@@ -141,7 +137,8 @@ def test_l2_norm_of_subnormal_inputs_is_exact(dtype, value):
     # Block (1, 1) holds the value 4 times: gradient 1/2 there; block (0, 1) twice: 1/sqrt(2).
     assert sorted(set(blocks[1, 1].gradient.reshape(-1).tolist())) == [0.0, 0.5]
     zero, root_half = sorted(set(blocks[0, 1].gradient.reshape(-1).tolist()))
-    assert zero == 0.0 and root_half == pytest.approx(2 ** -0.5, rel=RTOL[dtype])
+    assert zero == 0.0
+    assert_matches([root_half], [2 ** -0.5], dtype, what="gradient of block (0, 1)")
     check_against_exact(vectors, 2, "l2_norm", dtype)
 
 

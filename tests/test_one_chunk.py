@@ -12,9 +12,9 @@ from app.core.request import GradientRequest
 from app.core.run import Deadline, load_vectors, pass_one, run
 from app.core.settings import Settings
 
-from tools.reference import reference_accumulated, reference_blocks
+from tools.reference import batch_matrix, concat_matrix, reference_accumulated, reference_blocks
 
-from .numeric import assert_matches
+from .numeric import assert_matches, loss_terms
 
 CPU = Settings(device="cpu")
 SEED = np.arange(50, dtype=np.float64).reshape(10, 5) / 7 - 3  # 10 x 5, every entry distinct
@@ -49,13 +49,15 @@ def test_one_chunk_is_pass_one_bit_for_bit_and_the_seed_loops_numbers(one_thread
     for mine, theirs in zip(short.kept, long.kept, strict=True):
         assert (mine.r, mine.c, mine.row_span, mine.col_span) == (theirs.r, theirs.c, theirs.row_span, theirs.col_span)
         assert torch.equal(mine.loss, theirs.loss) and torch.equal(mine.gradient, theirs.gradient)
-    reference = torch.tensor(SEED, dtype=getattr(torch, dtype))
+    # The literal loops in float64 on the values the service holds (rounded to dtype): the oracle.
+    reference = torch.tensor(SEED, dtype=getattr(torch, dtype)).to(torch.float64)
     expected = reference_blocks(reference, 2, objective)
+    inputs = batch_matrix(concat_matrix(reference), factor=2)
     assert len(expected) == 4
-    for block, (loss, gradient) in zip(short.kept, expected, strict=True):
-        assert_matches(block.gradient, gradient, dtype)
-        assert_matches(block.loss, loss, dtype)
-    assert_matches(short.accumulated, reference_accumulated(reference, 2, objective), dtype)
+    for k, (block, (loss, gradient)) in enumerate(zip(short.kept, expected, strict=True)):
+        assert_matches(block.gradient, gradient, dtype, what=f"block {k} gradient")
+        assert_matches(block.loss, loss, dtype, scale=loss_terms(inputs[k], objective), what=f"block {k} loss")
+    assert_matches(short.accumulated, reference_accumulated(reference, 2, objective), dtype, what="accumulated")
 
 
 def test_one_chunk_takes_fewer_torch_operations_than_pass_one(one_thread):

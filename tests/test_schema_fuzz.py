@@ -1,12 +1,19 @@
 """Schema fuzzing: schemathesis generates requests from /openapi.json and runs all
 of its default checks (no 5xx, responses match the documented schemas, status codes
 and content types are documented, invalid data is refused, ...) against the WSGI app
-directly, without a server."""
+directly, without a server. Every /v1/gradients answer to a JSON object is also held to the
+oracle (tests/oracle.py): the exact answer, or the refusal it demands, not merely a
+documented status."""
+import json
+from dataclasses import dataclass
+
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.config import SchemathesisConfig
 
 from app import create_app
+
+from .oracle import assert_answer
 
 # Some rules of a valid request are beyond JSON Schema: rows of equal length, factor <= N,
 # values that fit the chosen dtype, results that stay finite, and the size limits. A
@@ -27,7 +34,21 @@ CONFIG = SchemathesisConfig.from_dict({
 schema = schemathesis.openapi.from_wsgi("/openapi.json", create_app({"TESTING": True}), config=CONFIG)
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What tests/oracle.py reads of a response."""
+    status_code: int
+    content: bytes
+
+    def get_data(self) -> bytes:
+        return self.content
+
+
 @schema.parametrize()
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 def test_api_conforms_to_its_openapi_document(case):
-    case.call_and_validate()
+    response = case.call_and_validate()
+    sent = response.request
+    if (sent.method, case.path) == ("POST", "/v1/gradients") and isinstance(case.body, dict) \
+            and sent.headers.get("Content-Type") == "application/json" and json.loads(sent.body) == case.body:
+        assert_answer(case.body, Answer(response.status_code, response.content))

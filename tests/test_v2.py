@@ -121,11 +121,25 @@ def assert_matches_reference(tensors, expected, datatype, names):
 GOOD = {"inputs": [vectors_input((3, 2), data=[1.0, 2.0, 3.0, 4.0, 5.0, 6.0])], "parameters": {"factor": 2}}
 
 
+# GOOD's answer, written out: V = [[1, 2], [3, 4], [5, 6]] (row sums 3, 7, 11), F = 2, sum with
+# offset 5: every gradient entry is 1, each entry of V is in 2N = 6 pairs, and block (r, c)'s
+# loss sums s_i + s_j + 4 * 5 over its pairs (i, j): 26; 30 + 34; 30 + 34; 34 + 38 + 38 + 42.
+GOOD_ANSWER = {"block_gradients": np.ones((3, 3, 4)), "accumulated": np.full((3, 2), 6.0),
+               "bounds": [0, 1, 3], "losses": [[26.0, 64.0], [64.0, 152.0]]}
+
+
+def assert_good_answer(response, names=ALL_OUTPUTS, answer=GOOD_ANSWER):
+    """Exactly `names` of GOOD's answer (every number exact in float32), in that order."""
+    assert response.status_code == 200, response.get_data()
+    _, tensors = read_response(response)
+    assert list(tensors) == names
+    for name, array in tensors.items():
+        assert array.dtype == (np.int64 if name == "bounds" else np.float32), name
+        assert array.tolist() == np.asarray(answer[name]).tolist(), name
+
+
 def assert_still_serving(client):
-    response = client.post(INFER, json=GOOD)
-    assert response.status_code == 200
-    header, tensors = read_response(response)
-    assert tensors["bounds"].tolist() == [0, 1, 3]
+    assert_good_answer(client.post(INFER, json=GOOD))
 
 
 # ---------------------------------------------------------------- metadata and health
@@ -553,8 +567,7 @@ def test_bad_bodies(client, data, content_type, status):
 
 def test_json_body_without_content_type_is_accepted(client):
     """Standard clients (tritonclient) send the body with no Content-Type."""
-    response = client.post(INFER, data=json.dumps(GOOD).encode())
-    assert response.status_code == 200
+    assert_good_answer(client.post(INFER, data=json.dumps(GOOD).encode()))
 
 
 def bad_binary_cases():
@@ -680,7 +693,7 @@ def test_limits_are_413(config, document, mentions):
 def test_output_limit_counts_only_asked_outputs():
     client = create_app({"BLOCKGRAD_MAX_OUTPUT_ELEMENTS": 20}).test_client()  # blocks alone are 36
     response = client.post(INFER, json=dict(GOOD, outputs=[{"name": "accumulated"}, {"name": "bounds"}]))
-    assert response.status_code == 200
+    assert_good_answer(response, ["accumulated", "bounds"])
 
 
 def test_deadline_is_503_with_retry_after():
@@ -733,7 +746,9 @@ def test_v2_refuses_chunked_bodies_over_the_limit_and_compressed_bodies():
     over = client.open(input_stream=io.BytesIO(document + b" " * (2 * limit)), **chunked)
     assert over.status_code == 413 and isinstance(strict_json(over.get_data())["error"], str)
     at_limit = client.open(input_stream=io.BytesIO(document + b" " * (limit - len(document))), **chunked)
-    assert at_limit.status_code == 200
+    # V = [[1, 2]], one block [1, 2, 1, 2]: sum(B + 5) = 26, gradient 1, accumulated 2N = 2
+    assert_good_answer(at_limit, answer={"block_gradients": np.ones((1, 1, 4)), "accumulated": [[2.0, 2.0]],
+                                         "bounds": [0, 1], "losses": [[26.0]]})
     compressed = client.post("/v2/models/blockgrad/infer", data=gzip.compress(document),
                              headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
     assert compressed.status_code == 415 and "uncompressed" in strict_json(compressed.get_data())["error"]
@@ -755,7 +770,7 @@ def test_limits_are_refused_before_queueing_for_the_slot(monkeypatch, config, do
 def test_bounds_alone_is_not_held_to_the_block_limit():
     client = create_app({"BLOCKGRAD_MAX_BLOCK_ELEMENTS": 10}).test_client()
     response = client.post(INFER, json=dict(with_parameters(factor=1), outputs=[{"name": "bounds"}]))
-    assert response.status_code == 200
+    assert_good_answer(response, ["bounds"], {"bounds": [0, 3]})
 
 
 # --- block_gradients is made a block row at a time as it is written
