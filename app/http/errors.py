@@ -156,7 +156,8 @@ ERRORS: dict[str, ErrorCode] = {
                                 "give the limit in bytes", lambda: too_large(33554432)),
     "limit_exceeded": ErrorCode(413, "N, D, the largest block, a model's activations, the whole answer or the "
                                      "request's predicted peak memory (BLOCKGRAD_WORKER_MEMORY_BYTES) or time "
-                                     "(BLOCKGRAD_REQUEST_TIMEOUT_S) is over its limit; "
+                                     "(BLOCKGRAD_REQUEST_TIMEOUT_S) is over its limit, or a body still arriving "
+                                     "alone is over BLOCKGRAD_UPLOAD_MEMORY_SHARE of the memory; "
                                      "`details.limit` names it, the message says what to change",
                                 lambda: core.limit_exceeded(
                                     "8193 vectors is over BLOCKGRAD_MAX_N = 8192; send at most 8192.",
