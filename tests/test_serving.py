@@ -85,7 +85,7 @@ def answered(sock: socket.socket) -> bool:
 def test_keep_alive_reuses_one_connection(server):
     with requests.Session() as session:
         for _ in range(20):
-            response = session.post(server.url + "/v1/gradients", json=GOOD, timeout=30)
+            response = session.post(server.url + "/v1/gradients", json=GOOD, timeout=WAIT_S)
             assert response.status_code == 200
             assert response.headers.get("Connection", "").lower() != "close"
         pools = session.get_adapter(server.url).poolmanager.pools
@@ -96,7 +96,7 @@ def test_keep_alive_reuses_one_connection(server):
 def test_a_connection_closes_after_its_hundredth_request(server):
     """So that kept-alive connections spread over the workers again after a recycle."""
     with requests.Session() as session:
-        closes = [session.get(server.url + "/healthz", timeout=30).headers.get("Connection", "").lower() == "close"
+        closes = [session.get(server.url + "/healthz", timeout=WAIT_S).headers.get("Connection", "").lower() == "close"
                   for _ in range(120)]
     assert [k for k, closed in enumerate(closes, start=1) if closed] == [100]  # then a new connection
 
