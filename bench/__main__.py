@@ -39,6 +39,7 @@ ROWS = [
     attacks.slowloris_row,
     recycling.metrics_recycling_row,
     worker_growth.worker_memory_growth,
+    worker_growth.large_requests_soak,
     cores.lone_request_speedup,
     cores.concurrent_pairs_balance,
     cores.lone_request_cpu,

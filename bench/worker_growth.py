@@ -44,3 +44,29 @@ def worker_memory_growth(bench=None, requests_total: int = REQUESTS) -> list[Res
                    f"{baseline_kib / 1024:.0f} MiB after {min(WARM_REQUESTS, requests_total)} requests, "
                    f"{final_kib / 1024:.0f} MiB after {requests_total}; 8 in 11 the 10 x 5 example, the rest "
                    f"64 x 16, 300 x 32 (accumulated only), 37 x 7 (mean)")]
+
+
+def large_requests_soak(bench=None, requests_total: int = 24) -> list[Result]:
+    """Two workers as `make serve` starts them, large requests one after another (1024 x 32
+    accumulated and losses; every third a 160 x 16 answered in blocks), after a warm-up of 8:
+    the workers' summed RSS, mean of the last third against the first: an info row on whether
+    their memory levels off. `python -m bench large_requests_soak`."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    big = workloads.body(rng.standard_normal((1024, 32)), factor=8, outputs=["accumulated", "losses"])
+    streamed = workloads.body(rng.standard_normal((160, 16)), factor=4)
+    samples = []
+    with gunicorn_server(workers=2) as server, requests.Session() as session:
+        for k in range(8 + requests_total):
+            response = session.post(server.url + "/v1/gradients", data=streamed if k % 3 == 2 else big, timeout=300,
+                                    headers={"Content-Type": "application/json"})
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.content[:300]!r}")
+            if k >= 8:
+                samples.append(sum(rss_kib(pid) for pid in server.worker_pids()))
+    third = len(samples) // 3
+    first, last = sum(samples[:third]) / third, sum(samples[-third:]) / third
+    return [Result(f"soak: two workers' RSS over {requests_total} large requests", "- (info)",
+                   f"{last / first:.3f}x", "-",
+                   f"{first / 1024:.0f} MiB (first third) to {last / 1024:.0f} MiB (last third), after 8 warm-up")]

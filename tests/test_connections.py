@@ -1,8 +1,10 @@
 """The service's own edge (app/serving/worker.py) against real gunicorn: idle floods, header
 slowloris, silent closes, the header and read clocks, and the connection bound.
 
-Verdicts count events (probes answered, connections closed and how); the few times compared
-have margins of many seconds over what they measure.
+Verdicts count events (probes answered, connections closed and how, which closed first); how
+fast probes are answered under attack is measured by `make bench` (bench/attacks.py), not here.
+A lower bound ("not closed before the header timeout") is read on the client's clock, which
+starts before the server's: a slow machine only makes it longer.
 """
 import http.client
 import json
@@ -15,7 +17,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.attacks import HeaderDrip, IdleFlood, Prober, raise_open_files
+from bench.attacks import DRIP_HEAD, HeaderDrip, IdleFlood, Prober, raise_open_files
 from tools.server import gunicorn_server, wait_until
 from .events import connection_owner
 from .test_api import GOOD
@@ -23,7 +25,6 @@ from .test_api import GOOD
 pytestmark = pytest.mark.slow
 
 WAIT_S = 60  # bound of every wait below; reached only on failure
-PROBE_BOUND_S = 5.0  # the issue's target is 1 s (measured in bench/attacks.py); here only "answered"
 BODY = json.dumps(GOOD).encode()
 LINGER_S = 1.0  # the `short` server's BLOCKGRAD_LINGER_S
 
@@ -66,12 +67,16 @@ def closed_without_a_word(sock: socket.socket) -> bool:
     return bool(readable([sock])) and sock.recv(1) == b""
 
 
-def assert_probes_answered(prober: Prober, count: int) -> None:
-    probes = prober.all()
-    assert len(probes) >= count, f"only {len(probes)} probes ran"
-    failed = [x for x in probes if x is None]
-    assert len(failed) <= 0.01 * len(probes), f"{len(failed)} of {len(probes)} probes unanswered within " \
-                                              f"{PROBE_BOUND_S} s"
+def probed(port: int, seconds: float) -> Prober:
+    """Probes that each wait up to WAIT_S for their answer: a verdict on answers, not latency."""
+    return Prober(port, BODY, seconds=seconds, timeout_s=WAIT_S)
+
+
+def assert_probes_answered(prober: Prober) -> None:
+    """Every probe (/healthz and the 10 x 5 request, each on a fresh connection) got its 200."""
+    assert all(len(values) >= 1 for values in prober.latencies.values()), prober.latencies
+    failed = [x for x in prober.all() if x is None]
+    assert not failed, f"{len(failed)} of {len(prober.all())} probes got no 200"
 
 
 @pytest.fixture(scope="module")
@@ -85,16 +90,16 @@ def short():
 
 
 def test_an_idle_flood_does_not_freeze_probes():
-    """1500 idle connections at once, then 40 more a second for 15 s, at the defaults (2
-    workers, header timeout 10 s): /healthz and the 10 x 5 request on fresh connections every
-    0.25 s are answered; the server really held the flood, and closed it without a word."""
+    """1500 idle connections at once, then up to 40 more a second for 15 s, at the defaults (2
+    workers, header timeout 10 s): /healthz and the 10 x 5 request on fresh connections are
+    all answered; the server really held the flood, and closed it without a word."""
     raise_open_files(4096)
     with gunicorn_server(workers=2) as server:
         with IdleFlood(server.port, initial=1500, per_second=40, seconds=15) as flood:
-            with Prober(server.port, BODY, seconds=15, timeout_s=PROBE_BOUND_S) as prober:
+            with probed(server.port, seconds=15) as prober:
                 prober.join()
-            assert flood.opened >= 1500 + 40 * 10 and flood.failed == 0
-            assert_probes_answered(prober, count=50)
+            assert flood.opened >= 1500 and flood.failed == 0  # the growth's rate is the machine's
+            assert_probes_answered(prober)
             first = flood.sockets[:1500]
             assert wait_until(lambda: len(readable(first)) == len(first), WAIT_S, 0.5)
             assert all(sock.recv(1) == b"" for sock in first)  # closed, nothing written
@@ -109,25 +114,29 @@ def test_an_idle_flood_does_not_freeze_probes():
 
 def test_header_slowloris_is_cut_at_the_header_timeout_and_probes_answer(short):
     """200 connections sending their heads a byte a second: each is closed once 2 s have passed
-    since it connected (408 read_timeout, or nothing if no byte had arrived), and probes answer
-    meanwhile."""
-    before = closes(short, "head_timeout") + closes(short, "no_request")
+    since it connected, with 408 read_timeout if a byte of it had arrived (counted head_timeout)
+    or without a word if none had (counted no_request), and probes are answered meanwhile."""
+    before = {reason: closes(short, reason) for reason in ("head_timeout", "no_request")}
     with HeaderDrip(short.port, count=200, seconds=WAIT_S) as drip:
-        with Prober(short.port, BODY, seconds=8, timeout_s=PROBE_BOUND_S) as prober:
+        with probed(short.port, seconds=8) as prober:
             prober.join()
         assert wait_until(lambda: not drip.live(), WAIT_S, 0.5), f"{len(drip.live())} drippers still open"
     assert len(drip.drippers) == 200
-    assert_probes_answered(prober, count=25)
+    assert_probes_answered(prober)
     answered = 0
     for dripper in drip.drippers:
         assert dripper.closed_at - dripper.opened_at >= 2.0  # never before the header timeout
+        assert dripper.sent < len(DRIP_HEAD)  # never a whole head
         if dripper.received:
             assert dripper.received.startswith(b"HTTP/1.1 408 ")
             body = json.loads(dripper.received.split(b"\r\n\r\n", 1)[1])
             assert body["error"]["code"] == "read_timeout" and body["error"]["details"] == {"timeout_s": 2.0}
             answered += 1
-    assert answered >= 150  # each sent its first byte at once
-    assert closes(short, "head_timeout") + closes(short, "no_request") >= before + 200
+    # Which drippers had a byte in before their 2 s is the machine's pace; that each close has
+    # its reason is not (the probes send whole requests at once: neither reason).
+    assert answered >= 1
+    assert closes(short, "head_timeout") == before["head_timeout"] + answered
+    assert closes(short, "no_request") == before["no_request"] + 200 - answered
 
 
 def test_a_connection_that_sends_nothing_is_closed_silently(short):
@@ -255,12 +264,15 @@ def test_past_the_bound_the_longest_idle_connection_is_closed_and_probes_get_in(
     try:
         for _ in range(60):
             idle.append(connect(bounded))
-            time.sleep(0.01)  # accepted in this order
+            # Accepted before the next connects: the worker's order is the client's.
+            assert wait_until(lambda: connection_owner(bounded, idle[-1]) is not None or readable([idle[-1]]),
+                              WAIT_S, 0.01), "the worker never accepted a connection"
         assert requests.get(bounded.url + "/healthz", timeout=WAIT_S).status_code == 200
-        assert wait_until(lambda: bool(readable([idle[0]])), WAIT_S)
+        assert wait_until(lambda: closes(bounded, "evicted") >= before + 10, WAIT_S)
         shut = [i for i, sock in enumerate(idle) if readable([sock])]
         assert all(closed_without_a_word(idle[i]) for i in shut)
-        assert len(shut) >= 10 and max(shut) < 20  # the oldest went
+        # Each connection past the bound (the probe, the scrapes) evicted the oldest left.
+        assert len(shut) >= 10 and shut == list(range(len(shut))), shut
         assert not readable(idle[-10:])  # the newest are still open
         metrics = scrape(bounded)
         assert metrics[("blockgrad_connections_open", ())] <= 51
@@ -271,30 +283,37 @@ def test_past_the_bound_the_longest_idle_connection_is_closed_and_probes_get_in(
 
 
 def test_head_and_body_must_arrive_within_the_read_timeout_of_the_connection(bounded):
-    """The read clock starts at accept, not with the body: a client idle for 12 s, then sending
-    a head and dripping its body, gets 408 read_timeout 20 s after it connected (it would be 32 s
-    if the clock started with the body)."""
-    start = time.monotonic()
-    with connect(bounded) as sock:
-        time.sleep(12)
-        sock.sendall(b"POST /v1/gradients HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000\r\n\r\n")
-        sock.settimeout(1.0)
-        answer = b""
-        while time.monotonic() - start < 60 and b"\r\n\r\n" not in answer:
-            try:
-                sock.send(b" ")
-                data = sock.recv(65536)
-                if not data:
+    """The read clock starts at accept, not with the head or the body. `early` connects and
+    idles; `late` connects 6 s later and sends its head at once; `early` sends its head 6 s after
+    that; both then drip their bodies. From accept, `early` gets its 408 read_timeout first (at
+    20 s, `late` at 26 s); were the clock to start with the head or the body, `late` would (at 26
+    s, `early` at 32 s). A verdict on which is cut first: 6 s apart either way."""
+    post = (b"POST /v1/gradients HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n")
+    with connect(bounded) as early:
+        time.sleep(6)
+        with connect(bounded) as late:
+            late.sendall(post)
+            time.sleep(6)
+            early.sendall(post)
+            cut_at, answers = {}, {}  # the look at which each was found answered
+            for look in range(10 * WAIT_S):  # until the server has answered both (bounded)
+                for sock in readable([s for s in (early, late) if s not in cut_at]):
+                    cut_at[sock], answers[sock] = look, eof_at(sock)
+                if len(cut_at) == 2:
                     break
-                answer += data
-            except socket.timeout:
-                continue
-            except OSError:
-                break
-    elapsed = time.monotonic() - start
-    assert answer.startswith(b"HTTP/1.1 408 "), answer[:200]
-    assert 20 <= elapsed < 31  # from accept: 20 s; from the body it would be 32 s
+                for sock in (early, late):
+                    if sock not in cut_at and look % 10 == 0:  # a body byte a second each
+                        try:
+                            sock.send(b" ")
+                        except OSError:
+                            pass  # closed meanwhile: the next look reads the answer
+                time.sleep(0.1)
+    assert len(cut_at) == 2, "the server never answered"
+    for sock in (early, late):  # a head after the header timeout would have been closed unanswered
+        assert answers[sock].startswith(b"HTTP/1.1 408 ") and b'"code":"read_timeout"' in answers[sock], \
+            answers[sock][:200]
+    assert cut_at[early] < cut_at[late], "the read clock started after accept"
 
 
 def test_the_default_bound_holds_the_flood_the_service_is_sized_for(monkeypatch):

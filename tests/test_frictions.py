@@ -162,7 +162,7 @@ def socket_of(pid: int) -> str:
     return os.path.join(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(), f"blockgrad-gunicorn-{pid}.ctl")
 
 
-def is_socket_soon(path: str, within_s: float = 10.0) -> bool:
+def is_socket_soon(path: str, within_s: float = 60.0) -> bool:
     """gunicorn's master starts its control socket after the first workers, which may already
     answer: wait for it, a bounded number of times."""
     for _ in range(int(within_s / 0.05)):

@@ -35,6 +35,8 @@ def test_measured_peak_is_within_the_prediction_and_the_budget(server, case):
     peak, predicted, status, _ = measure(server, case, settings)
     assert status == 200
     assert predicted <= BUDGET
+    # Measured as here (bench.memory.measure, ENV, 2 cores): 179 and 33 MiB against 726 and 324
+    # MiB predicted; with app.core.heap.watch_for returning None (no heap watch), 232 and 38 MiB.
     assert peak <= predicted, f"measured {peak / MIB:.0f} MiB over the predicted {predicted / MIB:.0f} MiB"
 
 
@@ -42,4 +44,6 @@ def test_over_the_budget_is_refused_without_growing_the_worker(server):
     settings = Settings.from_env(ENV)
     peak, predicted, status, _ = measure(server, REFUSED, settings)
     assert predicted > BUDGET and status == 413
-    assert peak < 64 * MIB  # the body and its parsed header, nothing computed
+    # The body and its parsed header, nothing computed: admitted (a 64 GiB budget), the same
+    # request added 660 MiB (668 MiB without the heap watch).
+    assert peak < 64 * MIB
