@@ -72,13 +72,6 @@ def submit(client, **body):
     return response
 
 
-def assert_close(got, expected, dtype: str) -> None:
-    tolerance = 1e-5 if dtype == "float32" else 1e-12
-    got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
-    assert got.shape == expected.shape
-    assert np.abs(got - expected).max() <= tolerance * max(1.0, np.abs(expected).max())
-
-
 def reference_losses(vectors: np.ndarray, factor: int, objective: str, dtype: str) -> np.ndarray:
     v = torch.tensor(vectors, dtype=getattr(torch, dtype))
     losses = [float(loss) for loss, _ in reference_blocks(v, factor, objective)]
@@ -108,10 +101,10 @@ def test_json_job_equals_v1_and_the_reference(client, n, dim, factor, objective,
     for key in ("n", "dim", "factor", "bounds", "objective", "dtype", "device"):
         assert job[key] == sync[key], key
     assert job["losses"] == sync["losses"]  # the same digits: the same bits
-    assert_close(job["accumulated"], sync["accumulated"], dtype)
+    assert_matches(job["accumulated"], sync["accumulated"], dtype)
     v = torch.tensor(vectors, dtype=getattr(torch, dtype))
-    assert_close(job["accumulated"], reference_accumulated(v, factor, objective).numpy(), dtype)
-    assert_close(job["losses"], reference_losses(vectors, factor, objective, dtype), dtype)
+    assert_matches(job["accumulated"], reference_accumulated(v, factor, objective).numpy(), dtype)
+    assert_matches(job["losses"], reference_losses(vectors, factor, objective, dtype), dtype)
 
 
 def test_npy_job_with_query_fields_and_an_npz_result(client):
@@ -128,7 +121,7 @@ def test_npy_job_with_query_fields_and_an_npz_result(client):
     assert set(arrays.files) == {"accumulated", "bounds"}
     expected = reference_accumulated(torch.tensor(vectors), 7, "sum_of_squares").numpy()
     assert arrays["accumulated"].dtype == np.float64
-    assert_close(arrays["accumulated"], expected, "float64")
+    assert_matches(arrays["accumulated"], expected, "float64")
     assert arrays["bounds"].tolist() == [0, 7, 14, 21, 28, 35, 42, 50]
     for accept in ("*/*", "application/*", "application/json"):  # only the exact type gets binary
         assert client.get(f"/v1/jobs/{record['id']}/result", headers={"Accept": accept}).mimetype == "application/json"
@@ -217,6 +210,12 @@ def answered(call):
 
 
 TILE_PAIR_PAGES = TILE_BLOCKS * (TILE_N // TILE_FACTOR) ** 2 * 2 * TILE_DIM * 4 // os.sysconf("SC_PAGE_SIZE")
+# The unfixed case (MALLOC_TRIM_THRESHOLD_=65536, no restore), measured on 2026-12-01 in a
+# process of its own: 163,953 to 164,362 faults a tile, 5.0x TILE_PAIR_PAGES (32,768), every
+# chunk's tensors mapped afresh. Fixed, the fewest of three: 1 to 6,176 (a single tile up to
+# 22,528). The bound is half the unfixed figure: 2x below it, 13x above the fixed case seen.
+UNFIXED_FAULTS = 5 * TILE_PAIR_PAGES
+FAULTS_BOUND = UNFIXED_FAULTS // 2
 
 
 def test_the_embedded_workers_start_without_the_nannys_trim_threshold(cluster):
@@ -225,7 +224,7 @@ def test_the_embedded_workers_start_without_the_nannys_trim_threshold(cluster):
     nannies leave it out (cluster.NANNY_ENVIRON) and keep distributed's one-thread settings.
     Counted, not timed: the minor page faults of one tile on one worker, the fewest of three
     (the first ones warm its heap up), against the pages of the tile's pairs alone; without
-    the reuse every chunk maps all its tensors afresh."""
+    the reuse every chunk maps all its tensors afresh (UNFIXED_FAULTS)."""
     dask = cluster_client(cluster.address)
     worker = sorted(dask.scheduler_info()["workers"])[0]
     names = ("MALLOC_TRIM_THRESHOLD_", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -234,9 +233,7 @@ def test_the_embedded_workers_start_without_the_nannys_trim_threshold(cluster):
     vectors, spec = tile_job()
     faults = [dask.submit(tile_faults, vectors, spec, *TILE, workers=[worker], pure=False)
               .result(timeout=JOB_S) for _ in range(3)]
-    # Without the reuse about 5x the pairs' pages; with it the fewest of three 0.002x to 0.25x
-    # by what the worker ran before (after tests/test_job_tiles.py: 8195 of 32768).
-    assert min(faults) < TILE_PAIR_PAGES, (faults, TILE_PAIR_PAGES)
+    assert min(faults) < FAULTS_BOUND, (faults, FAULTS_BOUND)  # the margins: beside FAULTS_BOUND
 
 
 def test_a_tile_reuses_freed_memory_under_distributeds_default_trim_threshold():
@@ -252,7 +249,7 @@ def test_a_tile_reuses_freed_memory_under_distributeds_default_trim_threshold():
     done = subprocess.run([sys.executable, "-c", program], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=JOB_S)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert int(done.stdout.split()[-1]) < TILE_PAIR_PAGES / 2, (done.stdout, TILE_PAIR_PAGES)
+    assert int(done.stdout.split()[-1]) < FAULTS_BOUND, (done.stdout, FAULTS_BOUND)  # the margins: beside it
 
 
 def test_a_non_finite_job_fails_with_v1s_error(client):
@@ -557,7 +554,7 @@ def test_a_large_npy_job_succeeds(client):
     side = n // factor
     sums = vectors.astype(np.float64).reshape(factor, side, dim).sum(axis=(1, 2))  # (F,)
     expected = side * (sums[:, None] + sums[None, :]) + 5.0 * side * side * 2 * dim
-    assert np.abs(arrays["losses"] - expected).max() <= 1e-5 * np.abs(expected).max()
+    assert_matches(arrays["losses"], expected, "float32", what="losses")
 
 
 SUBMIT_AND_DIE = """
@@ -580,7 +577,7 @@ def test_a_job_outlives_the_process_that_accepted_it(cluster, client):
     assert wait_for_job(client, job_id)["status"] == "succeeded"
     accumulated = client.get(f"/v1/jobs/{job_id}/result").get_json()["accumulated"]
     vectors = torch.tensor(np.random.default_rng(5).standard_normal((600, 8)))
-    assert_close(accumulated, reference_accumulated(vectors, 12, "sum", offset=5.0).numpy(), "float64")
+    assert_matches(accumulated, reference_accumulated(vectors, 12, "sum", offset=5.0).numpy(), "float64")
 
 
 def test_a_dask_worker_killed_mid_job_still_gives_the_exact_result(cluster, client, tmp_path):

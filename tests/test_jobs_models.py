@@ -20,7 +20,7 @@ from tests.numeric import assert_matches, largest
 from tests.dask_cluster import npy, wait_for_job
 
 DIM = 4
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +91,18 @@ def test_model_jobs_equal_v1_and_load_the_program_once_per_worker(cluster, clien
     assert sum(key.startswith("blockgrad-program-") for key in holders) == 1
 
 
-def test_a_float64_model_job_equals_v1_bit_for_bit_in_its_losses(client):
+def test_a_float64_model_job_equals_v1_in_its_losses(client):
+    """Within float64's tolerance, not bit for bit: a model's matrix product rounds by the
+    number of pairs in its batch (docs/models.md), and a job's tile stacks fewer blocks of a
+    shape than /v1's whole request (seen: 1 ulp on one of 16 losses)."""
     vectors = np.random.default_rng(5).standard_normal((30, DIM))
     body = {"vectors": vectors.tolist(), "factor": 4, "objective": "relnet64", "dtype": "float64"}
     done = wait_for_job(client, client.post("/v1/jobs", json=body).get_json()["id"])
     assert done["status"] == "succeeded", done
     job = client.get(f"/v1/jobs/{done['id']}/result").get_json()
     sync = sync_answer(client, body)
-    assert job["losses"] == sync["losses"]
+    losses = np.array(sync["losses"])
+    assert_matches(job["losses"], losses, "float64", scale=largest(losses), what="losses")
     accumulated = np.array(sync["accumulated"])
     assert_matches(job["accumulated"], accumulated, "float64", scale=largest(accumulated), what="accumulated")
 
