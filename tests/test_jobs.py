@@ -189,13 +189,6 @@ def test_the_job_gauges_are_read_when_scraped_not_at_the_last_post(quiet_cluster
     assert scraped_gauges(client) == {**after, "succeeded": after["succeeded"] - 1}
 
 
-def test_a_scrape_with_the_scheduler_unreachable_is_bounded_and_reports_no_workers():
-    client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": f"tcp://127.0.0.1:{free_port()}"}).test_client()
-    observe_workers(2)  # what an earlier read saw
-    gauges = answered(lambda: scraped_gauges(client))  # METRICS_READ_S bounds it: no hang
-    assert gauges["workers"] == 0
-
-
 HANG_S = 120  # far above any answer's bound: reached only by a call that hangs
 
 
@@ -207,6 +200,13 @@ def answered(call):
     thread.join(HANG_S)
     assert outcome, f"no answer after {HANG_S} s: hung"
     return outcome[0]
+
+
+def test_a_scrape_with_the_scheduler_unreachable_is_bounded_and_reports_no_workers():
+    client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": f"tcp://127.0.0.1:{free_port()}"}).test_client()
+    observe_workers(2)  # what an earlier read saw
+    gauges = answered(lambda: scraped_gauges(client))  # METRICS_READ_S bounds it: no hang
+    assert gauges["workers"] == 0
 
 
 TILE_PAIR_PAGES = TILE_BLOCKS * (TILE_N // TILE_FACTOR) ** 2 * 2 * TILE_DIM * 4 // os.sysconf("SC_PAGE_SIZE")
@@ -410,9 +410,10 @@ def test_each_route_s_cluster_calls_share_one_deadline(cluster, client, monkeypa
     most the 5 s it promises on its calls together (a 503 cluster_unavailable when they need
     more), however many calls it makes. Patched because the promise is a time: on the
     deadline's own clock it is exact and counted in calls (four of CALL_COST_S do not fit),
-    where the wall's would make the verdict depend on the machine's load; a real unreachable
-    cluster is tested for its 503 and for not hanging in
-    test_unreachable_scheduler_is_503_within_5_s_and_v1_unaffected."""
+    where the wall's would make the verdict depend on the machine's load. Real unreachable
+    clusters (an address nobody listens on; a SIGKILLed scheduler) are tested for their 503
+    on every route and for not hanging in test_unreachable_scheduler_is_503_within_5_s_and_v1_unaffected
+    and test_a_scheduler_restarted_mid_job_loses_its_jobs_and_v1_serves_throughout."""
     done = wait_for_job(client, submit(client, vectors=[[1.0], [2.0], [3.0]], factor=3).get_json()["id"])
     assert done["status"] == "succeeded"
     now, spent = [0.0], []
