@@ -165,3 +165,8 @@ def dask_role(cmdline: str) -> str | None:
         if f" -m dask {role} " in cmdline or cmdline.startswith(f"dask {role} ["):
             return role
     return None
+
+
+def input_copies(key: str, dask_scheduler=None) -> dict[str, int]:
+    """On the scheduler: each input of task `key` -> how many workers hold it."""
+    return {str(dep.key): len(dep.who_has or ()) for dep in dask_scheduler.tasks[key].dependencies}

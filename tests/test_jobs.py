@@ -25,7 +25,8 @@ from app.jobs.cluster import free_port, start_embedded, stop_embedded
 from app.jobs.metrics import observe_workers
 from app.jobs.on_scheduler import JOBS, forget_records, snapshots
 from tests.dask_cluster import (CLUSTER_START_S, JOB_S, TILE, TILE_BLOCKS, TILE_DIM, TILE_FACTOR, TILE_N, HeldTiles,
-                                dask_role, npy, task_runs, tile_faults, tile_job, wait_for_job, wait_for_workers)
+                                dask_role, input_copies, npy, task_runs, tile_faults, tile_job, wait_for_job,
+                                wait_for_workers)
 from tests.numeric import assert_matches
 from tools.reference import reference_accumulated, reference_blocks
 from tools.server import children, wait_until
@@ -595,6 +596,8 @@ def test_a_dask_worker_killed_mid_job_still_gives_the_exact_result(cluster, clie
                           content_type="application/x-npy").get_json()
         [(victim, lost), *_] = held.wait_started(job["id"])
         assert victim in pids.values()
+        copies = dask.run_on_scheduler(input_copies, lost)
+        assert copies and set(copies.values()) == {2}, copies  # the vectors: on the other worker too
         os.kill(victim, signal.SIGKILL)
         held.release()
         done = wait_for_job(client, job["id"], 3 * JOB_S)

@@ -77,7 +77,8 @@ def test_gunicorn_runs_jobs_on_its_embedded_cluster_which_dies_with_the_master(t
         address = f"tcp://127.0.0.1:{cmdline(supervisor).split(' -m app.jobs.supervisor ')[1].split()[0]}"
         assert wait_until(lambda: len(children(supervisor)) == 2, JOB_S, 0.2)
         dask = [pid for pid in children(supervisor) if dask_role(cmdline(pid))]
-        assert sorted(dask_role(cmdline(pid)) for pid in dask) == ["scheduler", "worker"], [cmdline(pid) for pid in dask]
+        roles = sorted(dask_role(cmdline(pid)) for pid in dask)
+        assert roles == ["scheduler", "worker"], [cmdline(pid) for pid in dask]
         for pid in dask:  # as started; a process distributed has retitled shows only its role and address
             line = cmdline(pid)
             assert "127.0.0.1" in line and (" -m dask " not in line or "--no-dashboard" in line), line
