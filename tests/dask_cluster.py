@@ -67,3 +67,106 @@ def tile_faults(vectors, spec: dict, rows: tuple[int, int], cols: tuple[int, int
     before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
     tile_task(vectors, spec, rows, cols)
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+HOLD_S = 600  # a held tile's own bound: past it the tile computes, so no worker is held for ever
+
+
+class HeldTiles:
+    """Job tiles held at their start, on a local cluster's workers, until released: a fault is
+    then made at a known point instead of raced. Installed with Client.run in each worker
+    process present (app/jobs/tasks.py's tile_task, which the graph names by reference, is
+    wrapped there; nothing in app/ knows of it). Each tile that starts writes a file into
+    `directory` named by its worker's pid and its key, then waits for `directory`/release.
+    A worker started later (a restarted one) runs its tiles unheld."""
+
+    def __init__(self, address: str, directory):
+        from pathlib import Path
+
+        self.address, self.directory = address, Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    def __enter__(self) -> "HeldTiles":
+        cluster_client(self.address).run(hold_tiles, str(self.directory))
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+        try:
+            cluster_client(self.address).run(unhold_tiles)
+        except Exception:  # noqa: BLE001 - a cluster already stopped holds nothing
+            pass
+
+    def release(self) -> None:
+        (self.directory / "release").touch()
+
+    def started(self, job_id: str) -> list[tuple[int, str]]:
+        """(worker pid, key) of each start of one of the job's tiles, in no particular order."""
+        found = []
+        for path in self.directory.glob("started-*"):
+            pid, key = path.read_text().split(" ", 1)
+            if job_id in key:
+                found.append((int(pid), key))
+        return found
+
+    def wait_started(self, job_id: str, count: int = 1, timeout_s: float = JOB_S) -> list[tuple[int, str]]:
+        assert wait_until(lambda: len(self.started(job_id)) >= count, timeout_s, 0.05), \
+            f"{count} tiles of job {job_id} did not start within {timeout_s} s: {self.started(job_id)}"
+        return self.started(job_id)
+
+
+def hold_tiles(directory: str) -> None:
+    """On a worker (Client.run): wrap tile_task as HeldTiles says."""
+    import os
+    import time
+    import uuid
+    from pathlib import Path
+
+    from distributed import get_worker
+
+    from app.jobs import tasks
+
+    original = getattr(tasks.tile_task, "unheld", tasks.tile_task)
+
+    def held(*args, **kwargs):
+        key = get_worker().get_current_task()
+        name = uuid.uuid4().hex
+        Path(directory, f".{name}").write_text(f"{os.getpid()} {key}")
+        os.replace(Path(directory, f".{name}"), Path(directory, f"started-{name}"))  # read whole or not at all
+        deadline = time.monotonic() + HOLD_S
+        while not Path(directory, "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return original(*args, **kwargs)
+    held.unheld = original
+    tasks.tile_task = held
+
+
+def unhold_tiles() -> None:
+    from app.jobs import tasks
+
+    tasks.tile_task = getattr(tasks.tile_task, "unheld", tasks.tile_task)
+
+
+def task_runs(job_id: str, dask_scheduler=None) -> dict[str, list[str]]:
+    """On the scheduler (Client.run_on_scheduler): each of the job's keys -> the states it
+    entered, in order, from the scheduler's transition log."""
+    runs: dict[str, list[str]] = {}
+    for transition in dask_scheduler.transition_log:
+        if job_id in str(transition.key):
+            runs.setdefault(str(transition.key), []).append(transition.finish)
+    return runs
+
+
+def dask_role(cmdline: str) -> str | None:
+    """"scheduler" or "worker" for a `python -m dask <role> ...` process, whether its command
+    line is as started or as distributed retitles it ("dask <role> [address]") when
+    setproctitle is installed; None for any other process."""
+    for role in ("scheduler", "worker"):
+        if f" -m dask {role} " in cmdline or cmdline.startswith(f"dask {role} ["):
+            return role
+    return None
+
+
+def input_copies(key: str, dask_scheduler=None) -> dict[str, int]:
+    """On the scheduler: each input of task `key` -> how many workers hold it."""
+    return {str(dep.key): len(dep.who_has or ()) for dep in dask_scheduler.tasks[key].dependencies}

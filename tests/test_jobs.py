@@ -24,14 +24,37 @@ from app.jobs.client import close_clients, cluster_client
 from app.jobs.cluster import free_port, start_embedded, stop_embedded
 from app.jobs.metrics import observe_workers
 from app.jobs.on_scheduler import JOBS, forget_records, snapshots
-from tests.dask_cluster import (CLUSTER_START_S, JOB_S, TILE, TILE_BLOCKS, TILE_DIM, TILE_FACTOR, TILE_N, npy, tile_faults,
-                                tile_job, wait_for_job, wait_for_workers)
+from tests.dask_cluster import (CLUSTER_START_S, JOB_S, TILE, TILE_BLOCKS, TILE_DIM, TILE_FACTOR, TILE_N, HeldTiles,
+                                dask_role, input_copies, npy, task_runs, tile_faults, tile_job, wait_for_job,
+                                wait_for_workers)
+from tests.numeric import assert_matches
 from tools.reference import reference_accumulated, reference_blocks
 from tools.server import children, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 HEX_ID = "0123456789abcdef" * 2
-pytestmark = pytest.mark.usefixtures("one_thread")  # /v1 computed here with one thread, as every Dask task
+# /v1 computed here with one thread, as every Dask task
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture(scope="module")
+def quiet_cluster():
+    """A cluster of one worker for the tests that count every job on the scheduler: each of
+    them leaves no job queued or running, so none waits on another test's jobs."""
+    own = start_embedded(1)
+    try:
+        wait_for_workers(own.address, 1)
+        yield own
+    finally:
+        close_clients(own.address)
+        stop_embedded(own)
+
+
+def assert_nothing_active(address: str) -> None:
+    dask = cluster_client(address)
+    active = {job_id: s for job_id, s in dask.run_on_scheduler(snapshots, None).items()
+              if s["outcome"] is None and not s["record"].get("cancelled")}
+    assert not active, f"jobs another test left running: {active}"
 
 
 @pytest.fixture(scope="module")
@@ -48,13 +71,6 @@ def submit(client, **body):
     response = client.post("/v1/jobs", json=body)
     assert response.status_code == 202, response.get_json()
     return response
-
-
-def assert_close(got, expected, dtype: str) -> None:
-    tolerance = 1e-5 if dtype == "float32" else 1e-12
-    got, expected = np.asarray(got, dtype=np.float64), np.asarray(expected, dtype=np.float64)
-    assert got.shape == expected.shape
-    assert np.abs(got - expected).max() <= tolerance * max(1.0, np.abs(expected).max())
 
 
 def reference_losses(vectors: np.ndarray, factor: int, objective: str, dtype: str) -> np.ndarray:
@@ -86,10 +102,10 @@ def test_json_job_equals_v1_and_the_reference(client, n, dim, factor, objective,
     for key in ("n", "dim", "factor", "bounds", "objective", "dtype", "device"):
         assert job[key] == sync[key], key
     assert job["losses"] == sync["losses"]  # the same digits: the same bits
-    assert_close(job["accumulated"], sync["accumulated"], dtype)
+    assert_matches(job["accumulated"], sync["accumulated"], dtype)
     v = torch.tensor(vectors, dtype=getattr(torch, dtype))
-    assert_close(job["accumulated"], reference_accumulated(v, factor, objective).numpy(), dtype)
-    assert_close(job["losses"], reference_losses(vectors, factor, objective, dtype), dtype)
+    assert_matches(job["accumulated"], reference_accumulated(v, factor, objective).numpy(), dtype)
+    assert_matches(job["losses"], reference_losses(vectors, factor, objective, dtype), dtype)
 
 
 def test_npy_job_with_query_fields_and_an_npz_result(client):
@@ -106,7 +122,7 @@ def test_npy_job_with_query_fields_and_an_npz_result(client):
     assert set(arrays.files) == {"accumulated", "bounds"}
     expected = reference_accumulated(torch.tensor(vectors), 7, "sum_of_squares").numpy()
     assert arrays["accumulated"].dtype == np.float64
-    assert_close(arrays["accumulated"], expected, "float64")
+    assert_matches(arrays["accumulated"], expected, "float64")
     assert arrays["bounds"].tolist() == [0, 7, 14, 21, 28, 35, 42, 50]
     for accept in ("*/*", "application/*", "application/json"):  # only the exact type gets binary
         assert client.get(f"/v1/jobs/{record['id']}/result", headers={"Accept": accept}).mimetype == "application/json"
@@ -133,7 +149,8 @@ def test_idempotency_key_returns_the_same_job(client):
 
 
 def test_readyz_and_metrics_report_the_cluster(client):
-    submit(client, vectors=[[1.0], [2.0]], factor=2)  # connects this process and refreshes the gauges
+    job = submit(client, vectors=[[1.0], [2.0]], factor=2).get_json()  # connects this process
+    assert wait_for_job(client, job["id"])["status"] == "succeeded"  # a succeeded job of its own to count
     reports = []
 
     def both_workers_seen():  # the Client's own view, refreshed every few seconds
@@ -158,32 +175,48 @@ def scraped_gauges(client) -> dict[str, float]:
     return found
 
 
-def test_the_job_gauges_are_read_when_scraped_not_at_the_last_post(cluster, client):
+def test_the_job_gauges_are_read_when_scraped_not_at_the_last_post(quiet_cluster):
     """A job that finished, then one forgotten, after the last POST: each scrape counts what the
     scheduler holds then."""
-    def nothing_active():  # the other tests' jobs have ended
-        gauges = scraped_gauges(client)
-        return gauges["queued"] == gauges["running"] == 0
-    assert wait_until(nothing_active, JOB_S, 0.5)
+    client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": quiet_cluster.address}).test_client()
+    assert_nothing_active(quiet_cluster.address)
     before = scraped_gauges(client)
+    assert before["queued"] == before["running"] == 0, before
     job = submit(client, vectors=[[1.0, 2.0], [3.0, 4.0]], factor=2).get_json()  # the last POST
     assert wait_for_job(client, job["id"])["status"] == "succeeded"
     after = scraped_gauges(client)
-    assert after == {**before, "succeeded": before["succeeded"] + 1, "queued": 0, "running": 0, "workers": 2}
+    assert after == {**before, "succeeded": before["succeeded"] + 1, "queued": 0, "running": 0, "workers": 1}
     assert client.delete(f"/v1/jobs/{job['id']}").status_code == 204  # forgotten: one succeeded job fewer
     assert scraped_gauges(client) == {**after, "succeeded": after["succeeded"] - 1}
+
+
+HANG_S = 120  # far above any answer's bound: reached only by a call that hangs
+
+
+def answered(call):
+    """call()'s value, failing the test if it has not returned after HANG_S (a hang)."""
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(call()), daemon=True)
+    thread.start()
+    thread.join(HANG_S)
+    assert outcome, f"no answer after {HANG_S} s: hung"
+    return outcome[0]
 
 
 def test_a_scrape_with_the_scheduler_unreachable_is_bounded_and_reports_no_workers():
     client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": f"tcp://127.0.0.1:{free_port()}"}).test_client()
     observe_workers(2)  # what an earlier read saw
-    start = time.monotonic()
-    gauges = scraped_gauges(client)
-    assert time.monotonic() - start < 30  # METRICS_READ_S on its deadline; the margin is for a busy machine
+    gauges = answered(lambda: scraped_gauges(client))  # METRICS_READ_S bounds it: no hang
     assert gauges["workers"] == 0
 
 
 TILE_PAIR_PAGES = TILE_BLOCKS * (TILE_N // TILE_FACTOR) ** 2 * 2 * TILE_DIM * 4 // os.sysconf("SC_PAGE_SIZE")
+# The unfixed case (MALLOC_TRIM_THRESHOLD_=65536, no restore), measured on 2026-12-01 in a
+# process of its own: 163,953 to 164,362 faults a tile, 5.0x TILE_PAIR_PAGES (32,768), every
+# chunk's tensors mapped afresh. Fixed, the fewest of three: 1 to 6,176 (a single tile up to
+# 22,528). The bound is half the unfixed figure: 2x below it, 13x above the fixed case seen.
+UNFIXED_FAULTS = 5 * TILE_PAIR_PAGES
+FAULTS_BOUND = UNFIXED_FAULTS // 2
 
 
 def test_the_embedded_workers_start_without_the_nannys_trim_threshold(cluster):
@@ -192,7 +225,7 @@ def test_the_embedded_workers_start_without_the_nannys_trim_threshold(cluster):
     nannies leave it out (cluster.NANNY_ENVIRON) and keep distributed's one-thread settings.
     Counted, not timed: the minor page faults of one tile on one worker, the fewest of three
     (the first ones warm its heap up), against the pages of the tile's pairs alone; without
-    the reuse every chunk maps all its tensors afresh."""
+    the reuse every chunk maps all its tensors afresh (UNFIXED_FAULTS)."""
     dask = cluster_client(cluster.address)
     worker = sorted(dask.scheduler_info()["workers"])[0]
     names = ("MALLOC_TRIM_THRESHOLD_", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -201,9 +234,7 @@ def test_the_embedded_workers_start_without_the_nannys_trim_threshold(cluster):
     vectors, spec = tile_job()
     faults = [dask.submit(tile_faults, vectors, spec, *TILE, workers=[worker], pure=False)
               .result(timeout=JOB_S) for _ in range(3)]
-    # Without the reuse about 5x the pairs' pages; with it the fewest of three 0.002x to 0.25x
-    # by what the worker ran before (after tests/test_job_tiles.py: 8195 of 32768).
-    assert min(faults) < TILE_PAIR_PAGES, (faults, TILE_PAIR_PAGES)
+    assert min(faults) < FAULTS_BOUND, (faults, FAULTS_BOUND)  # the margins: beside FAULTS_BOUND
 
 
 def test_a_tile_reuses_freed_memory_under_distributeds_default_trim_threshold():
@@ -219,7 +250,7 @@ def test_a_tile_reuses_freed_memory_under_distributeds_default_trim_threshold():
     done = subprocess.run([sys.executable, "-c", program], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=JOB_S)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert int(done.stdout.split()[-1]) < TILE_PAIR_PAGES / 2, (done.stdout, TILE_PAIR_PAGES)
+    assert int(done.stdout.split()[-1]) < FAULTS_BOUND, (done.stdout, FAULTS_BOUND)  # the margins: beside it
 
 
 def test_a_non_finite_job_fails_with_v1s_error(client):
@@ -232,43 +263,44 @@ def test_a_non_finite_job_fails_with_v1s_error(client):
     assert result.get_json()["error"]["details"] == {"status": "failed"}
 
 
-def test_running_job_409_then_cancelled_and_max_jobs(cluster):
-    """One long job: the next POST is over BLOCKGRAD_MAX_JOBS = 1, its result is 409 while it
-    runs, DELETE cancels it and releases its tasks, and a small job then succeeds."""
+def test_running_job_409_then_cancelled_and_max_jobs(cluster, tmp_path):
+    """A job whose tiles are held at their start (so it is running, none done, when looked at):
+    the next POST is over BLOCKGRAD_MAX_JOBS = 1, its result is 409 while it runs, DELETE
+    cancels it with no block done and releases its tasks, and a small job then succeeds."""
     client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": cluster.address,
                          "BLOCKGRAD_MAX_JOBS": "1"}).test_client()
-    vectors = np.random.default_rng(3).standard_normal((6144, 32)).astype(np.float32)
-    big = client.post("/v1/jobs?factor=48&objective=sum_of_squares", data=npy(vectors),
-                      content_type="application/x-npy").get_json()
-    assert big["status"] in ("queued", "running"), big
-    small = {"vectors": [[1.0, 2.0], [3.0, 4.0]], "factor": 2}
-    refused = client.post("/v1/jobs", json=small)
-    assert refused.status_code == 503 and refused.headers["Retry-After"]
-    assert refused.get_json()["error"]["code"] == "overloaded"
-    assert refused.get_json()["error"]["details"]["limit"] == "BLOCKGRAD_MAX_JOBS"
-    early = client.get(f"/v1/jobs/{big['id']}/result")
-    assert early.status_code == 409 and early.headers["Retry-After"]
-    assert early.get_json()["error"]["code"] == "job_not_done"
-    assert early.get_json()["error"]["details"]["status"] in ("queued", "running")
-    assert wait_until(lambda: client.get(f"/v1/jobs/{big['id']}").get_json()["status"] == "running", JOB_S, 0.05)
-    running = client.get(f"/v1/jobs/{big['id']}").get_json()
-    assert running["started_at"] is not None and running["finished_at"] is None
-    assert running["progress"]["blocks_done"] < running["progress"]["blocks_total"]
-    cancelled = client.delete(f"/v1/jobs/{big['id']}")
-    assert cancelled.status_code == 200 and cancelled.get_json()["status"] == "cancelled"
-    record = client.get(f"/v1/jobs/{big['id']}").get_json()
-    assert record["status"] == "cancelled" and record["finished_at"] is not None
-    # Its tasks are released or forgotten now: not done. The blocks done stay what they were.
-    assert record["progress"] == cancelled.get_json()["progress"]
-    assert record["progress"]["blocks_done"] < record["progress"]["blocks_total"]
-    assert client.get(f"/v1/jobs/{big['id']}/result").get_json()["error"]["details"] == {"status": "cancelled"}
-    dask = cluster_client(cluster.address)
+    vectors = np.random.default_rng(3).standard_normal((256, 8)).astype(np.float32)
+    with HeldTiles(cluster.address, tmp_path) as held:
+        big = client.post("/v1/jobs?factor=16&objective=sum_of_squares", data=npy(vectors),
+                          content_type="application/x-npy").get_json()
+        assert big["status"] in ("queued", "running"), big
+        held.wait_started(big["id"])
+        small = {"vectors": [[1.0, 2.0], [3.0, 4.0]], "factor": 2}
+        refused = client.post("/v1/jobs", json=small)
+        assert refused.status_code == 503 and refused.headers["Retry-After"]
+        assert refused.get_json()["error"]["code"] == "overloaded"
+        assert refused.get_json()["error"]["details"]["limit"] == "BLOCKGRAD_MAX_JOBS"
+        early = client.get(f"/v1/jobs/{big['id']}/result")
+        assert early.status_code == 409 and early.headers["Retry-After"]
+        assert early.get_json()["error"]["code"] == "job_not_done"
+        assert early.get_json()["error"]["details"]["status"] == "running"
+        running = client.get(f"/v1/jobs/{big['id']}").get_json()
+        assert running["status"] == "running" and running["started_at"] is not None and running["finished_at"] is None
+        assert running["progress"] == {"blocks_done": 0, "blocks_total": 256}
+        cancelled = client.delete(f"/v1/jobs/{big['id']}")
+        assert cancelled.status_code == 200 and cancelled.get_json()["status"] == "cancelled"
+        record = client.get(f"/v1/jobs/{big['id']}").get_json()
+        assert record["status"] == "cancelled" and record["finished_at"] is not None
+        assert record["progress"] == cancelled.get_json()["progress"] == {"blocks_done": 0, "blocks_total": 256}
+        assert client.get(f"/v1/jobs/{big['id']}/result").get_json()["error"]["details"] == {"status": "cancelled"}
+        held.release()  # the held tiles finish; no other starts
+        dask = cluster_client(cluster.address)
 
-    def released():
-        return not any(big["id"] in str(key) for keys in dask.processing().values() for key in keys)
-    assert wait_until(released, JOB_S, 0.2)  # a running tile finishes; no other starts
-    [gone] = dask.run_on_scheduler(snapshots, [big["id"]]).values()  # its tiles, as the scheduler has them now
-    assert gone["progress"]["done"] < record["progress"]["blocks_total"]  # forgotten is not done
+        def released():
+            return not any(big["id"] in str(key) for keys in dask.processing().values() for key in keys)
+        assert wait_until(released, JOB_S, 0.2), dask.processing()
+        [gone] = dask.run_on_scheduler(snapshots, [big["id"]]).values()  # its tiles, as the scheduler has them now
+        assert gone["progress"]["done"] == 0  # the held tiles ended after the cancel: forgotten, not done
     after = client.post("/v1/jobs", json=small)
     assert after.status_code == 202, after.get_json()
     assert wait_for_job(client, after.get_json()["id"])["status"] == "succeeded"
@@ -336,11 +368,10 @@ def test_unreachable_scheduler_is_503_within_5_s_and_v1_unaffected():
              lambda: client.get(f"/v1/jobs/{HEX_ID}"), lambda: client.get(f"/v1/jobs/{HEX_ID}/result"),
              lambda: client.delete(f"/v1/jobs/{HEX_ID}")]
     for call in calls:
-        start = time.monotonic()
-        response = call()
-        # No hang (the 5 s bound itself is proven on the deadline's clock, not the wall's, in
-        # test_each_route_s_cluster_calls_share_one_deadline): the margin is for a busy machine.
-        assert time.monotonic() - start < 60
+        # No hang. The 5 s bound itself is proven on the deadline's clock, not the wall's, in
+        # test_each_route_s_cluster_calls_share_one_deadline: a wall-clock verdict would fail
+        # on a busy machine.
+        response = answered(call)
         assert response.status_code == 503 and response.headers["Retry-After"]
         assert response.get_json()["error"]["code"] == "cluster_unavailable"
     assert client.post("/v1/gradients", json={"vectors": [[1.0], [2.0]]}).status_code == 200
@@ -378,7 +409,12 @@ def test_each_route_s_cluster_calls_share_one_deadline(cluster, client, monkeypa
     """A slow scheduler, played on the deadlines' clock: each call to it costs CALL_COST_S, or
     times out at its own timeout if that is shorter. Every job route answers having spent at
     most the 5 s it promises on its calls together (a 503 cluster_unavailable when they need
-    more), however many calls it makes."""
+    more), however many calls it makes. Patched because the promise is a time: on the
+    deadline's own clock it is exact and counted in calls (four of CALL_COST_S do not fit),
+    where the wall's would make the verdict depend on the machine's load. Real unreachable
+    clusters (an address nobody listens on; a SIGKILLed scheduler) are tested for their 503
+    on every route and for not hanging in test_unreachable_scheduler_is_503_within_5_s_and_v1_unaffected
+    and test_a_scheduler_restarted_mid_job_loses_its_jobs_and_v1_serves_throughout."""
     done = wait_for_job(client, submit(client, vectors=[[1.0], [2.0], [3.0]], factor=3).get_json()["id"])
     assert done["status"] == "succeeded"
     now, spent = [0.0], []
@@ -451,17 +487,14 @@ client.post("/v1/jobs", json={"vectors": [[1.0], [2.0]], "factor": 2})
 """
 
 
-def test_a_record_whose_graph_never_came_expires(cluster):
+def test_a_record_whose_graph_never_came_expires(quiet_cluster):
     """A POST's process killed after writing the record, before submitting the graph: once its
     bound has passed, the record counts against BLOCKGRAD_MAX_JOBS no more and is 404."""
+    cluster = quiet_cluster
     dask = cluster_client(cluster.address)
     client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": cluster.address,
                          "BLOCKGRAD_MAX_JOBS": "1"}).test_client()
-
-    def nothing_active():  # the other tests' jobs have ended
-        return all(s["outcome"] is not None or s["record"].get("cancelled")
-                   for s in dask.run_on_scheduler(snapshots, None).values())
-    assert wait_until(nothing_active, JOB_S, 0.5)
+    assert_nothing_active(cluster.address)
     out = subprocess.run([sys.executable, "-c", SUBMIT_DIES_BEFORE_THE_GRAPH, cluster.address], cwd=ROOT,
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "BLOCKGRAD_LOG_LEVEL": "WARNING"})
@@ -481,6 +514,33 @@ def test_a_record_whose_graph_never_came_expires(cluster):
     assert wait_for_job(client, after.get_json()["id"])["status"] == "succeeded"
 
 
+def test_a_job_larger_than_a_synchronous_request_is_exact(cluster):
+    """What jobs are for, at a size CI affords: BLOCKGRAD_MAX_N lowered to 64 on this server,
+    N = 96 is refused synchronously (413, the limit named) and succeeds as a job. `sum` over
+    vectors of small integers, so both outputs are exact in float32 and known in closed form:
+    every gradient entry is 1, so the accumulated gradient is 2N everywhere; block (r, c) of
+    side s has loss s * (S_r + S_c) + 5 * s * s * 2D, S_r the sum of block row r's vectors."""
+    n, dim, factor, limit = 96, 3, 4, 64
+    client = create_app({"TESTING": True, "BLOCKGRAD_DASK_SCHEDULER": cluster.address,
+                         "BLOCKGRAD_MAX_N": str(limit)}).test_client()
+    vectors = (np.arange(n * dim).reshape(n, dim) % 7 - 3).astype(np.float32)
+    body = {"vectors": vectors.tolist(), "factor": factor, "objective": "sum", "outputs": ["accumulated", "losses"]}
+    refused = client.post("/v1/gradients", json=body)
+    assert refused.status_code == 413, refused.get_json()
+    assert refused.get_json()["error"]["code"] == "limit_exceeded"
+    assert refused.get_json()["error"]["details"]["limit"] == "BLOCKGRAD_MAX_N"
+    job = wait_for_job(client, submit(client, **body).get_json()["id"])
+    assert job["status"] == "succeeded" and job["n"] == n, job
+    got = client.get(f"/v1/jobs/{job['id']}/result", headers={"Accept": "application/x-npz"})
+    arrays = np.load(io.BytesIO(got.data), allow_pickle=False)
+    assert arrays["accumulated"].shape == (n, dim) and (arrays["accumulated"] == 2 * n).all()
+    side = n // factor
+    row_sums = [sum(float(x) for x in vectors[r * side:(r + 1) * side].ravel()) for r in range(factor)]
+    expected = [[side * (row_sums[r] + row_sums[c]) + 5.0 * side * side * 2 * dim for c in range(factor)]
+                for r in range(factor)]
+    assert arrays["losses"].tolist() == expected
+
+
 @pytest.mark.skipif(os.environ.get("JOBS_LARGE_TEST") != "1", reason="about 100 s on 2 loaded cores: JOBS_LARGE_TEST=1")
 def test_a_large_npy_job_succeeds(client):
     """N = 16,384 > BLOCKGRAD_MAX_N, D = 32, F = 64, `sum`: every gradient entry is 1, so the
@@ -496,7 +556,7 @@ def test_a_large_npy_job_succeeds(client):
     side = n // factor
     sums = vectors.astype(np.float64).reshape(factor, side, dim).sum(axis=(1, 2))  # (F,)
     expected = side * (sums[:, None] + sums[None, :]) + 5.0 * side * side * 2 * dim
-    assert np.abs(arrays["losses"] - expected).max() <= 1e-5 * np.abs(expected).max()
+    assert_matches(arrays["losses"], expected, "float32", what="losses")
 
 
 SUBMIT_AND_DIE = """
@@ -519,47 +579,51 @@ def test_a_job_outlives_the_process_that_accepted_it(cluster, client):
     assert wait_for_job(client, job_id)["status"] == "succeeded"
     accumulated = client.get(f"/v1/jobs/{job_id}/result").get_json()["accumulated"]
     vectors = torch.tensor(np.random.default_rng(5).standard_normal((600, 8)))
-    assert_close(accumulated, reference_accumulated(vectors, 12, "sum", offset=5.0).numpy(), "float64")
+    assert_matches(accumulated, reference_accumulated(vectors, 12, "sum", offset=5.0).numpy(), "float64")
 
 
-def test_a_dask_worker_killed_mid_job_still_gives_the_exact_result(cluster, client):
-    """It kills one of the two workers while it runs a tile of the job; the other holds a copy
-    of the vectors (scattered to every worker) and reruns what was lost. The killed one's
-    nanny starts it again: the cluster is back to two workers, and the next job succeeds."""
+def test_a_dask_worker_killed_mid_job_still_gives_the_exact_result(cluster, client, tmp_path):
+    """It kills one of the two workers while it holds a tile of the job (the tiles are held at
+    their start); the other holds a copy of the vectors (scattered to every worker) and reruns
+    what was lost. The scheduler's log shows that tile processing again after the kill and
+    computed; the result is /v1's, bit for bit. The killed one's nanny starts it again: the
+    cluster is back to two workers, and the next job succeeds."""
     dask = cluster_client(cluster.address)
     vectors = np.random.default_rng(11).standard_normal((1536, 16))
-    data = npy(vectors)
-    job = client.post("/v1/jobs?factor=24&objective=sum_of_squares", data=data,
-                      content_type="application/x-npy").get_json()
-    busy = {}
-
-    def a_worker_runs_a_tile():
-        busy.update({w: keys for w, keys in dask.processing().items() if any(job["id"] in k for k in keys)})
-        return bool(busy)
-    assert wait_until(a_worker_runs_a_tile, JOB_S, 0.05)
     pids = dask.run(os.getpid)
-    victim = next(iter(busy))
-    os.kill(pids[victim], signal.SIGKILL)
-    done = wait_for_job(client, job["id"], 3 * JOB_S)
+    with HeldTiles(cluster.address, tmp_path) as held:
+        job = client.post("/v1/jobs?factor=24&objective=sum_of_squares", data=npy(vectors),
+                          content_type="application/x-npy").get_json()
+        [(victim, lost), *_] = held.wait_started(job["id"])
+        assert victim in pids.values()
+        copies = dask.run_on_scheduler(input_copies, lost)
+        assert copies and set(copies.values()) == {2}, copies  # the vectors: on the other worker too
+        os.kill(victim, signal.SIGKILL)
+        held.release()
+        done = wait_for_job(client, job["id"], 3 * JOB_S)
     assert done["status"] == "succeeded", done
+    states = dask.run_on_scheduler(task_runs, job["id"])[lost]  # the tile the victim held
+    runs = [i for i, state in enumerate(states) if state == "processing"]
+    assert len(runs) >= 2 and "memory" in states[runs[1]:], states  # lost with the worker, computed again
     got = client.get(f"/v1/jobs/{job['id']}/result", headers={"Accept": "application/x-npz"})
     arrays = np.load(io.BytesIO(got.data), allow_pickle=False)
     sync = create_app({"TESTING": True}).test_client().post("/v1/gradients", json={
         "vectors": vectors.tolist(), "factor": 24, "objective": "sum_of_squares", "dtype": "float64",
         "outputs": ["accumulated", "losses"]}).get_json()
     assert arrays["losses"].tolist() == sync["losses"]
-    assert_close(arrays["accumulated"], sync["accumulated"], "float64")
+    assert_matches(arrays["accumulated"], sync["accumulated"], "float64", what="accumulated")
 
     def restarted():
         workers = dask.run(os.getpid)
-        return len(workers) == 2 and victim not in workers and pids[victim] not in workers.values()
-    assert wait_until(restarted, CLUSTER_START_S, 0.5)  # a new worker process, at a new address
+        return len(workers) == 2 and victim not in workers.values()
+    assert wait_until(restarted, CLUSTER_START_S, 0.5)  # a new worker process
     small = submit(client, vectors=[[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], factor=3).get_json()
     assert wait_for_job(client, small["id"])["status"] == "succeeded"
 
 
-def test_a_scheduler_restarted_mid_job_loses_its_jobs_and_v1_serves_throughout():
-    """A cluster of its own: its scheduler is SIGKILLed while a job runs (its supervisor held
+def test_a_scheduler_restarted_mid_job_loses_its_jobs_and_v1_serves_throughout(tmp_path):
+    """A cluster of its own: its scheduler is SIGKILLed while a job runs (its one tile held at
+    its start, so it is running; its supervisor held
     stopped meanwhile, so that the scheduler stays down). While it is down every job route is
     503 cluster_unavailable (its calls bounded by the route's deadline); the supervisor then
     starts a scheduler at the same address by itself, the lost job is 404, the workers rejoin
@@ -573,14 +637,17 @@ def test_a_scheduler_restarted_mid_job_loses_its_jobs_and_v1_serves_throughout()
 
         def v1_serves():
             assert client.post("/v1/gradients", json=small).status_code == 200
-        vectors = np.random.default_rng(8).standard_normal((6144, 32)).astype(np.float32)
-        job = client.post("/v1/jobs?factor=48&objective=sum_of_squares", data=npy(vectors),
+        vectors = np.random.default_rng(8).standard_normal((256, 8)).astype(np.float32)
+        held = HeldTiles(own.address, tmp_path).__enter__()
+        job = client.post("/v1/jobs?factor=16&objective=sum_of_squares", data=npy(vectors),
                           content_type="application/x-npy").get_json()
-        assert wait_until(lambda: client.get(f"/v1/jobs/{job['id']}").get_json()["status"] == "running", JOB_S, 0.1)
+        held.wait_started(job["id"])
+        assert client.get(f"/v1/jobs/{job['id']}").get_json()["status"] == "running"
         [scheduler] = supervised(supervisor.pid, "scheduler")
         os.kill(supervisor.pid, signal.SIGSTOP)
         try:
             os.kill(scheduler, signal.SIGKILL)
+            held.release()  # the worker's one thread is free for what follows
             assert wait_until(lambda: client.get(f"/v1/jobs/{job['id']}").status_code == 503, CLUSTER_START_S, 0.2)
             for method, path in (("post", ""), ("get", f"/{job['id']}"), ("get", f"/{job['id']}/result"),
                                  ("delete", f"/{job['id']}")):
@@ -627,7 +694,7 @@ def supervised(supervisor: int, role: str) -> list[int]:
             state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if f" -m dask {role} " in line and state != "Z":
+        if dask_role(line) == role and state != "Z":
             found.append(pid)
     return found
 

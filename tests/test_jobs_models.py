@@ -20,7 +20,7 @@ from tests.numeric import assert_matches, largest
 from tests.dask_cluster import npy, wait_for_job
 
 DIM = 4
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,11 @@ def loads_on_workers(address: str, sha256: str) -> dict[str, int]:
     return {worker: loads.get(sha256, 0) for worker, loads in cluster_client(address).run(program_loads).items()}
 
 
-def test_model_jobs_equal_v1_and_load_the_program_once_per_worker(cluster, client, scorers, monkeypatch):
+def test_model_jobs_equal_v1_and_load_the_program_once_per_worker(cluster, tmp_path, monkeypatch):
+    """A program of its own (no other test ships its bytes): shipped once for two jobs."""
+    export_scorer(tmp_path / "relnet.pt2", DIM, 16, torch.float32, seed=7)
+    client = served_app(tmp_path, cluster.address).test_client()
+    programs_before = {key for key in cluster_client(cluster.address).who_has() if key.startswith("blockgrad-program-")}
     scatters = []
     real_call = programs.call
 
@@ -82,23 +86,27 @@ def test_model_jobs_equal_v1_and_load_the_program_once_per_worker(cluster, clien
     arrays = np.load(io.BytesIO(binary.data), allow_pickle=False)
     assert np.array_equal(arrays["losses"], np.array(sync["losses"], dtype=np.float32))
 
-    sha256 = program_hash((scorers / "relnet.pt2").read_bytes())
+    sha256 = program_hash((tmp_path / "relnet.pt2").read_bytes())
     assert [list(data) for data in scatters] == [[program_key(sha256)]]  # shipped once for both jobs
     loads = loads_on_workers(cluster.address, sha256)
     assert len(loads) == 2 and set(loads.values()) <= {0, 1} and sum(loads.values()) >= 1, loads  # two jobs
     holders = cluster_client(cluster.address).who_has()
     assert len(holders.get(program_key(sha256), ())) == 2  # the bytes, under their hash, on both workers
-    assert sum(key.startswith("blockgrad-program-") for key in holders) == 1
+    assert {key for key in holders if key.startswith("blockgrad-program-")} - programs_before == {program_key(sha256)}
 
 
-def test_a_float64_model_job_equals_v1_bit_for_bit_in_its_losses(client):
+def test_a_float64_model_job_equals_v1_in_its_losses(client):
+    """Within float64's tolerance, not bit for bit: a model's matrix product rounds by the
+    number of pairs in its batch (docs/models.md), and a job's tile stacks fewer blocks of a
+    shape than /v1's whole request (seen: 1 ulp on one of 16 losses)."""
     vectors = np.random.default_rng(5).standard_normal((30, DIM))
     body = {"vectors": vectors.tolist(), "factor": 4, "objective": "relnet64", "dtype": "float64"}
     done = wait_for_job(client, client.post("/v1/jobs", json=body).get_json()["id"])
     assert done["status"] == "succeeded", done
     job = client.get(f"/v1/jobs/{done['id']}/result").get_json()
     sync = sync_answer(client, body)
-    assert job["losses"] == sync["losses"]
+    losses = np.array(sync["losses"])
+    assert_matches(job["losses"], losses, "float64", scale=largest(losses), what="losses")
     accumulated = np.array(sync["accumulated"])
     assert_matches(job["accumulated"], accumulated, "float64", scale=largest(accumulated), what="accumulated")
 

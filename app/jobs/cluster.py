@@ -33,6 +33,11 @@ STOP_TIMEOUT_S = 10
 # mmap (tasks.restore_malloc_reuse; None unsets a default). As Dask configuration, given in
 # the environment: deploy/k8s/dask/workers.yaml sets the same.
 NANNY_ENVIRON = '{"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": 1, "MKL_NUM_THREADS": 1, "OPENBLAS_NUM_THREADS": 1}'
+# A job's vectors are scattered to every worker so that a worker's death loses no input; the
+# Active Memory Manager would drop those copies whenever fewer of the job's tiles wait on them
+# than there are workers (between the scatter and the graph, at a job's end). As Dask
+# configuration, given in the environment: deploy/k8s/dask/scheduler.yaml sets the same.
+SCHEDULER_CONFIG = {"DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False"}
 # Without a dashboard each process still serves HTTP (health, metrics): on loopback, like the rest.
 LOOPBACK_ANY_PORT = "127.0.0.1:0"
 
@@ -77,7 +82,8 @@ def start_scheduler(port: int) -> subprocess.Popen:
     """A `dask scheduler` on 127.0.0.1:port (a fresh one, at the same address, after a restart)."""
     return subprocess.Popen(dask_command("scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
                                           "--dashboard-address", LOOPBACK_ANY_PORT),
-                            env=cluster_env(), cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent())
+                            env={**cluster_env(), **SCHEDULER_CONFIG}, cwd=ROOT, stdin=subprocess.DEVNULL,
+                            preexec_fn=die_with_parent())
 
 
 def start_worker(address: str, memory_limit: str) -> subprocess.Popen:
