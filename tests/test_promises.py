@@ -208,6 +208,7 @@ class Servers:
 
     def __init__(self, stack: contextlib.ExitStack, tmp: Path):
         self.stack, self.tmp, self.started = stack, tmp, {}
+        self.observed: dict = {}  # observations several rows read (e.g. a held slot's scrapes)
 
     def __getitem__(self, group: str):
         if group not in self.started:
@@ -502,13 +503,11 @@ def check_upload_share(server, servers):
 def hold_slot_and_queue(server):
     """The one compute slot held by one request and one more queued (both counted by the
     gauges), then a third: refused at once. Yields (the scrape with both, the refusal)."""
-    with held_request(server) as first:
+    with held_request(server):
         wait_for_metric(server, "blockgrad_compute_slots_busy", 1)
-        with held_request(server, n=2048) as second:
+        with held_request(server, n=2048):
             held = wait_for_metric(server, "blockgrad_queue_depth", 1)
-            third = post(server, "/v1/gradients", gradients(4, 2, 1))
-            yield held, third
-            del first, second
+            yield held, post(server, "/v1/gradients", gradients(4, 2, 1))
     wait_for_metric(server, "blockgrad_compute_slots_busy", 0)
     wait_for_metric(server, "blockgrad_queue_depth", 0)
 
@@ -727,3 +726,247 @@ def test_a_bad_value_stops_the_start_naming_the_variable(variable, bad):
     done = subprocess.run(gunicorn_command(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
     assert done.returncode != 0
     assert variable in done.stdout + done.stderr
+
+
+# --- the metrics /metrics exposes (docs/operations.md, connections.md, jobs.md)
+
+GOOD = {"vectors": [[0.5, 1.0, 1.5], [2.0, 2.5, 3.0], [3.5, 4.0, 4.5], [5.0, 5.5, 6.0]], "factor": 2,
+        "outputs": ["blocks", "accumulated", "losses"]}
+GOOD_NUMBERS = 112  # blocks 4*4*2*3 + accumulated 4*3 + losses 2*2
+
+
+def around(server, event: Callable[[], None]) -> tuple[dict, dict]:
+    before = scrape(server)
+    event()
+    return before, scrape(server)
+
+
+def delta(before, after, name: str, **labels) -> float:
+    return value(after, name, **labels) - value(before, name, **labels)
+
+
+def good_request(server) -> None:
+    answer = post(server, "/v1/gradients", GOOD)
+    assert answer.status_code == 200 and len(answer.json()["blocks"]) == 4
+
+
+def held_observation(server, servers) -> dict:
+    """Once per module: scrapes at rest, with the slot held and one queued, and after."""
+    if "held" not in servers.observed:
+        rest = scrape(server)
+        for held, third in hold_slot_and_queue(server):
+            error_of(third, 503, "overloaded")
+            refused = scrape(server)
+        servers.observed["held"] = {"rest": rest, "held": held, "refused": refused, "after": scrape(server)}
+    return servers.observed["held"]
+
+
+def quiet(server) -> dict:
+    """A scrape once no connection but the scrape's own is open (others' closes counted)."""
+    def alone():
+        samples = scrape(server)
+        return (value(samples, "blockgrad_connections_open"), value(samples, "blockgrad_connections_idle"),
+                value(samples, "blockgrad_connections_awaiting_head")) == (1, 0, 0)
+    wait_for(alone, "only the scrape's connection open")
+    return scrape(server)
+
+
+def m_requests(server, servers):
+    before, after = around(server, lambda: good_request(server))
+    assert delta(before, after, "blockgrad_requests_total", route="/v1/gradients", method="POST", status=200) == 1
+
+
+def m_duration(server, servers):
+    before, after = around(server, lambda: good_request(server))
+    name, route = "blockgrad_request_duration_seconds", "/v1/gradients"
+    assert delta(before, after, f"{name}_count", route=route) == 1
+    assert delta(before, after, f"{name}_bucket", route=route, le="+Inf") == 1
+    assert delta(before, after, f"{name}_sum", route=route) > 0
+
+
+def m_in_flight(server, servers):
+    seen = held_observation(server, servers)
+    assert value(seen["rest"], "blockgrad_requests_in_flight") == 1  # the scrape itself
+    assert value(seen["held"], "blockgrad_requests_in_flight") == 3  # computing, queued, the scrape
+    assert value(seen["after"], "blockgrad_requests_in_flight") == 1
+
+
+def m_output_numbers(server, servers):
+    before, after = around(server, lambda: good_request(server))
+    assert delta(before, after, "blockgrad_output_numbers_total") == GOOD_NUMBERS
+
+
+def m_compute_seconds(server, servers):
+    before, after = around(server, lambda: good_request(server))
+    assert delta(before, after, "blockgrad_compute_seconds_total") > 0  # a duration: no literal
+    before, after = around(server, lambda: error_of(post(server, "/v1/gradients", {"vectors": [[1.0]], "factor": 2}),
+                                                    422, "validation_error"))
+    assert delta(before, after, "blockgrad_compute_seconds_total") == 0  # refused before computing
+
+
+def m_errors(server, servers):
+    before, after = around(server, lambda: error_of(post(server, "/v1/gradients", {"vectors": [[1.0]], "factor": 2}),
+                                                    422, "validation_error"))
+    assert delta(before, after, "blockgrad_errors_total", code="validation_error") == 1
+    assert summed(after, "blockgrad_errors_total") - summed(before, "blockgrad_errors_total") == 1
+
+
+def m_device(server, servers):
+    assert requests.get(server.url + "/readyz", timeout=WAIT_S).json()["device"] == "cpu"
+    assert summed(scrape(server), "blockgrad_device_info", device="cpu") == 1  # one worker, one sample
+
+
+def m_queue_depth(server, servers):
+    seen = held_observation(server, servers)
+    assert [value(seen[k], "blockgrad_queue_depth") for k in ("rest", "held", "after")] == [0, 1, 0]
+
+
+def m_queue_wait(server, servers):
+    before, after = around(server, lambda: good_request(server))
+    assert delta(before, after, "blockgrad_queue_wait_seconds_count") == 1
+    assert delta(before, after, "blockgrad_queue_wait_seconds_bucket", le="+Inf") == 1
+
+
+def m_shed(server, servers):
+    seen = held_observation(server, servers)
+    assert value(seen["refused"], "blockgrad_shed_requests_total") - value(seen["rest"], "blockgrad_shed_requests_total") == 1
+
+
+def m_slots(server, servers):
+    assert value(scrape(server), "blockgrad_compute_slots") == 1  # the server may use one CPU
+
+
+def m_slots_busy(server, servers):
+    seen = held_observation(server, servers)
+    assert [value(seen[k], "blockgrad_compute_slots_busy") for k in ("rest", "held", "after")] == [0, 1, 0]
+
+
+def kept_alive(server) -> socket.socket:
+    sock = connect(server)
+    sock.sendall(head("GET", "/healthz"))
+    assert read_answer(sock)[0] == 200
+    return sock
+
+
+def m_open(server, servers):
+    quiet(server)
+    with kept_alive(server):
+        samples = wait_for_metric(server, "blockgrad_connections_idle", 1)
+        assert value(samples, "blockgrad_connections_open") == 2  # it and the scrape
+    wait_for_metric(server, "blockgrad_connections_open", 1)
+
+
+def m_idle(server, servers):
+    quiet(server)
+    with kept_alive(server):
+        samples = wait_for_metric(server, "blockgrad_connections_idle", 1)
+        assert value(samples, "blockgrad_connections_awaiting_head") == 0
+    wait_for_metric(server, "blockgrad_connections_idle", 0)
+
+
+def m_awaiting_head(server, servers):
+    quiet(server)
+    with connect(server) as silent, connect(server) as partial:
+        partial.sendall(b"GET /healthz HTTP/1.1\r\nHost:")
+        samples = wait_for_metric(server, "blockgrad_connections_awaiting_head", 2)  # new ones included
+        assert value(samples, "blockgrad_connections_idle") == 0
+        del silent
+    wait_for_metric(server, "blockgrad_connections_awaiting_head", 0)
+
+
+def m_closed(server, servers):
+    before = quiet(server)
+    with connect(server):
+        wait_for_metric(server, "blockgrad_connections_awaiting_head", 1)
+    reason = "client_closed"  # the client closed it while it waited in the poller
+    expected = value(before, "blockgrad_connections_closed_total", reason=reason) + 1
+    wait_for(lambda: value(scrape(server), "blockgrad_connections_closed_total", reason=reason) >= expected,
+             "the close counted")
+    after = quiet(server)
+    assert value(after, "blockgrad_connections_closed_total", reason=reason) == expected
+    assert delta(before, after, "blockgrad_connections_closed_total", reason="evicted") == 0
+
+
+def m_jobs(server, servers):
+    before = scrape(server)
+    job_id = small_job(server)
+    assert finished(server, job_id)["status"] == "succeeded"
+    after = scrape(server)
+    assert delta(before, after, "blockgrad_jobs", status="succeeded") == 1
+    assert (value(after, "blockgrad_jobs", status="queued"), value(after, "blockgrad_jobs", status="running")) == (0, 0)
+
+
+def m_job_blocks_done(server, servers):
+    assert value(scrape(server), "blockgrad_job_blocks_done") == 0  # no job queued or running
+    job_id = long_job(server)
+    try:
+        seen = {}
+
+        def moved():
+            seen["done"] = value(scrape(server), "blockgrad_job_blocks_done")
+            return seen["done"] > 0
+        wait_for(moved, "a tile of the running job done")
+        assert seen["done"] in (16384, 32768, 49152)  # whole tiles of 128 x 128 blocks, fewer than all 4
+    finally:
+        cancel(server, job_id)
+    assert value(scrape(server), "blockgrad_job_blocks_done") == 0
+
+
+def m_cluster_workers(server, servers):
+    assert value(scrape(server), "blockgrad_cluster_workers") == 1
+
+
+def m_job_events(server, servers):
+    before = scrape(server)
+    finished(server, small_job(server))
+    after = scrape(server)
+    assert delta(before, after, "blockgrad_job_events_total", event="submitted") == 1
+
+
+@dataclass(frozen=True)
+class Metric:
+    family: str  # as the text format's parser names it (counters without _total)
+    group: str
+    event: str
+    check: Callable
+
+
+METRICS = [
+    Metric("blockgrad_requests", "metrics", "a 200 on /v1/gradients: +1 for its route, method, status", m_requests),
+    Metric("blockgrad_request_duration_seconds", "metrics", "a 200: count and +Inf bucket +1", m_duration),
+    Metric("blockgrad_requests_in_flight", "metrics", "1 at rest, 3 with one computing and one queued", m_in_flight),
+    Metric("blockgrad_output_numbers", "metrics", "a 200 of 112 numbers: +112", m_output_numbers),
+    Metric("blockgrad_compute_seconds", "metrics", "a 200: grows; a 422: +0", m_compute_seconds),
+    Metric("blockgrad_errors", "metrics", "a 422 validation_error: +1 for its code", m_errors),
+    Metric("blockgrad_device_info", "metrics", "/readyz: device=cpu 1", m_device),
+    Metric("blockgrad_queue_depth", "metrics", "0, 1 with one queued, 0", m_queue_depth),
+    Metric("blockgrad_queue_wait_seconds", "metrics", "a computed request: count +1", m_queue_wait),
+    Metric("blockgrad_shed_requests", "metrics", "the queue full: +1", m_shed),
+    Metric("blockgrad_compute_slots", "metrics", "1 on one CPU", m_slots),
+    Metric("blockgrad_compute_slots_busy", "metrics", "0, 1 while a request computes, 0", m_slots_busy),
+    Metric("blockgrad_connections_open", "metrics", "2 with a kept-alive one, back to 1", m_open),
+    Metric("blockgrad_connections_idle", "metrics", "1 kept alive after its answer, 0 once closed", m_idle),
+    Metric("blockgrad_connections_awaiting_head", "metrics", "2: a silent and a partial head, then 0",
+           m_awaiting_head),
+    Metric("blockgrad_connections_closed", "metrics", "a client closing a silent one: client_closed +1", m_closed),
+    Metric("blockgrad_jobs", "jobs", "a job succeeded: succeeded +1, none queued or running", m_jobs),
+    Metric("blockgrad_job_blocks_done", "jobs", "0, whole tiles while running, 0 once not", m_job_blocks_done),
+    Metric("blockgrad_cluster_workers", "jobs", "1 with BLOCKGRAD_DASK_WORKERS=1", m_cluster_workers),
+    Metric("blockgrad_job_events", "jobs", "a 202: submitted +1", m_job_events),
+]
+
+
+@pytest.mark.parametrize("row", METRICS, ids=lambda row: row.family)
+def test_metric_moves_with_its_event(row, servers):
+    row.check(servers[row.group], servers)
+
+
+def test_every_exposed_metric_has_a_row(servers):
+    """The metrics server after a request of each kind, and the jobs server after a job."""
+    metrics, jobs = servers["metrics"], servers["jobs"]
+    good_request(metrics)
+    requests.get(metrics.url + "/readyz", timeout=WAIT_S)
+    finished(jobs, small_job(jobs))
+    exposed = families(metrics) | families(jobs)
+    assert len(exposed) >= 20, exposed
+    assert exposed - {row.family for row in METRICS} == set()
