@@ -16,12 +16,11 @@ import io
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
-import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -204,10 +203,10 @@ GROUPS = {
 
 
 class Servers:
-    """Starts a group's server on first use; all stopped when the module ends."""
+    """Starts a group's server on first use; all stopped together when the module ends."""
 
-    def __init__(self, stack: contextlib.ExitStack, tmp: Path):
-        self.stack, self.tmp, self.started = stack, tmp, {}
+    def __init__(self, tmp: Path):
+        self.tmp, self.started, self.managers = tmp, {}, []
         self.observed: dict = {}  # observations several rows read (e.g. a held slot's scrapes)
 
     def __getitem__(self, group: str):
@@ -238,7 +237,8 @@ class Servers:
         mask = os.sched_getaffinity(0)
         os.sched_setaffinity(0, sorted(mask)[:spec.cpus or len(mask)])  # inherited by gunicorn and its workers
         try:
-            server = self.stack.enter_context(manager)
+            server = manager.__enter__()
+            self.managers.append(manager)
         finally:
             os.sched_setaffinity(0, mask)
         if env.get("BLOCKGRAD_DASK_SCHEDULER", "off") != "off":  # the cluster's workers join after the start
@@ -246,10 +246,19 @@ class Servers:
         return server
 
 
+    def stop(self) -> None:
+        """Each server stops in its own thread: a stop may wait seconds for its workers."""
+        with ThreadPoolExecutor(max(1, len(self.managers))) as pool:
+            list(pool.map(lambda manager: manager.__exit__(None, None, None), self.managers))
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    with contextlib.ExitStack() as stack:
-        yield Servers(stack, tmp_path_factory.mktemp("promises"))
+    started = Servers(tmp_path_factory.mktemp("promises"))
+    try:
+        yield started
+    finally:
+        started.stop()
 
 
 # --- the variables of docs/configuration.md
@@ -495,9 +504,9 @@ def check_worker_memory(server, servers):
 def check_upload_share(server, servers):
     body = json.dumps({"vectors": [[float(i * 40 + j) / 7 for j in range(40)] for i in range(300)],
                        "factor": 3, "outputs": ["accumulated"]})  # ~200 KiB: 2 bytes a byte over 0.002 x 32 MiB
-    answer = post(server, "/v1/gradients", body)
-    assert answer.status_code in (413, 503), answer.text
-    assert answer.json()["error"]["details"]["limit"] == "BLOCKGRAD_UPLOAD_MEMORY_SHARE"
+    error = error_of(post(server, "/v1/gradients", body), 413, "limit_exceeded")
+    # after its first 64 KiB piece it holds 2 x 65536 bytes, over 0.002 x 33554432 (errors-edge.md)
+    assert error["details"] == {"limit": "BLOCKGRAD_UPLOAD_MEMORY_SHARE", "value": 131072, "allowed": 67108}
 
 
 def hold_slot_and_queue(server):
@@ -829,7 +838,7 @@ def m_queue_wait(server, servers):
 
 def m_shed(server, servers):
     seen = held_observation(server, servers)
-    assert value(seen["refused"], "blockgrad_shed_requests_total") - value(seen["rest"], "blockgrad_shed_requests_total") == 1
+    assert delta(seen["rest"], seen["refused"], "blockgrad_shed_requests_total") == 1
 
 
 def m_slots(server, servers):
@@ -970,3 +979,53 @@ def test_every_exposed_metric_has_a_row(servers):
     exposed = families(metrics) | families(jobs)
     assert len(exposed) >= 20, exposed
     assert exposed - {row.family for row in METRICS} == set()
+
+
+# --- documented claims no other test saw on the real server (issue 27, point 7)
+
+
+def test_a_json_suffix_media_type_is_json(servers):
+    """docs/api.md: `application/json` or another `application/*+json`."""
+    server = servers["timeouts"]
+    plain = post(server, "/v1/gradients", GOOD)
+    suffixed = post(server, "/v1/gradients", GOOD, {"Content-Type": "application/vnd.example+json; charset=utf-8"})
+    assert plain.status_code == suffixed.status_code == 200
+    assert suffixed.json() == plain.json()
+    error_of(post(server, "/v1/gradients", GOOD, {"Content-Type": "text/plain"}), 415, "unsupported_media_type")
+
+
+@pytest.mark.parametrize("length,status", [(4094, 404), (4095, 414)])
+def test_a_request_line_over_4094_bytes_is_gunicorns_414(servers, length, status):
+    """docs/api.md and errors-edge.md: 414 for a request line over 4094 bytes, by gunicorn."""
+    server = servers["timeouts"]
+    path = "/" + "a" * (length - len("GET / HTTP/1.1"))
+    line = f"GET {path} HTTP/1.1".encode()
+    assert len(line) == length
+    with connect(server) as sock:
+        sock.sendall(line + b"\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        answer = read_to_eof(sock)
+    assert answer.startswith(f"HTTP/1.1 {status} ".encode()), answer[:200]
+    if status == 404:
+        assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "not_found"
+
+
+ERROR_BODY_BOUND = 16384  # docs/api.md: "Every error body is at most 16 KiB whatever the request"
+
+
+@pytest.mark.parametrize("body", [
+    {"vectors": [[1.0]], **{f"unknown_{i}": i for i in range(100_000)}},  # many unknown fields
+    {"vectors": [[1.0]], "x" * 1_000_000: 1},  # one field with a long name
+    {"vectors": [[1.0]], "objective": "y" * 1_000_000},  # a long value quoted back
+], ids=["many-fields", "long-name", "long-value"])
+def test_an_error_body_is_at_most_16_kib(servers, body):
+    answer = post(servers["timeouts"], "/v1/gradients", body)
+    error_of(answer, 422, "validation_error")
+    assert len(answer.content) <= ERROR_BODY_BOUND
+
+
+def test_every_metric_row_is_documented():
+    """Each family in the table is named in docs/ (a counter as its _total sample)."""
+    text = "".join(path.read_text() for path in DOCS.glob("*.md"))
+    named = set(re.findall(r"`(blockgrad_[a-z_]+)", text))
+    missing = [row.family for row in METRICS if row.family not in named and f"{row.family}_total" not in named]
+    assert missing == []
