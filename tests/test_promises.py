@@ -196,7 +196,7 @@ GROUPS = {
     "limits": Group(env={"BLOCKGRAD_HEADER_TIMEOUT_S": "120", "BLOCKGRAD_READ_TIMEOUT_S": "120"}),
     "timeouts": Group(workers=None, env=CHEAP),  # WEB_CONCURRENCY comes from its row
     "cost": Group(),
-    "metrics": Group(cpus=1, env={**CHEAP, "BLOCKGRAD_QUEUE_DEPTH": "1", "BLOCKGRAD_REQUEST_TIMEOUT_S": "600"}),
+    "metrics": Group(cpus=1, env={**CHEAP, "BLOCKGRAD_REQUEST_TIMEOUT_S": "600"}),
     "jobs": Group(),  # BLOCKGRAD_DASK_SCHEDULER blank: the embedded cluster, as `make serve` starts it
     "ttl": Group(),  # a second server on the jobs server's scheduler
 }
@@ -438,10 +438,14 @@ def check_read_timeout(server, servers):
 
 
 def check_keepalive(server, servers):
+    """A timeout's effect is a time: the one verdict on a clock here is against the default
+    (75 s), 74 s above the value set, so it never depends on how busy the machine is."""
     with connect(server) as sock:
         sock.sendall(head("GET", "/healthz"))
         assert read_answer(sock)[0] == 200
-        assert closed_by_server(sock), "an idle kept-alive connection stayed open"  # within WAIT_S, < 75 s
+        idle_since = time.monotonic()
+        assert closed_by_server(sock), "an idle kept-alive connection stayed open"
+        assert time.monotonic() - idle_since < 75, "closed at the default keep-alive, not the one set"
 
 
 def check_send_timeout(server, servers):
@@ -453,6 +457,7 @@ def check_send_timeout(server, servers):
         wait_for(lambda: request_line(server, request_id) is not None, "the stalled request's log line")
     line = request_line(server, request_id)
     assert (line["status"], line["error"]) == (200, "send_timeout"), line
+    assert 1000 <= line["duration_ms"] < 30000, line  # cut at the 1 s set, not at the default 30 s
 
 
 def held_request(server, n: int = 4096, dim: int = 64) -> socket.socket:
