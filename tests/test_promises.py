@@ -927,6 +927,7 @@ def m_job_blocks_done(server, servers):
 
 
 def m_cluster_workers(server, servers):
+    assert finished(server, small_job(server))["status"] == "succeeded"  # a worker is surely there
     assert value(scrape(server), "blockgrad_cluster_workers") == 1
 
 
@@ -976,9 +977,11 @@ def test_metric_moves_with_its_event(row, servers):
 
 
 def test_every_exposed_metric_has_a_row(servers):
-    """The metrics server after a request of each kind, and the jobs server after a job."""
+    """The metrics server after a request of each kind (a labelled family shows once used),
+    and the jobs server after a job."""
     metrics, jobs = servers["metrics"], servers["jobs"]
     good_request(metrics)
+    error_of(post(metrics, "/v1/gradients", {"vectors": [[1.0]], "factor": 2}), 422, "validation_error")
     requests.get(metrics.url + "/readyz", timeout=WAIT_S)
     finished(jobs, small_job(jobs))
     exposed = families(metrics) | families(jobs)
