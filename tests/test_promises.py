@@ -9,7 +9,10 @@ or a metric family exposed without one, fails the coverage tests.
 
 Expected values are literals taken from the docs (limits, details, formulas), never the
 code's constants. Waits are bounded (WAIT_S) and count events (a gauge reaching a value, a
-socket closing); no verdict depends on how fast the machine is.
+socket closing). Two rows compare a time, each with the documented default as the bound (the
+keep-alive, 75 s, for a value of 1 s; the send timeout, 30 s, for 1 s): a timeout's effect is a
+time, and no busy machine stretches 1 s to the default. BLOCKGRAD_MAX_JOBS needs its first job
+still active at the next POST: a job of ~50 s on a busy 2-core machine, the POST ms later.
 """
 import contextlib
 import io
