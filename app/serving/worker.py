@@ -82,13 +82,6 @@ KEEPALIVE_TIMEOUT = "keepalive_timeout"  # idle past BLOCKGRAD_KEEPALIVE_S (guni
 EVICTED = "evicted"  # the longest-idle one without a head, past BLOCKGRAD_MAX_CONNECTIONS
 CLIENT_CLOSED = "client_closed"  # the client closed or reset it while it waited in the poller
 SHUTDOWN = "shutdown"  # still open when the worker stopped
-CLOSE_REASONS = (SERVED, NO_REQUEST, HEAD_TIMEOUT, HEAD_TOO_LARGE, KEEPALIVE_TIMEOUT, EVICTED, CLIENT_CLOSED,
-                 SHUTDOWN)
-
-
-def buffered(conn) -> bool:
-    """Whether gunicorn's parser holds bytes read ahead (a pipelined next request)."""
-    return conn.parser.unreader.buf.getbuffer().nbytes > 0
 
 
 def head_timeout_answer(seconds: float) -> bytes:
@@ -102,12 +95,6 @@ def head_timeout_answer(seconds: float) -> bytes:
     head = ("HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nX-Blockgrad-Error-Code: read_timeout\r\nConnection: close\r\n\r\n")
     return head.encode("latin-1") + body
-
-
-def flood_connections(header_timeout_s: float) -> int:
-    """Connections the workers together must hold: 1500 idle at once, plus 40 new ones a
-    second, each kept until the header timeout closes it."""
-    return math.ceil(1500 + 40 * header_timeout_s)
 
 
 def head_limits(cfg) -> tuple[int, int]:
@@ -173,7 +160,9 @@ class ConnectionWorker(gthread.ThreadWorker):
             raise RuntimeError("app.serving.worker.ConnectionWorker reads plain HTTP/1.1 heads itself: "
                                "TLS and HTTP/2 need gunicorn's gthread worker")
         settings = Settings.from_env()
-        needed = flood_connections(settings.header_timeout_s)
+        # The flood the service is sized for: 1500 idle connections at once, plus 40 new ones a
+        # second, each kept until the header timeout closes it.
+        needed = math.ceil(1500 + 40 * settings.header_timeout_s)
         if cfg.workers * settings.max_connections < needed:
             log.warning("%d workers x BLOCKGRAD_MAX_CONNECTIONS = %d hold fewer than the %d connections of the "
                         "flood the service is sized for (docs/connections.md): raise it to %d",
@@ -424,8 +413,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         conn.sock.setblocking(False)
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_readable, conn))
         self.waiting[conn] = None
-        # A body drain or a pipelining client may have sent the next request's bytes already
-        # (or the pool thread read part of a head): its clock starts with them.
+        # A body drain or a pipelining client may have sent the next request's bytes already:
+        # its clock starts with them.
         pending = conn.parser.unreader.take_buffered()
         if pending:
             conn.started = now
