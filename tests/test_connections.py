@@ -19,14 +19,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.attacks import DRIP_HEAD, HeaderDrip, IdleFlood, Prober, raise_open_files
 from tools.server import gunicorn_server, wait_until
-from .events import connection_owner
 from .test_api import GOOD
 
 pytestmark = pytest.mark.slow
 
 WAIT_S = 60  # bound of every wait below; reached only on failure
 BODY = json.dumps(GOOD).encode()
-LINGER_S = 1.0  # the `short` server's BLOCKGRAD_LINGER_S
 
 
 def scrape(server, session=requests) -> dict:
@@ -81,11 +79,8 @@ def assert_probes_answered(prober: Prober) -> None:
 
 @pytest.fixture(scope="module")
 def short():
-    """Header timeout 2 s, two workers; a pool thread that has answered waits LINGER_S for the
-    next head, far longer than a client sending it at once takes, far shorter than the 3 s a
-    kept-alive connection idles in test_a_kept_alive_connection_s_clock_starts_at_its_next_byte."""
-    with gunicorn_server(workers=2, env={"BLOCKGRAD_HEADER_TIMEOUT_S": "2", "BLOCKGRAD_LINGER_S": str(LINGER_S)}) \
-            as server:
+    """Header timeout 2 s, two workers."""
+    with gunicorn_server(workers=2, env={"BLOCKGRAD_HEADER_TIMEOUT_S": "2"}) as server:
         yield server
 
 
@@ -172,33 +167,8 @@ def ask_healthz(sock: socket.socket) -> None:
     assert answer.status == 200 and answer.read() == b'{"status":"ok"}\n'
 
 
-def main_loop_switches(pid: int) -> int:
-    """How often the worker's main loop (its main thread) has gone to sleep: it wakes once for
-    every event it handles."""
-    status = open(f"/proc/{pid}/task/{pid}/status").read()
-    return int(re.search(r"^voluntary_ctxt_switches:\s*(\d+)$", status, re.MULTILINE).group(1))
-
-
-def test_back_to_back_requests_on_a_kept_alive_connection_skip_the_main_loop(short):
-    """Each request sent as soon as the answer before it has arrived (well within the server's
-    LINGER_S) is served by the pool thread that answered that one: the main loop does not wake
-    per request (through the poller it wakes at least twice: for the head, and for the
-    connection coming back)."""
-    count = 90  # within one connection's 100 requests (app/serving/hooks.py)
-    with connect(short) as sock:
-        ask_healthz(sock)
-        assert wait_until(lambda: connection_owner(short, sock) is not None, WAIT_S, 0.05)
-        owner = connection_owner(short, sock)
-        before = main_loop_switches(owner)
-        for _ in range(count):
-            ask_healthz(sock)
-        woken = main_loop_switches(owner) - before
-    assert woken < count / 2, f"the main loop woke {woken} times for {count} requests"
-
-
 def test_a_partial_next_head_right_after_an_answer_still_gets_its_408(short):
-    """Part of the next head, sent at once after an answer (well within the server's LINGER_S:
-    read by the pool thread that is waiting for it), goes back to the poller and is cut 2 s
+    """Part of the next head, sent at once after an answer, waits in the poller and is cut 2 s
     after it arrived."""
     with connect(short) as sock:
         ask_healthz(sock)
@@ -210,8 +180,7 @@ def test_a_partial_next_head_right_after_an_answer_still_gets_its_408(short):
 
 
 def test_clients_closing_right_after_an_answer_are_counted_as_client_closed(short):
-    """Read by the pool thread waiting for a next request or by the poller, a close after an
-    answer is the client's (the scrapes go over one kept-alive connection, counted by neither)."""
+    """A close right after an answer is the client's (the scrapes go over one kept-alive connection, counted by neither)."""
     count = 20
     with requests.Session() as scrapes:
         before = {reason: closes(short, reason, scrapes) for reason in ("client_closed", "served")}

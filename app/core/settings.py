@@ -159,9 +159,6 @@ class Settings:
     # without a complete head is closed (docs/connections.md).
     max_connections: int = 1000
     send_timeout_s: float = 30.0  # a write making no progress this long ends the request
-    # How long an answered kept-alive connection waits on the pool's side for its next request
-    # (app/serving/lingering.py); a few ms past a client's usual turnaround.
-    linger_s: float = 0.02
     # The cost model's constants (app/core/cost.py): when set, they replace its measured
     # table for every objective and dtype (tests pin them so no verdict depends on the machine).
     cost_per_block_s: float | None = None

@@ -193,8 +193,7 @@ class PodSlots:
 
     def mark_serving(self, serving: bool) -> None:
         """Say (in /proc/locks, as a shared flock) whether this worker is serving connections
-        now; the kernel drops the mark of a process that dies. The worker's main loop calls it,
-        and a pool thread whose wait for a kept-alive connection's next head brought one."""
+        now; the kernel drops the mark of a process that dies. The worker's main loop calls it."""
         with self._lock:
             self._open()
             if serving != self._serving:

@@ -1,24 +1,21 @@
-"""The gunicorn worker class: gthread's pool of threads, with connections waiting in its poller.
+"""The gunicorn worker class: gthread, with connections waiting in its poller until their head is complete.
 
 gunicorn's gthread worker hands each new connection to a pool thread, which waits for its first
 byte and then reads the head at the client's pace: idle connections and clients that send their
 headers a byte at a time hold the threads that probes need. Here the main loop does all the
 waiting. It reads each request head without blocking into the connection's buffer; only a
-connection with a complete head goes to a pool thread, where gunicorn's own parser reads the
-buffered bytes (put back in front of the socket, in its unreader) and serves the request as
+connection with a complete head goes to gthread's thread pool, where gunicorn's own parser reads
+the buffered bytes (put back in front of the socket, in its unreader) and serves the request as
 gthread does: keep-alive, pipelining, max_requests, graceful shutdown and the heartbeat are
-gthread's code. Having answered, the thread keeps the connection for BLOCKGRAD_LINGER_S among
-the worker's lingering ones (app/serving/lingering.py) and serves the next complete head that
-any of them sends, so that busy kept-alive clients' requests skip the poller and follow one
-another on one thread; a connection that sends nothing in time, or a head in pieces, goes back
-to the poller.
+gthread's code. An answered kept-alive connection comes back to the poller.
 
 A connection's clock starts at accept, or at a kept-alive connection's first new byte: the head
 must arrive within BLOCKGRAD_HEADER_TIMEOUT_S (nothing sent: closed without a word; a partial
 head: 408 read_timeout), head and body within BLOCKGRAD_READ_TIMEOUT_S (the app's read alarm
-counts from environ[CONN_STARTED_KEY]). At most BLOCKGRAD_MAX_CONNECTIONS are open per worker;
-past it the connection that has waited longest without a complete head is closed, so that a
-new one (a probe) always gets in. docs/connections.md has the whole picture.
+counts from environ[CONN_STARTED_KEY]). At most worker_connections (BLOCKGRAD_MAX_CONNECTIONS)
+are open per worker; past it the connection that has waited longest without a complete head is
+closed, so that a new one (a probe) always gets in. docs/connections.md has the whole picture;
+docs/serving.md lists the gunicorn internals used here.
 
 The master loads this module: it imports neither torch, Flask nor prometheus_client (the
 metrics are imported after fork, once PROMETHEUS_MULTIPROC_DIR is set).
@@ -43,10 +40,6 @@ from gunicorn.workers import gthread
 
 from app.core.settings import Settings
 from app.serving import slots
-from app.serving.coalesce import coalesce
-from app.serving.lingering import Lingering
-from app.serving.threads import ServingThreads
-from app.serving.turns import Turns
 
 # The instant (time.monotonic()) the request's clock started, read by app/http/connection.py.
 CONN_STARTED_KEY = "blockgrad.conn_started"
@@ -63,31 +56,16 @@ HEAD_BYTES_BUDGET = 64 * 1024 * 1024
 CLOSE_LINGER_S = 2.0
 CLOSE_DRAIN_BYTES = 64 * 1024
 POLL_S = 1.0  # the longest the loop sleeps: the heartbeat is looked at this often
-HEARTBEAT_S = 1.0  # gunicorn's heartbeat (a file's mtime) at most this often, not every loop turn
 # How long a waiting connection is left to a sibling before this worker looks again: a
 # sibling's state changes wake nothing here.
 BALANCE_POLL_S = 0.02
-# A complete head waits at most this long for the request this worker is running to end
-# before it goes to the pool beside it. Two requests' threads in one process take turns on
-# the GIL at every torch call and system call of either; for small requests those hand-offs
-# cost more CPU than running side by side gains (docs/small-requests.md). A longer request
-# only delays the next one by this much, then both run as before.
-HOLD_S = 0.005
-# Kept-alive connections answered within BLOCKGRAD_LINGER_S that wait for their next head on
-# the pool's side (app/serving/lingering.py), at most: one thread polls them all at once.
-LINGERING_LIMIT = 64
-# How often the main loop looks at the lingering connections while any linger: with no thread
-# polling them, a head seen waiting at two looks in a row starts beside the running request.
-# Each timed wake of the loop costs ~50-130 us of CPU here (docs/small-requests.md), so not
-# every HOLD_S.
-LOOK_S = 0.02
 SPARE_FILES = 512  # descriptors beyond the connections: the pool's files, metrics, the app's own
 
 # What a connection is doing. Every state but BUSY waits in the poller (self.waiting).
 NEW = "new"  # accepted, no byte yet
 HEAD = "head"  # part of a head has arrived
 IDLE = "idle"  # kept alive after an answer, no byte of the next request yet
-BUSY = "busy"  # on the pool's side: a complete head in a pool thread, or lingering after an answer (linger_s)
+BUSY = "busy"  # a complete head, in the thread pool
 CLOSING = "closing"  # answer sent, write side shut, waiting for the peer's FIN
 
 # What the bytes of a head say (head_verdict).
@@ -104,13 +82,6 @@ KEEPALIVE_TIMEOUT = "keepalive_timeout"  # idle past BLOCKGRAD_KEEPALIVE_S (guni
 EVICTED = "evicted"  # the longest-idle one without a head, past BLOCKGRAD_MAX_CONNECTIONS
 CLIENT_CLOSED = "client_closed"  # the client closed or reset it while it waited in the poller
 SHUTDOWN = "shutdown"  # still open when the worker stopped
-CLOSE_REASONS = (SERVED, NO_REQUEST, HEAD_TIMEOUT, HEAD_TOO_LARGE, KEEPALIVE_TIMEOUT, EVICTED, CLIENT_CLOSED,
-                 SHUTDOWN)
-
-
-def buffered(conn) -> bool:
-    """Whether gunicorn's parser holds bytes read ahead (a pipelined next request)."""
-    return conn.parser.unreader.buf.getbuffer().nbytes > 0
 
 
 def head_timeout_answer(seconds: float) -> bytes:
@@ -124,12 +95,6 @@ def head_timeout_answer(seconds: float) -> bytes:
     head = ("HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nX-Blockgrad-Error-Code: read_timeout\r\nConnection: close\r\n\r\n")
     return head.encode("latin-1") + body
-
-
-def flood_connections(header_timeout_s: float) -> int:
-    """Connections the workers together must hold: 1500 idle at once, plus 40 new ones a
-    second, each kept until the header timeout closes it."""
-    return math.ceil(1500 + 40 * header_timeout_s)
 
 
 def head_limits(cfg) -> tuple[int, int]:
@@ -165,8 +130,6 @@ class Conn(gthread.TConn):
         self.version = 0  # bumped on every change of state: older deadlines no longer apply
         self.drained = 0
         self.closed = False
-        self.client_left = False  # the client closed or reset it while it lingered (app/serving/lingering.py)
-        self.partial_head_since: float | None = None  # when part of a next head, read on the pool thread, arrived
 
 
 class ConnectionWorker(gthread.ThreadWorker):
@@ -176,7 +139,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         super().__init__(*args, **kwargs)
         settings = Settings.from_env()
         self.header_timeout_s = min(settings.header_timeout_s, settings.read_timeout_s)
-        self.max_connections = settings.max_connections
+        self.max_connections = self.cfg.worker_connections  # BLOCKGRAD_MAX_CONNECTIONS (gunicorn.conf.py)
         # gthread answers "Connection: close" once this many are kept alive; here the bound
         # closes the longest-idle instead, so that keep-alive never stops for a flood.
         self.max_keepalived = self.max_connections + 1
@@ -189,13 +152,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.clock = threading.local()  # the pool thread's request: its clock's start
         self.metrics = None
         self.shown: tuple | None = None
-        self.turns = Turns(HOLD_S)  # complete heads
-        self.linger_s = settings.linger_s
-        self.lingering: Lingering | None = None  # answered, kept alive; made after fork (a pipe)
-        self.stopping = False
         self.deferred_until: float | None = None  # leaving new connections to a sibling until then
-        self.notified = -math.inf
-        self.heartbeat_s = min(HEARTBEAT_S, self.cfg.timeout / 4) if self.cfg.timeout else HEARTBEAT_S
 
     @classmethod
     def check_config(cls, cfg, log):
@@ -203,7 +160,9 @@ class ConnectionWorker(gthread.ThreadWorker):
             raise RuntimeError("app.serving.worker.ConnectionWorker reads plain HTTP/1.1 heads itself: "
                                "TLS and HTTP/2 need gunicorn's gthread worker")
         settings = Settings.from_env()
-        needed = flood_connections(settings.header_timeout_s)
+        # The flood the service is sized for: 1500 idle connections at once, plus 40 new ones a
+        # second, each kept until the header timeout closes it.
+        needed = math.ceil(1500 + 40 * settings.header_timeout_s)
         if cfg.workers * settings.max_connections < needed:
             log.warning("%d workers x BLOCKGRAD_MAX_CONNECTIONS = %d hold fewer than the %d connections of the "
                         "flood the service is sized for (docs/connections.md): raise it to %d",
@@ -211,8 +170,8 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def serving(self) -> bool:
         """Whether a connection is accepted and not yet answered (new, part of a head, or in a
-        pool thread); idle kept-alive and closing ones do not count, nor the lingering ones."""
-        return self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] - len(self.lingering) > 0
+        pool thread); idle kept-alive and closing ones do not count."""
+        return self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0
 
     def leave_to_sibling(self) -> bool:
         """Asked when a new connection waits on the listener: leave it to a ready sibling
@@ -233,12 +192,6 @@ class ConnectionWorker(gthread.ThreadWorker):
             pod.mark_serving(self.serving())
             pod.mark_connections(self.nr_conns - self.counts[CLOSING])
 
-    def notify(self):
-        now = time.monotonic()
-        if now - self.notified >= self.heartbeat_s:
-            self.notified = now
-            super().notify()
-
     def init_process(self):
         from . import connection_metrics  # after fork: PROMETHEUS_MULTIPROC_DIR is set
 
@@ -247,9 +200,6 @@ class ConnectionWorker(gthread.ThreadWorker):
         if raise_open_files_limit(needed) < needed:
             self.log.warning("RLIMIT_NOFILE is below %d: BLOCKGRAD_MAX_CONNECTIONS = %d may not all open",
                              needed, self.max_connections)
-        # After fork, as gthread makes its method queue: the master makes a worker object per
-        # spawn and would keep its pipe.
-        self.lingering = Lingering(self.linger_s, LOOK_S, LINGERING_LIMIT)
         super().init_process()
 
     def load_wsgi(self):
@@ -260,117 +210,20 @@ class ConnectionWorker(gthread.ThreadWorker):
             started = getattr(clock, "started", None)
             if started is not None:
                 environ[CONN_STARTED_KEY] = started
-            coalesce(start_response)  # a small answer's head and body in one send
             return app(environ, start_response)
         self.wsgi = timed_app
 
     # -- the pool thread ------------------------------------------------------------------
 
-    def get_thread_pool(self):
-        return ServingThreads(self.cfg.threads, self.serve,
-                              lambda conn, keep: self.method_queue.defer(self.finish_request, conn, keep),
-                              self.turns.take_next, self.lingering.wake)
-
-    def serve(self, conn) -> None:
-        """On a pool thread: the request handed over, then each next one that is ready for
-        this thread (next_request), until none is. An answered connection kept alive lingers
-        (app/serving/lingering.py), any other goes back to the main loop (finish_request),
-        also one whose request raised: this thread answers for every connection it serves."""
-        while conn is not None:
-            try:
-                result = self.handle(conn)
-            except BaseException:  # noqa: BLE001 - this thread answers for conn: the main loop closes it
-                self.log.exception("serving a request")
-                result = None
-            if not (result is True and self.may_linger(conn) and self.lingering.add(conn, time.monotonic())):
-                self.method_queue.defer(self.finish_request, conn, result)
-            self.turns.finish()
-            conn = self.next_request()
-
-    def may_linger(self, conn) -> bool:
-        """Not while stopping, nor with pipelined bytes already read (the poller examines
-        them), nor while connections wait for a free thread."""
-        return self.alive and not buffered(conn) and not self.tpool.backlogged()
-
-    def next_request(self):
-        """For a thread that has just answered: the next complete head whose turn has come,
-        counted running in Turns. The main loop's first; else the lingering connections', this
-        thread polling them until one sends a head or the earliest is due, unless another
-        thread polls them. None: nothing for this thread (back to the pool). Lingering
-        connections it leaves with no thread polling are left to the main loop, woken if it
-        does not look already."""
-        following = chosen = None
-        while self.alive and not self.tpool.backlogged():
-            following = self.turns.take_next()
-            if following is not None:
-                break
-            watched = self.lingering.watch()
-            if watched is None:
-                break
-            try:
-                chosen = self.first_head(watched)
-            finally:
-                self.lingering.unwatch()
-            if chosen is not None:
-                break
-        if self.lingering.left_alone():
-            self.method_queue.defer(self.tend_lingering)
-        if chosen is not None:
-            self.turns.wait_for_turn(chosen)
-            return chosen
-        return following
-
-    def first_head(self, watched: list):
-        """Poll the lingering connections (Lingering.wait): the first of them to send a
-        complete head, claimed; a close, part of a head and those due go back to the main loop."""
-        for conn in self.lingering.wait(watched, time.monotonic()):
-            if not self.lingering.claim(conn):
-                continue
-            try:
-                arrived = self.read_next_head(conn)
-            except Exception:  # noqa: BLE001 - claimed: this thread answers for it
-                self.log.exception("reading a lingering connection's next head")
-                self.method_queue.defer(self.finish_request, conn, None)
-                continue
-            if arrived:
-                return conn
-            self.method_queue.defer(self.finish_request, conn, True)  # part of a head, or a close
-        for conn in self.lingering.expired(time.monotonic()):
-            self.method_queue.defer(self.finish_request, conn, True)
-        return None
-
-    def read_next_head(self, conn) -> bool:
-        """A lingering connection is readable: True when a complete head (or one gunicorn's
-        parser refuses from these bytes alone) is in conn.head, its clock started. False: part
-        of a head (left in the parser's buffer, for the poller to complete), or the client
-        left (conn.client_left)."""
-        try:
-            data = conn.sock.recv(RECV_BYTES)
-        except OSError:
-            data = b""
-        if not data:
-            conn.client_left = True
-            return False
-        now = time.monotonic()
-        if self.head_verdict(data, 0) == READY:
-            conn.head, conn.started = data, now
-            pod = slots.installed()
-            if pod is not None:  # at once: the main loop, not woken, last saw it waiting
-                pod.mark_serving(True)
-            return True
-        conn.parser.unreader.unread(data)
-        conn.partial_head_since = now
-        return False
-
     def enqueue_req(self, conn):
-        """`conn`, counted running in self.turns, to a pool thread. If no thread can start, its
-        turn ends unserved and the main loop closes it."""
+        """gthread's, closing the connection when no thread can start."""
         try:
-            self.tpool.submit(conn)
-        except RuntimeError:  # threading's "can't start new thread"
+            future = self.tpool.submit(self.handle, conn)
+        except RuntimeError:  # threading's "can't start new thread", or the pool shut down
             self.log.exception("no pool thread for a request: its connection is closed")
-            self.turns.finish()
-            self.method_queue.defer(self.finish_request, conn, None)
+            self.close_after_answer(conn)
+            return
+        future.add_done_callback(lambda done: self.method_queue.defer(self.finish_request, conn, done))
 
     def handle(self, conn):
         """gthread's handle(), with the head this loop read put back in front of the socket."""
@@ -395,9 +248,6 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.stop()
 
     def turn(self, accept: bool) -> None:
-        """One turn of the main loop. The pool gets complete heads last, just before the loop
-        sleeps, so that the main thread's own system calls (each letting go of the GIL) do
-        not interleave with the request's."""
         self.notify()
         self.publish_state()
         if accept:
@@ -409,49 +259,9 @@ class ConnectionWorker(gthread.ThreadWorker):
                     self.deferred_until = None
             if want != self._accepting:
                 self.set_accept_enabled(want)
-        now = time.monotonic()
-        self.tend_lingering(now)
-        self.submit_ready(now)
         self.wait_for_and_dispatch_events(timeout=self.poll_timeout())
         self.expire(time.monotonic())
         self.show_metrics()
-
-    def submit_ready(self, now: float) -> None:
-        """Complete heads to the pool in arrival order: the first at once when nothing runs,
-        the others when the running request ends (a thread ending one starts the next: Turns)
-        or after HOLD_S."""
-        for conn in self.turns.due(now):
-            self.enqueue_req(conn)
-
-    def tend_lingering(self, now: float | None = None) -> None:
-        """Every LOOK_S while any connection lingers; nothing is taken while a pool thread polls
-        them. Otherwise (that thread serves a request) those past linger_s go back to the
-        poller, and a head seen waiting at two looks in a row is taken back and queued for its
-        turn (Turns), counted from when it was first seen, so that a long request holds it back
-        by at most about 2 x LOOK_S. All go back once the worker stops."""
-        now = time.monotonic() if now is None else now
-        back, taken = self.lingering.look(now, everything=self.stopping or not self.alive)
-        for conn in back:
-            self.finish_request(conn, True)
-        for conn, since in taken:
-            self.take_back(conn, since)
-
-    def take_back(self, conn: Conn, since: float) -> None:
-        """A lingering connection's next bytes, waiting since `since` (the look that first saw
-        them, up to LOOK_S after they came: the header clock and the turn count from it), read
-        here and examined as the poller's (finish_request)."""
-        try:
-            data = conn.sock.recv(RECV_BYTES, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            data = None  # no longer readable: it waits in the poller
-        except OSError:
-            data = b""
-        if data == b"":
-            conn.client_left = True
-        elif data:
-            conn.parser.unreader.unread(data)
-            conn.partial_head_since = since
-        self.finish_request(conn, True)
 
     def stop(self):
         """Graceful shutdown: no new connections; connections without a byte of a request get
@@ -462,9 +272,6 @@ class ConnectionWorker(gthread.ThreadWorker):
             pod.mark_ready(False)  # first: a worker seen not polling its listener is surely not ready
         self.set_accept_enabled(False)
         self.deferred_until = None
-        self.stopping = True  # also when the parent died, the worker still alive
-        self.lingering.wake()  # the thread polling them stops; the main loop takes them back
-        self.tend_lingering()
         now = time.monotonic()
         linger = now + gthread.STOP_KEEPALIVE_LINGER
         for conn in list(self.waiting):
@@ -483,11 +290,6 @@ class ConnectionWorker(gthread.ThreadWorker):
     def poll_timeout(self) -> float:
         now = time.monotonic()
         longest = POLL_S if self.deferred_until is None else max(0.0, self.deferred_until - now)
-        oldest = self.turns.oldest()
-        if oldest is not None:
-            longest = min(longest, max(0.0, oldest + HOLD_S - now))
-        if self.lingering.looking:
-            longest = min(longest, LOOK_S)
         if not self.deadlines:
             return longest
         return min(longest, max(0.0, self.deadlines[0][0] - now))
@@ -567,13 +369,14 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.examine(conn, searched)
         self.make_room(keep=conn)
 
-    def examine(self, conn: Conn, searched: int, arrived: float | None = None) -> None:
-        """Hand `conn` over once its head is complete (or certain to be refused by gunicorn's
-        parser without another read), its turn counted from `arrived` (default now); answer it
-        here when it is too large."""
+    def examine(self, conn: Conn, searched: int) -> None:
+        """Hand `conn` to the pool once its head is complete (or certain to be refused by
+        gunicorn's parser without another read); answer it here when it is too large."""
         verdict = self.head_verdict(conn.head, searched)
         if verdict == READY:
-            self.hand_over(conn, arrived)
+            self.leave_poller(conn)
+            self.set_state(conn, BUSY)
+            self.enqueue_req(conn)
         elif verdict == TOO_LARGE:
             self.refuse(conn, LimitRequestHeaders("max buffer headers"))
 
@@ -585,11 +388,6 @@ class ConnectionWorker(gthread.ThreadWorker):
         if len(head) > self.line_limit + 2 and head.find(b"\r\n", 0, self.line_limit + 2) < 0:
             return READY  # the parser answers 414
         return TOO_LARGE if len(head) > self.head_limit else PARTIAL
-
-    def hand_over(self, conn: Conn, arrived: float | None = None) -> None:
-        self.leave_poller(conn)
-        self.set_state(conn, BUSY)
-        self.turns.add(conn, time.monotonic() if arrived is None else arrived)
 
     def leave_poller(self, conn: Conn) -> None:
         if self.waiting.pop(conn, False) is None:
@@ -605,28 +403,25 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.handle_error(None, conn.sock, conn.client, error)
         self.close_after_answer(conn, counted=True)
 
-    def finish_request(self, conn, result):
-        """A pool thread is done with `conn` (called on the main loop); `result` True: keep it."""
-        if conn.client_left:
-            self.close(conn, CLIENT_CLOSED)
-            return
-        if result is not True or conn.closed:
+    def finish_request(self, conn, done):
+        """A pool thread is done with `conn` (on the main loop): kept alive when gthread's
+        handle() returned True."""
+        if done.cancelled() or done.exception() is not None or done.result() is not True or conn.closed:
             self.close_after_answer(conn)
             return
         now = time.monotonic()
         conn.sock.setblocking(False)
         self.poller.register(conn.sock, selectors.EVENT_READ, partial(self.on_readable, conn))
         self.waiting[conn] = None
-        # A body drain or a pipelining client may have sent the next request's bytes already
-        # (or the pool thread read part of a head): its clock starts with them.
+        # A body drain or a pipelining client may have sent the next request's bytes already:
+        # its clock starts with them.
         pending = conn.parser.unreader.take_buffered()
         if pending:
-            conn.started = now if conn.partial_head_since is None else conn.partial_head_since
-            conn.partial_head_since = None
+            conn.started = now
             conn.head = bytearray(pending)
             self.head_bytes += len(pending)
             self.wait(conn, HEAD, conn.started + self.header_timeout_s)
-            self.examine(conn, 0, arrived=conn.started)
+            self.examine(conn, 0)
         else:
             conn.started = None
             due = now + self.cfg.keepalive
@@ -709,9 +504,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         if self.metrics is None:
             return
         shown = (self.nr_conns, self.counts[IDLE], self.counts[NEW] + self.counts[HEAD])
-        if shown != self.shown:  # only the gauges that changed: a kept-alive request changes one
-            before, self.shown = self.shown or (None, None, None), shown
-            for gauge, old, new in zip((self.metrics.OPEN, self.metrics.IDLE, self.metrics.AWAITING_HEAD),
-                                       before, shown):
-                if old != new:
-                    gauge.set(new)
+        if shown != self.shown:
+            self.shown = shown
+            for gauge, value in zip((self.metrics.OPEN, self.metrics.IDLE, self.metrics.AWAITING_HEAD), shown):
+                gauge.set(value)
