@@ -394,18 +394,6 @@ def check_metrics_dir(server, servers):
     assert any(name.startswith("counter_") for name in names), names  # the workers' values live there
 
 
-def check_linger(server, servers):
-    """Answered and kept alive, the connection waits on the pool's side (not idle in the
-    poller) for the whole linger, and its next request is served there."""
-    with connect(server) as sock:
-        sock.sendall(head("GET", "/healthz"))
-        assert read_answer(sock)[0] == 200
-        time.sleep(1)  # only lets a short linger (the default 0.02 s) end: the verdict waits on nothing
-        assert value(scrape(server), "blockgrad_connections_idle") == 0
-        sock.sendall(head("GET", "/healthz"))
-        assert read_answer(sock)[0] == 200
-
-
 def check_max_connections(server, servers):
     assert "workers x BLOCKGRAD_MAX_CONNECTIONS = 3 hold fewer than" in server.log()
     before = scrape(server)
@@ -686,7 +674,6 @@ VARIABLES = [
     Var("BLOCKGRAD_MAX_CONNECTIONS", "3", "limits", "a start-up warning; the oldest silent connection evicted",
         check_max_connections),
     Var("BLOCKGRAD_SEND_TIMEOUT_S", "1", "timeouts", "an unread answer: logged send_timeout", check_send_timeout),
-    Var("BLOCKGRAD_LINGER_S", "600", "limits", "an answered connection lingers, not idle", check_linger),
     Var("BLOCKGRAD_COST_PER_BLOCK_S", "1", "cost", "predicted_s = 64 blocks x 1 s + ...", check_cost_per_block),
     Var("BLOCKGRAD_COST_PER_NUMBER_S", "1e-4", "cost", "predicted_s = 1 + 160800 x 1e-4", check_cost_per_number),
     Var("BLOCKGRAD_API_TOKEN", TOKEN, "limits", "401 without the token, probes open", check_token),
@@ -735,7 +722,7 @@ def test_every_documented_variable_has_a_row():
 
 
 @pytest.mark.parametrize("variable,bad", [
-    ("BLOCKGRAD_MAX_N", "0"), ("BLOCKGRAD_LINGER_S", "-1"), ("BLOCKGRAD_DOCS_PUBLIC", "maybe"),
+    ("BLOCKGRAD_MAX_N", "0"), ("BLOCKGRAD_HEADER_TIMEOUT_S", "-1"), ("BLOCKGRAD_DOCS_PUBLIC", "maybe"),
     ("BLOCKGRAD_DASK_SCHEDULER", "http://scheduler:8786"), ("WEB_CONCURRENCY", "two"),
 ])
 def test_a_bad_value_stops_the_start_naming_the_variable(variable, bad):
