@@ -77,8 +77,9 @@ class HeldTiles:
     then made at a known point instead of raced. Installed with Client.run in each worker
     process present (app/jobs/tasks.py's tile_task, which the graph names by reference, is
     wrapped there; nothing in app/ knows of it). Each tile that starts writes a file into
-    `directory` named by its worker's pid and its key, then waits for `directory`/release.
-    A worker started later (a restarted one) runs its tiles unheld."""
+    `directory` named by its worker's pid and its key, then waits for `directory`/release (all
+    tiles) or for its own release file (release_tile). A worker started later (a restarted
+    one) runs its tiles unheld."""
 
     def __init__(self, address: str, directory):
         from pathlib import Path
@@ -99,6 +100,12 @@ class HeldTiles:
 
     def release(self) -> None:
         (self.directory / "release").touch()
+
+    def release_tile(self, key: str) -> None:
+        """Only the held tile `key` (as started() names it) goes on."""
+        for path in self.directory.glob("started-*"):
+            if path.read_text().split(" ", 1)[1] == key:
+                (self.directory / path.name.replace("started-", "release-", 1)).touch()
 
     def started(self, job_id: str) -> list[tuple[int, str]]:
         """(worker pid, key) of each start of one of the job's tiles, in no particular order."""
@@ -134,7 +141,8 @@ def hold_tiles(directory: str) -> None:
         Path(directory, f".{name}").write_text(f"{os.getpid()} {key}")
         os.replace(Path(directory, f".{name}"), Path(directory, f"started-{name}"))  # read whole or not at all
         deadline = time.monotonic() + HOLD_S
-        while not Path(directory, "release").exists() and time.monotonic() < deadline:
+        released = (Path(directory, "release"), Path(directory, f"release-{name}"))
+        while not any(path.exists() for path in released) and time.monotonic() < deadline:
             time.sleep(0.02)
         return original(*args, **kwargs)
     held.unheld = original

@@ -11,8 +11,9 @@ Expected values are literals taken from the docs (limits, details, formulas), ne
 code's constants. Waits are bounded (WAIT_S) and count events (a gauge reaching a value, a
 socket closing). Two rows compare a time, each with the documented default as the bound (the
 keep-alive, 75 s, for a value of 1 s; the send timeout, 30 s, for 1 s): a timeout's effect is a
-time, and no busy machine stretches 1 s to the default. BLOCKGRAD_MAX_JOBS needs its first job
-still active at the next POST: a job of ~50 s on a busy 2-core machine, the POST ms later.
+time, and no busy machine stretches 1 s to the default. A row that needs a job running holds
+its tiles at their start on the embedded cluster's worker (tests/dask_cluster.py HeldTiles)
+and releases them one at a time, so each look sees a known state.
 """
 import contextlib
 import io
@@ -33,6 +34,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.dask_cluster import HeldTiles
 from tests.events import LISTEN, socket_inodes
 from tools.server import ROOT, children, gunicorn_command, gunicorn_server, is_dask_process, wait_until
 
@@ -591,13 +593,7 @@ def check_max_job_block(server, servers):
     assert details["suggested_factor"] == 4  # the smallest that fits: blocks of 32 x 32 x 8
 
 
-def long_job(server) -> str:
-    """A job of 537M numbers in 4 tiles on one niced worker: queued or running for seconds
-    (about 50 s on a busy 2-core machine), and a cancelled one frees the worker within a tile."""
-    answer = submit_job(server, {"vectors": vectors(2048, 64), "factor": 256, "objective": "sum_of_squares",
-                                 "outputs": ["losses"]})
-    assert answer.status_code == 202, answer.text
-    return answer.json()["id"]
+HELD_TILE_BLOCKS = 4096  # a held job's 4 tiles of 64 x 64 blocks (factor 128)
 
 
 def cancel(server, job_id: str) -> None:
@@ -606,13 +602,29 @@ def cancel(server, job_id: str) -> None:
     finished(server, job_id)
 
 
+@contextlib.contextmanager
+def held_job(server, servers):
+    """(job id, HeldTiles): a job of 4 tiles (2048 x 8, factor 128: 16384 blocks) whose first
+    tile is held at its start on the worker's one thread, so the job is running with no block
+    done until a tile is released; cancelled, then released, on leaving."""
+    scheduler = requests.get(server.url + "/readyz", timeout=WAIT_S).json()["cluster"]["scheduler"]
+    with HeldTiles(scheduler, servers.tmp / f"held-{uuid.uuid4().hex}") as held:
+        answer = submit_job(server, {"vectors": vectors(2048, 8), "factor": 128, "objective": "sum_of_squares",
+                                     "outputs": ["losses"]})
+        assert answer.status_code == 202, answer.text
+        job_id = answer.json()["id"]
+        try:
+            held.wait_started(job_id, timeout_s=WAIT_S)
+            yield job_id, held
+        finally:
+            cancel(server, job_id)
+
+
 def check_max_jobs(server, servers):
-    job_id = long_job(server)
-    try:
+    with held_job(server, servers) as (job_id, _):
+        assert job_state(server, job_id).json()["status"] == "running"
         error = error_of(submit_job(server, {"vectors": vectors(1, 1), "factor": 1}), 503, "overloaded")
         assert error["details"] == {"limit": "BLOCKGRAD_MAX_JOBS", "value": 1, "allowed": 1}
-    finally:
-        cancel(server, job_id)
 
 
 def check_results_cap(server, servers):
@@ -892,6 +904,9 @@ def m_closed(server, servers):
 
 
 def m_jobs(server, servers):
+    with held_job(server, servers):
+        held = scrape(server)
+    assert (value(held, "blockgrad_jobs", status="queued"), value(held, "blockgrad_jobs", status="running")) == (0, 1)
     before = scrape(server)
     job_id = small_job(server)
     assert finished(server, job_id)["status"] == "succeeded"
@@ -902,17 +917,19 @@ def m_jobs(server, servers):
 
 def m_job_blocks_done(server, servers):
     assert value(scrape(server), "blockgrad_job_blocks_done") == 0  # no job queued or running
-    job_id = long_job(server)
-    try:
+    with held_job(server, servers) as (job_id, held):
+        assert value(scrape(server), "blockgrad_job_blocks_done") == 0  # running, its first tile held
+        [(_, first)] = held.started(job_id)
+        held.release_tile(first)
+        held.wait_started(job_id, 2, WAIT_S)  # the first tile returned; the second is held
         seen = {}
 
         def moved():
             seen["done"] = value(scrape(server), "blockgrad_job_blocks_done")
-            return seen["done"] > 0
-        wait_for(moved, "a tile of the running job done")
-        assert seen["done"] in (16384, 32768, 49152)  # whole tiles of 128 x 128 blocks, fewer than all 4
-    finally:
-        cancel(server, job_id)
+            return seen["done"] != 0
+        wait_for(moved, "the released tile counted")  # the scheduler learns of it after the worker
+        assert seen["done"] == HELD_TILE_BLOCKS  # exactly one tile done, the job still running
+        assert job_state(server, job_id).json()["progress"] == {"blocks_done": HELD_TILE_BLOCKS, "blocks_total": 16384}
     assert value(scrape(server), "blockgrad_job_blocks_done") == 0
 
 
@@ -954,8 +971,10 @@ METRICS = [
     Metric("blockgrad_connections_awaiting_head", "metrics", "2: a silent and a partial head, then 0",
            m_awaiting_head),
     Metric("blockgrad_connections_closed", "metrics", "a client closing a silent one: client_closed +1", m_closed),
-    Metric("blockgrad_jobs", "jobs", "a job succeeded: succeeded +1, none queued or running", m_jobs),
-    Metric("blockgrad_job_blocks_done", "jobs", "0, whole tiles while running, 0 once not", m_job_blocks_done),
+    Metric("blockgrad_jobs", "jobs", "running 1 while its tiles are held; a job succeeded: succeeded +1, none "
+           "queued or running", m_jobs),
+    Metric("blockgrad_job_blocks_done", "jobs", "0 while a job's tiles are held, 4096 with one tile released, "
+           "0 once cancelled", m_job_blocks_done),
     Metric("blockgrad_cluster_workers", "jobs", "1 with BLOCKGRAD_DASK_WORKERS=1", m_cluster_workers),
     Metric("blockgrad_job_events", "jobs", "a 202: submitted +1", m_job_events),
 ]
