@@ -39,3 +39,4 @@ def cluster():
     finally:
         close_clients()
         stop_embedded(cluster)
+pytest_plugins = ["tests._guard"]

@@ -304,6 +304,7 @@ def test_a_missing_model_directory_stops_the_app(tmp_path):
         create_app({"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(tmp_path / "absent")})
 
 
+@pytest.mark.slow
 def test_gunicorn_does_not_start_with_a_broken_model(tmp_path, library):
     """The service itself stops: the worker cannot boot, and gunicorn exits naming the file."""
     directory = model_dir(tmp_path, library, "mixing")
