@@ -11,7 +11,12 @@ from app.core.cost import predict_seconds
 from app.core.errors import BlockgradError
 from app.core.memory import AnswerCost
 from app.core.request import GradientRequest
-from app.core.run import first_non_finite_block
+from app.core.deadline import Deadline
+from app.core.engine import DEFAULT_CHUNK_ELEMENTS, plan_bands
+from app.core.run import first_non_finite_block, one_chunk
+from tools.reference import reference_accumulated, reference_blocks
+
+from .numeric import assert_matches
 from app.core.settings import Settings
 from app.core.sizes import Sizes
 
@@ -131,3 +136,27 @@ def test_a_suspect_block_that_is_finite_is_not_named():
     assert first_non_finite_block(vectors, req, surely_finite) == (0, 2)
     surely_finite[0, 2] = True  # only the false alarm: nothing to name
     assert first_non_finite_block(vectors, req, surely_finite) is None
+
+
+# one_chunk (the one-chunk fast path): blocks kept while their gradients fit keep_bytes, else let
+# go and recomputed from the vectors when written. N = 6, factor 2, D = 2, sum_of_squares in
+# float64: one chunk of 2 x 2 blocks of 3 x 3 x 4 gradients, 144 numbers, 1152 bytes.
+GRADIENT_BYTES = 144 * 8
+
+
+@pytest.mark.parametrize("keep_bytes,kept", [(GRADIENT_BYTES, True), (GRADIENT_BYTES - 1, False)])
+def test_one_chunk_keeps_blocks_within_the_budget_and_recomputes_them_past_it(keep_bytes, kept):
+    vectors = np.random.default_rng(27).standard_normal((6, 2))
+    req = GradientRequest(vectors, 2, "sum_of_squares", 0.0, ("blocks", "accumulated"), "float64")
+    tensor = torch.as_tensor(vectors)
+    [[only]] = plan_bands(6, 2, 2, DEFAULT_CHUNK_ELEMENTS)
+    result = one_chunk(req, torch.device("cpu"), tensor, Deadline(60.0), keep_bytes, DEFAULT_CHUNK_ELEMENTS, only)
+    assert (result.kept is not None) == kept
+    blocks = list(result.blocks())
+    expected = reference_blocks(tensor, 2, "sum_of_squares", offset=0.0)
+    assert [(b.r, b.c, b.row_span, b.col_span) for b in blocks] == [
+        (0, 0, (0, 3), (0, 3)), (0, 1, (0, 3), (3, 6)), (1, 0, (3, 6), (0, 3)), (1, 1, (3, 6), (3, 6))]
+    for block, (loss, gradient) in zip(blocks, expected, strict=True):
+        assert_matches(block.loss, loss, "float64")
+        assert_matches(block.gradient, gradient, "float64")
+    assert_matches(result.accumulated, reference_accumulated(tensor, 2, "sum_of_squares", offset=0.0), "float64")
