@@ -2,6 +2,8 @@
 docs/testing.md). Expected values are literals worked out by hand from the docs' rules, or
 tools/reference.py's; the cost model (app/core/cost.py, not mutated here) only where a
 prediction is the input."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -84,7 +86,18 @@ def test_over_the_deadline_without_a_better_factor_suggests_none():
     error = over_the_deadline(Sizes(4, 1, 4, ("blocks",)), 12.0, settings)
     assert error.details == {"limit": "BLOCKGRAD_REQUEST_TIMEOUT_S", "value": 12.0, "allowed": 10.0,
                              "predicted_s": 12.0, "deadline_s": 10.0}
-    assert "send fewer vectors or ask for fewer outputs" in error.message
+    assert error.message == ("This request is predicted to take about 12 s, over the deadline "
+                             "BLOCKGRAD_REQUEST_TIMEOUT_S = 10 s; send fewer vectors or ask for fewer outputs.")
+
+
+def test_over_the_deadline_suggests_a_factor_predicted_to_meet_it_exactly():
+    """The suggestion's own prediction (factor 4's, not the request's factor 2's) against the deadline."""
+    sizes = Sizes(4, 1, 2, ("blocks",))
+    better_s = predict_seconds(replace(sizes, factor=4), Settings(**ONLY_FACTOR_4))
+    assert f"{better_s:.2g}" != f"{predict_seconds(sizes, Settings(**ONLY_FACTOR_4)):.2g}"  # told apart below
+    error = over_the_deadline(sizes, 99.0, Settings(request_timeout_s=better_s, **ONLY_FACTOR_4))
+    assert error.details["suggested_factor"] == 4
+    assert f"factor 4 is predicted to take about {better_s:.2g} s" in error.message
 
 
 def test_over_the_deadline_does_not_suggest_a_factor_that_is_also_too_slow():
