@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.core.admission import admit, check_activations, over_the_deadline
+from app.core.admission import admit, advice, check_activations, over_the_deadline
 from app.core.cost import predict_seconds
 from app.core.errors import BlockgradError
 from app.core.memory import AnswerCost
@@ -119,6 +119,19 @@ def test_admit_refuses_past_the_deadline_and_admits_at_it(outputs):
 def test_admit_predicts_no_time_for_no_outputs():
     """/v2 asking only for bounds computes nothing: no time, no refusal even at a zero deadline."""
     assert admit(Sizes(64, 8, 4, ()), AnswerCost(), Settings(request_timeout_s=0.0)).seconds == 0.0
+
+
+# Advice when no factor fits: one pair of D = 3 is 6 numbers; N = 4 x D = 3 of accumulated is 12.
+def test_advice_when_even_one_pair_is_over_the_block_limit():
+    sizes = Sizes(4, 3, 1, ("accumulated",))
+    assert advice(sizes, Settings(max_block_elements=5)) == ("send shorter vectors: even one pair is too large", {})
+
+
+def test_advice_when_one_pair_fits_exactly_but_the_answer_never_does():
+    sizes = Sizes(4, 3, 1, ("accumulated",))
+    assert advice(sizes, Settings(max_block_elements=6, max_output_elements=11)) == (
+        "no factor fits every limit with outputs accumulated: ask for fewer outputs (for example only "
+        "accumulated and losses) or send fewer vectors", {})
 
 
 # first_non_finite_block: which block a non_finite_result names. In float32, sum_of_squares
