@@ -100,9 +100,10 @@ def model_dir(tmp_path, library, *names, rename: dict | None = None):
     return directory
 
 
-@pytest.fixture
-def served(tmp_path, library):
-    directory = model_dir(tmp_path, library, "pairmlp", "bilinear")
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, library):
+    """One app for the module's read-only requests (loading the models is most of a test's time)."""
+    directory = model_dir(tmp_path_factory.mktemp("served"), library, "pairmlp", "bilinear")
     return create_app({"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(directory)}).test_client()
 
 
