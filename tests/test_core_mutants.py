@@ -58,7 +58,9 @@ def test_activations_with_a_remainder_block_count_the_larger_last_block():
 def test_activations_too_large_for_one_pair():
     error = refusal(check_activations, Sizes(10, 2, 2, ("blocks",), bytes_per_pair=100),
                     Settings(max_activation_bytes=99))
-    assert error.details["value"] == 2500 and "even one pair are too large" in error.message
+    assert error.details["value"] == 2500 and error.message == (
+        "With factor 2 the model's activations for the largest block take about 2500 bytes (100 bytes per "
+        "pair), over BLOCKGRAD_MAX_ACTIVATION_BYTES = 99; this model's activations for even one pair are too large.")
     assert "suggested_factor" not in error.details
 
 
