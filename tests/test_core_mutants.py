@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.core.admission import admit, advice, check_activations, over_the_deadline
+from app.core.admission import admit, advice, check_activations, check_block_and_answer, over_the_deadline
 from app.core.cost import predict_seconds
 from app.core.errors import BlockgradError
 from app.core.memory import AnswerCost
@@ -121,6 +121,24 @@ def test_admit_refuses_past_the_deadline_and_admits_at_it(outputs):
 def test_admit_predicts_no_time_for_no_outputs():
     """/v2 asking only for bounds computes nothing: no time, no refusal even at a zero deadline."""
     assert admit(Sizes(64, 8, 4, ()), AnswerCost(), Settings(request_timeout_s=0.0)).seconds == 0.0
+
+
+# The answer's size: N = 4, D = 3, factor 2 -> blocks 4 * 4 * 6 = 96, accumulated 12, losses 4.
+@pytest.mark.parametrize("outputs,total", [(("blocks", "accumulated", "losses"), 112), (("accumulated",), 12)])
+def test_an_answer_at_the_output_limit_is_admitted_and_one_over_refused(outputs, total):
+    sizes = Sizes(4, 3, 2, outputs)
+    assert check_block_and_answer(sizes, Settings(max_output_elements=total)) is None
+    error = refusal(check_block_and_answer, sizes, Settings(max_output_elements=total - 1))
+    assert (error.details["limit"], error.details["value"], error.details["allowed"]) == (
+        "BLOCKGRAD_MAX_OUTPUT_ELEMENTS", total, total - 1)
+
+
+def test_a_block_at_the_block_limit_is_admitted_and_one_over_refused():
+    sizes = Sizes(4, 3, 1, ("accumulated",))  # one block of 4 x 4 x 6 = 96 numbers
+    assert check_block_and_answer(sizes, Settings(max_block_elements=96)) is None
+    error = refusal(check_block_and_answer, sizes, Settings(max_block_elements=95))
+    assert (error.details["limit"], error.details["value"], error.details["allowed"]) == (
+        "BLOCKGRAD_MAX_BLOCK_ELEMENTS", 96, 95)
 
 
 # Advice when no factor fits: one pair of D = 3 is 6 numbers; N = 4 x D = 3 of accumulated is 12.
