@@ -141,6 +141,20 @@ def test_a_block_at_the_block_limit_is_admitted_and_one_over_refused():
         "BLOCKGRAD_MAX_BLOCK_ELEMENTS", 96, 95)
 
 
+def test_an_answer_over_the_limit_gets_a_factor_only_when_the_losses_are_what_is_over():
+    """N = 4, D = 3: accumulated is 12 numbers, losses F x F. With 20 allowed, factor 4 (28) is
+    over because of its losses and factors 1 and 2 fit; with 12 allowed no factor can."""
+    losses_over = refusal(check_block_and_answer, Sizes(4, 3, 4, ("accumulated", "losses")),
+                          Settings(max_output_elements=20))
+    assert losses_over.details["value"] == 28 and losses_over.details["suggested_factor"] in {1, 2}
+    fixed_over = refusal(check_block_and_answer, Sizes(4, 3, 2, ("accumulated", "losses")),
+                         Settings(max_output_elements=12))
+    assert fixed_over.details == {"limit": "BLOCKGRAD_MAX_OUTPUT_ELEMENTS", "value": 16, "allowed": 12}
+    assert fixed_over.message == (
+        "The answer would hold 16 numbers, over BLOCKGRAD_MAX_OUTPUT_ELEMENTS = 12; ask for fewer outputs "
+        "(for example only accumulated and losses) or send fewer vectors.")
+
+
 # Advice when no factor fits: one pair of D = 3 is 6 numbers; N = 4 x D = 3 of accumulated is 12.
 def test_advice_when_even_one_pair_is_over_the_block_limit():
     sizes = Sizes(4, 3, 1, ("accumulated",))
