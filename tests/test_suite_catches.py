@@ -44,7 +44,7 @@ def test_the_suite_fails_on_a_broken_service(sabotage):
     subset, must_fail = CASES[sabotage]
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", f"tests._sabotage_{sabotage}", "-p", "no:cacheprovider",
-         "-q", "-rf", "-m", "not slow", *subset], cwd=ROOT, capture_output=True, text=True, timeout=600)
+         "-q", "-rf", *subset], cwd=ROOT, capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr
     failed = failed_tests(output)
     assert done.returncode == 1, output[-3000:]
