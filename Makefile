@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: serve test bench gpu-wheels clean
+.PHONY: serve test test-shuffled mutants bench gpu-wheels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,8 +28,30 @@ $(VENV)/.dev: $(VENV)/.runtime requirements-dev.txt
 serve: $(VENV)/.runtime
 	$(BIN)/gunicorn -c gunicorn.conf.py wsgi:app
 
+# More pytest arguments, e.g. PYTEST_ARGS='-m "not slow"' or PYTEST_ARGS=--randomly-seed=1234.
+PYTEST_ARGS ?=
+
 test: $(VENV)/.dev
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15 $(PYTEST_ARGS)
+
+# The same suite in a random order (pytest-randomly, off in pytest.ini): SEED=<n> replays an
+# order. `make test` keeps the file order, so that CI's runs compare.
+ifndef SEED
+SEED := $(shell date +%s)
+endif
+
+test-shuffled: $(VENV)/.dev
+	@echo "shuffled with SEED=$(SEED)"
+	$(BIN)/python -m pytest -p randomly --randomly-seed=$(SEED) --durations=15 $(PYTEST_ARGS)
+
+# Mutation testing of app/core with the suite's fast part (setup.cfg [mutmut]; docs/testing.md),
+# time-boxed, niced, outside CI; then the verdicts. Reruns only what changed since the last run.
+MUTANTS_TIME ?= 60m
+MUTANTS_CHILDREN ?= 2
+
+mutants: $(VENV)/.dev
+	-timeout $(MUTANTS_TIME) nice -n 10 $(BIN)/mutmut run --max-children $(MUTANTS_CHILDREN)
+	$(BIN)/mutmut results
 
 bench: $(VENV)/.dev
 	$(BIN)/python -m bench

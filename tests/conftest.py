@@ -54,3 +54,6 @@ def served():
 
     with gunicorn_server(workers=None, device=None, env={"BLOCKGRAD_DASK_SCHEDULER": ""}) as server:
         yield server
+
+
+pytest_plugins = ["tests._guard"]

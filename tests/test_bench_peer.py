@@ -47,6 +47,7 @@ def test_peer_answers_what_the_service_answers(peer_answer, client):
     torch.testing.assert_close(torch.tensor(peer_answer["accumulated"]), torch.tensor(service["accumulated"]))
 
 
+@pytest.mark.slow
 def test_peer_serves_under_its_own_gunicorn_settings():
     """The row's launcher: sync workers, as many as asked, the same answer as in process."""
     from bench.small_requests import BODY, peer_server

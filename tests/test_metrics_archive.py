@@ -91,6 +91,7 @@ def test_folding_keeps_every_total_and_leaves_a_constant_number_of_files(metrics
     assert not list(path.glob("*.tmp"))
 
 
+@pytest.mark.slow  # 150 folds under a scraping thread: a minute on a busy 2-core machine
 def test_a_scrape_during_folds_sees_every_total_once(metrics_dir):
     """Scrapes under the shared lock while the master folds workers one by one: each sees the
     dead workers' counts exactly once (never twice, never missing, never a vanished file).

@@ -100,9 +100,10 @@ def model_dir(tmp_path, library, *names, rename: dict | None = None):
     return directory
 
 
-@pytest.fixture
-def served(tmp_path, library):
-    directory = model_dir(tmp_path, library, "pairmlp", "bilinear")
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, library):
+    """One app for the module's read-only requests (loading the models is most of a test's time)."""
+    directory = model_dir(tmp_path_factory.mktemp("served"), library, "pairmlp", "bilinear")
     return create_app({"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(directory)}).test_client()
 
 
@@ -304,6 +305,7 @@ def test_a_missing_model_directory_stops_the_app(tmp_path):
         create_app({"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(tmp_path / "absent")})
 
 
+@pytest.mark.slow
 def test_gunicorn_does_not_start_with_a_broken_model(tmp_path, library):
     """The service itself stops: the worker cannot boot, and gunicorn exits naming the file."""
     directory = model_dir(tmp_path, library, "mixing")

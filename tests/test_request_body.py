@@ -145,6 +145,7 @@ def chunked_post(port: int, chunks: list[bytes]) -> tuple[int, bytes]:
         connection.close()
 
 
+@pytest.mark.slow
 def test_gunicorn_chunked_body_over_limit_is_too_large():
     limit = 1024
     at_limit = padded(b'{"vectors": [[1.0], [2.0]], "factor": 1}', limit)

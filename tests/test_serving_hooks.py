@@ -93,6 +93,7 @@ def test_a_taken_address_is_found_a_free_one_is_not():
     assert addresses.taken([("127.0.0.1", free_port())]) is None
 
 
+@pytest.mark.slow
 def test_a_taken_bind_stops_gunicorn_at_once_naming_blockgrad_bind():
     """gunicorn alone retries five times a second apart and then says "Can't connect"."""
     with socket.socket() as listener:

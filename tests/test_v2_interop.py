@@ -16,6 +16,8 @@ from .test_v2 import reference_outputs
 httpclient = pytest.importorskip("tritonclient.http")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
+pytestmark = pytest.mark.slow  # one gunicorn for the module
+
 OUTPUT_NAMES = ["block_gradients", "accumulated", "bounds", "losses"]
 
 
