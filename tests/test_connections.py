@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.attacks import DRIP_HEAD, HeaderDrip, IdleFlood, Prober, raise_open_files
 from tools.server import gunicorn_server, wait_until
 from .test_api import GOOD
+from .events import connection_owner
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 
 from tools.server import ROOT
 
-pytestmark = pytest.mark.slow  # three pytest runs of a few seconds each, not a server
+pytestmark = pytest.mark.slow  # three pytest runs, one of them starting the service as `make serve` does
 
 CASES = {
     # 422 non_finite_result for every request, before computing.
@@ -21,11 +21,13 @@ CASES = {
         ["tests/test_api.py::test_seed_example_end_to_end", "tests/test_api.py::test_api_matches_reference",
          "tests/test_v2.py::test_seed_example_defaults", "tests/test_properties.py"],
         ["tests/test_api.py::test_seed_example_end_to_end", "tests/test_api.py::test_api_matches_reference",
-         "tests/test_v2.py::test_seed_example_defaults"]),
+         "tests/test_v2.py::test_seed_example_defaults",
+         "tests/test_properties.py::test_any_request_gets_the_answer_the_oracle_demands",
+         "tests/test_properties.py::test_valid_requests_are_answered_exactly_or_refused_only_where_they_overflow"]),
     # 500 internal_error for {"vectors": [[]]}, in process and from tools/server.py's gunicorn.
     "empty_row": (
-        ["tests/test_api.py::test_bad_fields"],
-        ["tests/test_api.py::test_bad_fields[body3-vectors]"]),
+        ["tests/test_api.py::test_bad_fields", "tests/test_contract.py::test_empty_rows_are_422_not_500"],
+        ["tests/test_api.py::test_bad_fields[body3-vectors]", "tests/test_contract.py::test_empty_rows_are_422_not_500"]),
     # The engine's last block of every band left out (a one-band answer's last block).
     "drop_last_block": (
         ["tests/test_engine.py::test_seed_example_values", "tests/test_engine.py::test_engine_matches_seed_loops",
