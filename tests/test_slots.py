@@ -198,7 +198,7 @@ def test_the_executor_runs_tiles_on_the_pods_slots(two_slots):
         return k
 
     try:
-        assert list(executor.map_tiles(tile, range(8))) == list(range(8))
+        assert list(executor.map_chunks(tile, range(8))) == list(range(8))
         assert two_slots.held_here() == 1
     finally:
         executor.shutdown()

@@ -47,6 +47,9 @@ from .objectives import Objective
 # cache (docs/benchmarks.md). A chunk always holds one whole block, so blocks up to
 # BLOCKGRAD_MAX_BLOCK_ELEMENTS still go one per chunk.
 DEFAULT_CHUNK_ELEMENTS = 1024 * 1024
+# Numbers per chunk when a request's chunks may run on several lanes: two lanes' working
+# sets then fit the shared cache together (docs/cores.md, "Tile size").
+PARALLEL_CHUNK_ELEMENTS = 256 * 1024
 
 
 def block_bounds(n: int, factor: int) -> list[int]:
@@ -104,26 +107,49 @@ def split(indices: range, size: int) -> list[range]:
     return [indices[k:k + size] for k in range(0, len(indices), size)]
 
 
-def plan_bands(n: int, dim: int, factor: int, max_elements: int) -> list[list[Chunk]]:
-    """Chunks of at most max_elements numbers (at least one block each), grouped in bands
-    of whole block rows, in row-block-major order. A band's chunks partition its rows'
-    blocks by column, left to right; several block rows share a band when a whole block
-    row fits, else each chunk is a run of one row's blocks and a band of its own."""
+def overlap(a: range, b: range) -> range:
+    return range(max(a.start, b.start), min(a.stop, b.stop))
+
+
+def plan_bands(n: int, dim: int, factor: int, max_elements: int,
+               rows: range | None = None, cols: range | None = None) -> Iterator[list[Chunk]]:
+    """The one plan of a computation: the blocks rows x cols (all of them by default; a job's
+    tile otherwise) in chunks of one block shape and at most max_elements numbers (at least
+    one block each), grouped in bands of whole block rows, row-block-major. A band's chunks
+    partition its rows' blocks by column, left to right; several block rows share a band
+    when a whole row of the blocks fits, else each chunk is a run of one row's blocks and a
+    band of its own. Lazy: a request of 1 x 1 blocks may plan thousands of chunks."""
     base, pair = n // factor, 2 * dim
-    columns = shape_groups(n, factor)
-    bands = []
+    rows, cols = rows or range(factor), cols or range(factor)
+    columns = [(overlap(group, cols), width) for group, width in shape_groups(n, factor)]
+    columns = [(group, width) for group, width in columns if group]
+    row_width = sum(len(group) * width for group, width in columns)  # columns of V in one row of blocks
     for row_group, height in shape_groups(n, factor):
-        row_numbers = height * n * pair  # one whole block row
+        row_group = overlap(row_group, rows)
+        if not row_group:
+            continue
+        row_numbers = height * row_width * pair  # one whole row of the blocks
         if row_numbers <= max_elements:
-            for rows in split(row_group, max_elements // row_numbers):
-                bands.append([Chunk(rows, cols, height, width, base) for cols, width in columns])
+            for band in split(row_group, max_elements // row_numbers):
+                yield [Chunk(band, group, height, width, base) for group, width in columns]
             continue
         for r in row_group:
-            for cols_group, width in columns:
+            for group, width in columns:
                 per_chunk = max(1, max_elements // (height * width * pair))
-                bands.extend([Chunk(range(r, r + 1), cols, height, width, base)]
-                             for cols in split(cols_group, per_chunk))
-    return bands
+                for run in split(group, per_chunk):
+                    yield [Chunk(range(r, r + 1), run, height, width, base)]
+
+
+def elements_per_chunk(max_elements: int, objective: Objective, dim: int, element_size: int,
+                       parallel: bool = False) -> int:
+    """Numbers per chunk: DEFAULT_CHUNK_ELEMENTS (PARALLEL_CHUNK_ELEMENTS when chunks may run
+    side by side), at most max_elements (the memory of the largest allowed block), less for
+    an objective that declares `bytes_per_pair` of activations, so that pairs plus
+    activations take about that memory. A chunk always holds one block, whatever this returns."""
+    extra = getattr(objective, "bytes_per_pair", 0) or 0
+    pair_bytes = 2 * dim * element_size
+    numbers = max(1, min(max_elements, DEFAULT_CHUNK_ELEMENTS) * pair_bytes // (pair_bytes + extra))
+    return min(numbers, PARALLEL_CHUNK_ELEMENTS) if parallel else numbers
 
 
 def pair_blocks(vectors: torch.Tensor, chunk: Chunk) -> torch.Tensor:
@@ -171,14 +197,6 @@ def band_blocks(results: list[ChunkResult]) -> Iterator[Block]:
                             loss, gradient)
 
 
-def iter_blocks(vectors: torch.Tensor, factor: int, objective: Objective, offset: float,
-                max_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Iterator[Block]:
-    """Every block's loss and gradient, row-block-major, computed a chunk at a time; one band
-    of chunk results is held at a time."""
-    for band in iter_bands(vectors, factor, objective, offset, max_elements):
-        yield from band_blocks(band)
-
-
 @dataclass(frozen=True)
 class ChunkSums:
     """A chunk's share of dL/dV: entry (i, j) of a block holds V[i] in its first D and V[j]
@@ -194,21 +212,41 @@ def chain_rule_sums(result: ChunkResult) -> ChunkSums:
                      result.gradient[..., d:].sum(dim=(0, 2)).reshape(kc * w, d))  # (kc * w, D)
 
 
-def add_to_vectors(accumulated: torch.Tensor, result: ChunkResult) -> ChunkSums:
-    """Chain rule from a chunk's blocks back to the rows and columns they came from (block
-    rows and columns of a chunk are consecutive in V); returns the sums it added."""
-    sums, chunk = chain_rule_sums(result), result.chunk
-    row_start, col_start = chunk.rows.start * chunk.base, chunk.cols.start * chunk.base
-    accumulated[row_start:row_start + sums.rows.shape[0]] += sums.rows  # (kr * h, D)
-    accumulated[col_start:col_start + sums.cols.shape[0]] += sums.cols  # (kc * w, D)
-    return sums
+def add_to_vectors(rows_into: torch.Tensor, cols_into: torch.Tensor, chunk: Chunk, sums: ChunkSums,
+                   origin: tuple[int, int] = (0, 0)) -> None:
+    """The chain rule's scatter: a chunk's sums added onto the rows and columns of V they came
+    from (a chunk's block rows and columns are consecutive in V). Entry k of rows_into is row
+    origin[0] + k of V, of cols_into row origin[1] + k: both (N, D) dL/dV for a request, a
+    job tile's own (rows, D) and (cols, D) shares for a task."""
+    row_start, col_start = chunk.rows.start * chunk.base - origin[0], chunk.cols.start * chunk.base - origin[1]
+    rows_into[row_start:row_start + sums.rows.shape[0]] += sums.rows  # (kr * h, D)
+    cols_into[col_start:col_start + sums.cols.shape[0]] += sums.cols  # (kc * w, D)
 
 
-def elements_per_chunk(max_elements: int, objective: Objective, dim: int, element_size: int) -> int:
-    """Numbers per chunk: DEFAULT_CHUNK_ELEMENTS, at most max_elements (the memory of the
-    largest allowed block), less for an objective that declares `bytes_per_pair` of
-    activations, so that pairs plus activations take about that memory. A chunk always
-    holds one block, whatever this returns."""
-    extra = getattr(objective, "bytes_per_pair", 0) or 0
-    pair_bytes = 2 * dim * element_size
-    return max(1, min(max_elements, DEFAULT_CHUNK_ELEMENTS) * pair_bytes // (pair_bytes + extra))
+@dataclass(frozen=True)
+class ChunkShares:
+    """Pass one's work on one chunk, wherever it runs (a lane, a job's task)."""
+    result: ChunkResult
+    sums: ChunkSums
+    # True proves every block of the chunk finite: the sum of its losses and of its chain-rule
+    # sums is finite only if all their terms are. One number, no host synchronisation; False
+    # may also be an overflowing sum: first_non_finite_block then checks block by block.
+    surely_finite: torch.Tensor  # 0-d bool
+
+
+def chunk_shares(vectors: torch.Tensor, chunk: Chunk, objective: Objective, offset: float) -> ChunkShares:
+    result = chunk_gradients(vectors, chunk, objective, offset)
+    sums = chain_rule_sums(result)
+    return ChunkShares(result, sums, torch.isfinite(result.losses.sum() + sums.rows.sum() + sums.cols.sum()))
+
+
+def first_non_finite_block(vectors: torch.Tensor, chunks: list[Chunk], objective: Objective,
+                           offset: float) -> tuple[int, int] | None:
+    """Row-block-major, the first block of these chunks (those not surely finite) whose loss or
+    gradient is not finite, checked entry by entry; None when only sums overflowed."""
+    found = []
+    for chunk in chunks:
+        result = chunk_gradients(vectors, chunk, objective, offset)
+        finite = torch.isfinite(result.losses) & torch.isfinite(result.gradient).flatten(2).all(dim=2)  # (kr, kc)
+        found += [(chunk.rows[i], chunk.cols[j]) for i, j in torch.nonzero(~finite).tolist()]
+    return min(found, default=None)
