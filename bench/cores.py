@@ -55,20 +55,15 @@ def tiles(n: int, dim: int, factor: int, parallel: bool) -> list:
     return [chunk for band in plan_bands(n, dim, factor, size) for chunk in band]
 
 
-def pass_one(executor, vectors: torch.Tensor, plan: list, objective: str = "sum") -> torch.Tensor:
-    """Pass one as app/core/run.py does it: losses and finiteness filled per tile, then the
-    accumulated gradient and one host synchronisation."""
-    f = plan[-1].rows.stop
-    losses = torch.empty((f, f), dtype=vectors.dtype)  # (F, F)
-    finite = torch.empty((f, f), dtype=torch.bool)  # (F, F)
-    run = PassOne(executor, vectors, plan, OBJECTIVES[objective], 5.0)
-    for tile in run:
-        rows, cols = tile.result.chunk.rows, tile.result.chunk.cols
-        losses[rows.start:rows.stop, cols.start:cols.stop] = tile.result.losses
-        finite[rows.start:rows.stop, cols.start:cols.stop] = tile.surely_finite
-    accumulated = run.accumulated()
-    assert bool(finite.all()) and bool(torch.isfinite(accumulated).all())
-    return accumulated
+def pass_one(executor, vectors: torch.Tensor, factor: int, parallel: bool, objective: str = "sum") -> torch.Tensor:
+    """Pass one as app/core/run.py does it: `tiles(...)`'s chunks, losses placed, the accumulated
+    gradient, one host synchronisation."""
+    size = PARALLEL_CHUNK_ELEMENTS if parallel else DEFAULT_CHUNK_ELEMENTS
+    run = PassOne(executor, vectors, factor, size, OBJECTIVES[objective], 5.0)
+    for _ in run:
+        pass
+    assert run.surely_finite()
+    return run.rows_sum
 
 
 def timed_with_cpu(fn) -> tuple[float, float]:
@@ -117,10 +112,10 @@ def lone_request_speedup(bench=None, n: int = 2048, dim: int = 64, factor: int =
         serial_plan, parallel_plan = tiles(n, dim, factor, False), tiles(n, dim, factor, True)
 
         def alone():
-            return pass_one(SerialExecutor(), vectors, serial_plan)
+            return pass_one(SerialExecutor(), vectors, factor, False)
 
         def on_two():
-            return pass_one(executor, vectors, parallel_plan)
+            return pass_one(executor, vectors, factor, True)
 
         torch.testing.assert_close(on_two(), alone(), rtol=2e-5, atol=2e-5)  # warm-up, and the same answer
         one, two, pair, cpu_share, plain_one, plain_two = [], [], [], [], [], []

@@ -63,20 +63,20 @@ def test_parallel_tiles_are_the_serial_bits_and_the_seed_loops_accumulated(objec
     own = slots.try_acquire()  # the request's own slot, as the gate hands it over
     executor = LocalExecutor(slots, slots_per_request=3)
     try:
-        run = PassOne(executor, vectors, tiles, OBJECTIVES[objective], offset)
+        run = PassOne(executor, vectors, factor, 300, OBJECTIVES[objective], offset)
         parallel = list(run)
-        accumulated = run.accumulated()
+        accumulated = run.rows_sum
     finally:
         executor.shutdown()
         own.release()
     assert slots.grants > 0, "no tile ran on an extra slot"
     assert slots.busy == 0
     expected, serial_accumulated = serial_pass(vectors, tiles, objective, offset)
-    assert [t.result.chunk for t in parallel] == tiles  # in the plan's order
+    assert [t.chunk for t in parallel] == tiles  # in the plan's order
     for got, want in zip(parallel, expected, strict=True):
-        assert torch.equal(got.result.losses, want.losses)
-        assert torch.equal(got.result.gradient, want.gradient)
-        assert bool(got.surely_finite)
+        assert torch.equal(got.losses, want.losses)
+        assert torch.equal(got.gradient, want.gradient)
+    assert run.surely_finite()
     # The consumer adds the lanes' sums in the chunks' order: the serial pass's bits.
     assert torch.equal(accumulated, serial_accumulated)
     # The literal loops in float64 on the same values: the oracle.
@@ -87,14 +87,14 @@ def test_parallel_tiles_are_the_serial_bits_and_the_seed_loops_accumulated(objec
     blocks = batch_matrix(concat_matrix(wide), factor=factor)
     checked = 0
     for tile in parallel:
-        chunk = tile.result.chunk
+        chunk = tile.chunk
         for i, r in enumerate(chunk.rows):
             for j, c in enumerate(chunk.cols):
                 loss, gradient = seed[r * factor + c]
-                assert_matches(tile.result.losses[i, j], loss, dtype, scale=loss_terms(blocks[r * factor + c],
+                assert_matches(tile.losses[i, j], loss, dtype, scale=loss_terms(blocks[r * factor + c],
                                                                                         objective, offset),
                                what=f"block ({r}, {c}) loss")
-                assert_matches(tile.result.gradient[i, j], gradient, dtype, what=f"block ({r}, {c}) gradient")
+                assert_matches(tile.gradient[i, j], gradient, dtype, what=f"block ({r}, {c}) gradient")
                 checked += 1
     assert checked == factor * factor
 
@@ -103,12 +103,12 @@ def test_serial_executor_is_the_engine_exactly():
     torch.manual_seed(1)
     vectors = torch.randn(40, 4)
     tiles = tiles_of(40, 4, 7, 500)
-    run = PassOne(SerialExecutor(), vectors, tiles, OBJECTIVES["logsumexp"], 1.0)
+    run = PassOne(SerialExecutor(), vectors, 7, 500, OBJECTIVES["logsumexp"], 1.0)
     results = list(run)
     expected, accumulated = serial_pass(vectors, tiles, "logsumexp", 1.0)
     assert len(results) == len(expected) == len(tiles)
-    assert all(torch.equal(a.result.gradient, b.gradient) for a, b in zip(results, expected, strict=True))
-    assert torch.equal(run.accumulated(), accumulated)  # one lane: the serial order of additions
+    assert all(torch.equal(a.gradient, b.gradient) for a, b in zip(results, expected, strict=True))
+    assert torch.equal(run.rows_sum, accumulated)  # one lane: the serial order of additions
 
 
 def test_one_slot_per_request_is_serial_and_bitwise_the_engine():
@@ -117,10 +117,10 @@ def test_one_slot_per_request_is_serial_and_bitwise_the_engine():
     tiles = tiles_of(40, 4, 7, 500)
     slots = CountingSlots(4)
     executor = LocalExecutor(slots, slots_per_request=1)
-    run = PassOne(executor, vectors, tiles, OBJECTIVES["sum_of_squares"], 0.0)
+    run = PassOne(executor, vectors, 7, 500, OBJECTIVES["sum_of_squares"], 0.0)
     list(run)
     assert slots.tries == 0
-    assert torch.equal(run.accumulated(), serial_pass(vectors, tiles, "sum_of_squares", 0.0)[1])
+    assert torch.equal(run.rows_sum, serial_pass(vectors, tiles, "sum_of_squares", 0.0)[1])
 
 
 def test_a_request_of_one_tile_runs_inline_with_no_hand_over():
@@ -131,7 +131,7 @@ def test_a_request_of_one_tile_runs_inline_with_no_hand_over():
         threads = list(executor.map_chunks(lambda tile: threading.get_ident(), ["only"]))
         tiles = tiles_of(10, 5, 2, 10 ** 6)
         assert len(tiles) == 1  # the seed's 10 x 5 example is one tile
-        list(PassOne(executor, torch.randn(10, 5), tiles, OBJECTIVES["sum"], 0.0))
+        list(PassOne(executor, torch.randn(10, 5), 2, 10 ** 6, OBJECTIVES["sum"], 0.0))
     finally:
         executor.shutdown()
     assert threads == [caller]
@@ -282,9 +282,9 @@ def test_closing_pass_one_early_gives_the_extra_slots_back():
     own = slots.try_acquire()
     executor = LocalExecutor(slots, slots_per_request=3)
     try:
-        run = PassOne(executor, vectors, tiles, OBJECTIVES["mean"], 0.0)
+        run = PassOne(executor, vectors, 16, 200, OBJECTIVES["mean"], 0.0)
         first = next(iter(run))
-        assert first.result.chunk == tiles[0]
+        assert first.chunk == tiles[0]
         run.close()
         assert slots.busy == 1
     finally:

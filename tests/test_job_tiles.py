@@ -87,23 +87,23 @@ def test_a_non_finite_block_fails_with_the_first_block():
 
 
 def test_a_tile_is_computed_by_the_executors_tile_function(monkeypatch):
-    """The local executor's lanes and a job's tasks run one chunk function (executor.PassOne's):
-    each calls it once per chunk of the one plan."""
-    real = executor.chunk_shares
+    """The local executor's lanes and a job's tasks run one pass (executor.PassOne): each
+    computes every chunk of the one plan once."""
+    real = executor.chunk_gradients
     spec = spec_for(12, 2, 3, "sum", "float32")
     tile = plan_tiles(12, 2, 3, 1)[0]
     chunks = [c for band in plan_bands(12, 2, 3, spec.chunk_elements, tile.rows, tile.cols) for c in band]
     for name, run in (("job", lambda: run_tile(np.ones((12, 2), dtype=np.float32), spec, tile, OBJECTIVES["sum"])),
-                      ("v1", lambda: list(executor.PassOne(executor.SerialExecutor(), torch.ones(12, 2), chunks,
-                                                           OBJECTIVES["sum"], 5.0)))):
+                      ("v1", lambda: list(executor.PassOne(executor.SerialExecutor(), torch.ones(12, 2), 3,
+                                                           spec.chunk_elements, OBJECTIVES["sum"], 5.0)))):
         calls = []
 
         def counted(*args):
             calls.append(args[1])
             return real(*args)
-        monkeypatch.setattr(executor, "chunk_shares", counted)
+        monkeypatch.setattr(executor, "chunk_gradients", counted)
         run()
-        monkeypatch.setattr(executor, "chunk_shares", real)
+        monkeypatch.setattr(executor, "chunk_gradients", real)
         assert calls == chunks, name
 
 

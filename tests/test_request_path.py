@@ -8,7 +8,8 @@ import torch
 
 from app import create_app
 from app.api.v1.render import stream_with_blocks
-from app.core.engine import band_blocks, first_non_finite_block, iter_bands, plan_bands
+from app.core import executor
+from app.core.engine import band_blocks, iter_bands
 from app.core.admission import Sizes, check_block_and_answer
 from app.core.errors import BlockgradError
 from app.core.objectives import OBJECTIVES
@@ -67,15 +68,22 @@ def test_sum_gradients_are_kept_at_the_cost_of_one_number_each():
     assert summary.kept is not None and all(bool((b.gradient == 1).all()) for b in summary.kept)
 
 
-def test_finiteness_recheck_skips_blocks_that_are_finite():
+def test_finiteness_recheck_skips_blocks_that_are_finite(monkeypatch):
     vectors = np.zeros((4, 2))
     vectors[3, 0] = 1e20  # squares overflow float32 in every block holding V[3]: (0, 1), (1, 0), (1, 1)
     req = make_request(vectors, factor=2)
-    tensor = load_vectors(req, torch.device("cpu"))
-    first, second = [band[0] for band in list(plan_bands(4, 2, 2, 1))[:2]]  # blocks (0, 0) and (0, 1)
-    # (0, 0) wrongly suspected: it is finite; only the chunks given are rechecked
-    assert first_non_finite_block(tensor, [first, second], req.objective_fn, req.offset) == (0, 1)
-    assert first_non_finite_block(tensor, [first], req.objective_fn, req.offset) is None
+    computed = executor.PassOne(executor.SerialExecutor(), load_vectors(req, torch.device("cpu")), 2, 1,
+                                req.objective_fn, req.offset)  # one block a chunk
+    list(computed)
+    recomputed, real = [], executor.chunk_gradients
+
+    def counted(vectors, chunk, *rest):
+        recomputed.append((chunk.rows.start, chunk.cols.start))
+        return real(vectors, chunk, *rest)
+    monkeypatch.setattr(executor, "chunk_gradients", counted)
+    assert not computed.surely_finite()
+    assert computed.first_non_finite_block() == (0, 1)
+    assert recomputed == [(0, 1), (1, 0), (1, 1)]  # (0, 0): its losses and sums prove it finite
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 200, 10 ** 9])

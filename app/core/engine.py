@@ -215,38 +215,9 @@ def chain_rule_sums(result: ChunkResult) -> ChunkSums:
 def add_to_vectors(rows_into: torch.Tensor, cols_into: torch.Tensor, chunk: Chunk, sums: ChunkSums,
                    origin: tuple[int, int] = (0, 0)) -> None:
     """The chain rule's scatter: a chunk's sums added onto the rows and columns of V they came
-    from (a chunk's block rows and columns are consecutive in V). Entry k of rows_into is row
-    origin[0] + k of V, of cols_into row origin[1] + k: both (N, D) dL/dV for a request, a
-    job tile's own (rows, D) and (cols, D) shares for a task."""
-    row_start, col_start = chunk.rows.start * chunk.base - origin[0], chunk.cols.start * chunk.base - origin[1]
+    from (a chunk's block rows and columns are consecutive in V). rows_into starts at the
+    first row of block row origin[0], cols_into at that of block column origin[1]: both the
+    (N, D) dL/dV for a request, a job tile's own (rows, D) and (cols, D) shares for a task."""
+    row_start, col_start = (chunk.rows.start - origin[0]) * chunk.base, (chunk.cols.start - origin[1]) * chunk.base
     rows_into[row_start:row_start + sums.rows.shape[0]] += sums.rows  # (kr * h, D)
     cols_into[col_start:col_start + sums.cols.shape[0]] += sums.cols  # (kc * w, D)
-
-
-@dataclass(frozen=True)
-class ChunkShares:
-    """Pass one's work on one chunk, wherever it runs (a lane, a job's task)."""
-    result: ChunkResult
-    sums: ChunkSums
-    # True proves every block of the chunk finite: the sum of its losses and of its chain-rule
-    # sums is finite only if all their terms are. One number, no host synchronisation; False
-    # may also be an overflowing sum: first_non_finite_block then checks block by block.
-    surely_finite: torch.Tensor  # 0-d bool
-
-
-def chunk_shares(vectors: torch.Tensor, chunk: Chunk, objective: Objective, offset: float) -> ChunkShares:
-    result = chunk_gradients(vectors, chunk, objective, offset)
-    sums = chain_rule_sums(result)
-    return ChunkShares(result, sums, torch.isfinite(result.losses.sum() + sums.rows.sum() + sums.cols.sum()))
-
-
-def first_non_finite_block(vectors: torch.Tensor, chunks: list[Chunk], objective: Objective,
-                           offset: float) -> tuple[int, int] | None:
-    """Row-block-major, the first block of these chunks (those not surely finite) whose loss or
-    gradient is not finite, checked entry by entry; None when only sums overflowed."""
-    found = []
-    for chunk in chunks:
-        result = chunk_gradients(vectors, chunk, objective, offset)
-        finite = torch.isfinite(result.losses) & torch.isfinite(result.gradient).flatten(2).all(dim=2)  # (kr, kc)
-        found += [(chunk.rows[i], chunk.cols[j]) for i, j in torch.nonzero(~finite).tolist()]
-    return min(found, default=None)

@@ -28,7 +28,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from .engine import Chunk, ChunkShares, add_to_vectors, chunk_shares
+from .engine import (Chunk, ChunkResult, ChunkSums, add_to_vectors, block_bounds, chain_rule_sums, chunk_gradients,
+                     plan_bands)
 from .objectives import Objective
 from .slots import Slot, SlotSource
 
@@ -53,32 +54,75 @@ class Executor(Protocol):
 
 
 class PassOne:
-    """Pass one over chunks, in their order: each chunk's ChunkShares, its chain-rule sums
-    added to rows_into and cols_into (engine.add_to_vectors) as it is consumed."""
+    """Pass one over the blocks rows x cols (all of them by default; a job's tile otherwise),
+    planned by engine.plan_bands: each chunk computed by `executor` (its blocks' losses and
+    gradients, their chain-rule sums), handed back in plan order. As a chunk is consumed its
+    losses are placed in `losses` (rows x cols) and its sums added (engine.add_to_vectors)
+    into `rows_sum` and `cols_sum`: one (N, D) dL/dV for the whole matrix, a tile's own
+    (rows, D) and (cols, D) shares for a tile. Adding in plan order gives the same bits on
+    any number of lanes, whichever lane ran which chunk."""
 
-    def __init__(self, executor: Executor, vectors: torch.Tensor, chunks: Sequence[Chunk], objective: Objective,
-                 offset: float, into: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 origin: tuple[int, int] = (0, 0)):
-        self._shares = executor.map_chunks(lambda chunk: chunk_shares(vectors, chunk, objective, offset), chunks)
-        if into is None:
-            accumulated = torch.zeros_like(vectors)  # (N, D)
-            into = (accumulated, accumulated)
-        self.into, self._origin = into, origin
+    def __init__(self, executor: Executor, vectors: torch.Tensor, factor: int, chunk_elements: int,
+                 objective: Objective, offset: float, rows: range | None = None, cols: range | None = None):
+        (n, dim), tile = vectors.shape, rows is not None
+        rows, cols = rows or range(factor), cols or range(factor)
+        self.bands = list(plan_bands(n, dim, factor, chunk_elements, rows, cols))
+        self.chunks = [chunk for band in self.bands for chunk in band]
+        self.origin = (rows.start, cols.start)
+        self.losses = torch.empty((len(rows), len(cols)), dtype=vectors.dtype, device=vectors.device)  # (R, C)
+        if tile:
+            bounds = block_bounds(n, factor)
+            self.rows_sum = vectors.new_zeros((bounds[rows.stop] - bounds[rows.start], dim))  # (tile rows of V, D)
+            self.cols_sum = vectors.new_zeros((bounds[cols.stop] - bounds[cols.start], dim))  # (tile cols of V, D)
+        else:
+            self.rows_sum = self.cols_sum = torch.zeros_like(vectors)  # (N, D)
+        self._vectors, self._objective, self._offset = vectors, objective, offset
 
-    def __iter__(self) -> Iterator[ChunkShares]:
-        for shares in self._shares:
-            add_to_vectors(*self.into, shares.result.chunk, shares.sums, self._origin)
-            yield shares
+        def compute(chunk: Chunk) -> tuple[ChunkResult, ChunkSums]:  # on a lane
+            result = chunk_gradients(vectors, chunk, objective, offset)
+            return result, chain_rule_sums(result)
+        self._computed = executor.map_chunks(compute, self.chunks)
+
+    def __iter__(self) -> Iterator[ChunkResult]:
+        for result, sums in self._computed:
+            chunk = result.chunk
+            r0, c0 = chunk.rows.start - self.origin[0], chunk.cols.start - self.origin[1]
+            self.losses[r0:r0 + len(chunk.rows), c0:c0 + len(chunk.cols)] = result.losses  # (kr, kc)
+            add_to_vectors(self.rows_sum, self.cols_sum, chunk, sums, self.origin)
+            yield result
 
     def close(self) -> None:
         """Stop early (a deadline, a gone client): waits for the chunks in flight, frees their slots."""
-        close = getattr(self._shares, "close", None)
+        close = getattr(self._computed, "close", None)
         if close is not None:
             close()
 
-    def accumulated(self) -> torch.Tensor:
-        """dL/dV, (N, D): call once the results are consumed."""
-        return self.into[0]
+    def surely_finite(self) -> bool:
+        """Once consumed, with one synchronisation: True proves every loss, every gradient entry
+        and every sum finite (a sum is finite only if all its terms are, and the chain-rule
+        sums hold every gradient entry). False may also be an overflowing sum."""
+        total = self.losses.sum() + self.rows_sum.sum()
+        if self.cols_sum is not self.rows_sum:
+            total = total + self.cols_sum.sum()
+        return bool(torch.isfinite(total))
+
+    def first_non_finite_block(self) -> tuple[int, int] | None:
+        """Row-block-major, the first block whose loss or gradient is not finite, checked entry
+        by entry: the chunks whose losses or sums hold a number that is not finite are computed
+        again. None when only sums overflowed."""
+        found = []
+        for chunk in self.chunks:
+            r0, c0 = chunk.rows.start - self.origin[0], chunk.cols.start - self.origin[1]
+            row_start, col_start = r0 * chunk.base, c0 * chunk.base
+            shares = (self.losses[r0:r0 + len(chunk.rows), c0:c0 + len(chunk.cols)],  # (kr, kc)
+                      self.rows_sum[row_start:row_start + len(chunk.rows) * chunk.height],  # (kr * h, D)
+                      self.cols_sum[col_start:col_start + len(chunk.cols) * chunk.width])  # (kc * w, D)
+            if all(bool(torch.isfinite(share).all()) for share in shares):
+                continue
+            result = chunk_gradients(self._vectors, chunk, self._objective, self._offset)
+            finite = torch.isfinite(result.losses) & torch.isfinite(result.gradient).flatten(2).all(dim=2)  # (kr, kc)
+            found += [(chunk.rows[i], chunk.cols[j]) for i, j in torch.nonzero(~finite).tolist()]
+        return min(found, default=None)
 
 
 class LocalExecutor:

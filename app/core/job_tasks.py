@@ -2,7 +2,7 @@
 
 A tile is a range of block rows x a range of block columns. Its task plans the tile's
 chunks with the engine's one planner (`engine.plan_bands`) and runs /v1's pass one on
-them (`executor.PassOne`), so a task's memory is bounded by a chunk plus its partial
+them (`executor.PassOne`, which also proves them finite), so a task's memory is bounded by a chunk plus its partial
 sums, and returns the tile's losses and its share of the
 accumulated gradient: rows x D onto the tile's rows of V and cols x D onto its columns,
 (rows + cols) x D in all, never N x D.
@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .dtypes import TORCH_DTYPES
-from .engine import block_bounds, first_non_finite_block, plan_bands
+from .engine import block_bounds
 from .errors import non_finite_accumulated, non_finite_block
 from .executor import PassOne, SerialExecutor
 from .objectives import Objective
@@ -140,25 +140,18 @@ def tile_spans(spec: JobSpec, tile: Tile) -> tuple[int, int, int, int]:
 
 def run_tile(vectors: np.ndarray, spec: JobSpec, tile: Tile, objective: Objective) -> TilePartial:
     """Every block of the tile: its losses and its chain-rule sums onto V's rows and columns,
-    pass one as /v1 runs it (executor.PassOne) on the tile's own plan."""
+    pass one as /v1 runs it (executor.PassOne), on the tile's blocks."""
     started_at = time.time()
     torch.set_num_threads(1)  # one core per task, and the same loss bits as /v1's one thread
     v = torch.as_tensor(vectors, dtype=TORCH_DTYPES[spec.dtype])  # (N, D)
-    row_start, height, col_start, width = tile_spans(spec, tile)
-    into = torch.zeros((height, spec.dim), dtype=v.dtype), torch.zeros((width, spec.dim), dtype=v.dtype)  # (rows, D), (cols, D)
-    losses = torch.empty((len(tile.rows), len(tile.cols)), dtype=v.dtype)
-    chunks = [chunk for band in plan_bands(spec.n, spec.dim, spec.factor, spec.chunk_elements, tile.rows, tile.cols)
-              for chunk in band]
-    surely_finite = []
-    for shares in PassOne(SerialExecutor(), v, chunks, objective, spec.offset, into, (row_start, col_start)):
-        rows, cols = shares.result.chunk.rows, shares.result.chunk.cols
-        losses[rows.start - tile.rows.start:rows.stop - tile.rows.start,
-               cols.start - tile.cols.start:cols.stop - tile.cols.start] = shares.result.losses  # (kr, kc)
-        surely_finite.append(shares.surely_finite)
-    bad = first_non_finite_block(v, [chunk for chunk, ok in zip(chunks, surely_finite) if not ok], objective,
-                                 spec.offset)
-    return TilePartial(tile.rows, tile.cols, row_start, col_start, losses.numpy(), into[0].numpy(),
-                       into[1].numpy(), started_at, bad)
+    computed = PassOne(SerialExecutor(), v, spec.factor, spec.chunk_elements, objective, spec.offset,
+                       tile.rows, tile.cols)
+    for _ in computed:
+        pass
+    bad = None if computed.surely_finite() else computed.first_non_finite_block()
+    row_start, _, col_start, _ = tile_spans(spec, tile)
+    return TilePartial(tile.rows, tile.cols, row_start, col_start, computed.losses.numpy(),
+                       computed.rows_sum.numpy(), computed.cols_sum.numpy(), started_at, bad)
 
 
 def failed_tile(spec: JobSpec, tile: Tile, error: dict) -> TilePartial:

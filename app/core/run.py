@@ -20,7 +20,7 @@ import torch
 from .deadline import Deadline
 from .device import ready_device, release_device_memory
 from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, band_blocks, block_bounds, chunk_gradients, elements_per_chunk,
-                     first_non_finite_block, plan_bands)
+                     plan_bands)
 from .errors import device_out_of_memory, non_finite_accumulated, non_finite_block
 from .executor import Executor, PassOne, SerialExecutor
 from .heap import watch_for
@@ -101,27 +101,18 @@ def pass_one(req: GradientRequest, device: torch.device, vectors: torch.Tensor, 
     recomputed as consumed, so memory stays bounded by a band of chunks, not by N x N x 2D.
     No host synchronisation per block or chunk: one at the end. `executor` computes the
     chunks and hands them back in order (app/core/executor.py)."""
-    f = req.factor
     keep, kept, kept_bytes = "blocks" in req.outputs, [], 0
-    losses = torch.empty((f, f), dtype=vectors.dtype, device=device)  # (F, F)
     # Kept blocks fragment glibc's heap (app/core/heap.py); a pass that keeps none does not grow it.
     heap = watch_for(req.n * req.n * 2 * req.dim * vectors.element_size()) if keep else None
-    bands = list(plan_bands(req.n, req.dim, f, chunk_elements))
-    chunks = [chunk for band in bands for chunk in band]
-    computed = PassOne(executor or SerialExecutor(), vectors, chunks, req.objective_fn, req.offset)
-    results, surely_finite = iter(computed), []  # a 0-d bool per chunk
+    computed = PassOne(executor or SerialExecutor(), vectors, req.factor, chunk_elements, req.objective_fn,
+                       req.offset)
+    results = iter(computed)
     try:
-        for band in bands:
-            band_results = []
-            for shares in itertools.islice(results, len(band)):
-                result = shares.result
-                rows, cols = result.chunk.rows, result.chunk.cols
-                losses[rows.start:rows.stop, cols.start:cols.stop] = result.losses  # (kr, kc)
-                surely_finite.append(shares.surely_finite)
-                if keep:
-                    kept_bytes += result.gradient.untyped_storage().nbytes()
-                    keep = kept_bytes <= keep_bytes  # over budget: let them go, blocks() recomputes
-                band_results.append(result)
+        for band in computed.bands:
+            band_results = list(itertools.islice(results, len(band)))
+            if keep:
+                kept_bytes += sum(result.gradient.untyped_storage().nbytes() for result in band_results)
+                keep = kept_bytes <= keep_bytes  # over budget: let them go, blocks() recomputes
             if keep:
                 kept.extend(band_blocks(band_results))
             else:
@@ -131,13 +122,13 @@ def pass_one(req: GradientRequest, device: torch.device, vectors: torch.Tensor, 
             deadline.check()
     finally:
         computed.close()  # stopped early: the chunks in flight end and give their slots back
-    accumulated = computed.accumulated()  # (N, D)
-    if not bool(torch.stack(surely_finite).all() & torch.isfinite(accumulated).all()):  # the one synchronisation
-        suspects = [chunk for chunk, finite in zip(chunks, surely_finite) if not finite]
-        first = first_non_finite_block(vectors, suspects, req.objective_fn, req.offset)
+    accumulated = computed.rows_sum  # (N, D)
+    if not computed.surely_finite():  # the one synchronisation
+        first = computed.first_non_finite_block()
         if first is not None:
             raise non_finite_block(*first, req.dtype)
         if not bool(torch.isfinite(accumulated).all()):
             raise non_finite_accumulated(req.dtype)
-    return Result(req, device, bounds=block_bounds(req.n, f), losses=losses, accumulated=accumulated,
-                  vectors=vectors, deadline=deadline, kept=kept if keep else None, chunk_elements=chunk_elements)
+    return Result(req, device, bounds=block_bounds(req.n, req.factor), losses=computed.losses,
+                  accumulated=accumulated, vectors=vectors, deadline=deadline, kept=kept if keep else None,
+                  chunk_elements=chunk_elements)
