@@ -19,7 +19,8 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def iter_blocks(vectors, factor, objective, offset, max_elements=1024 * 1024):
-    return [block for band in iter_bands(vectors, factor, objective, offset, max_elements) for block in band_blocks(band)]
+    bands = iter_bands(vectors, factor, objective, offset, max_elements)
+    return [block for band in bands for block in band_blocks(band)]
 
 
 def block_numbers(chunk: Chunk, dim: int) -> int:
