@@ -7,8 +7,9 @@ shapes: base x base, base x last, last x base, last x last.
 
 Blocks of equal shape are computed together, a chunk at a time: a chunk is a
 stack (k, h, w, 2D) of whole blocks holding at most `max_elements` numbers
-(1M, or BLOCKGRAD_MAX_BLOCK_ELEMENTS, the memory of the largest block a request
-may have, if that is less; always at least one block). The stack is detached as one autograd leaf,
+(1M, 256K when chunks may run on several lanes, or BLOCKGRAD_MAX_BLOCK_ELEMENTS,
+the memory of the largest block a request may have, if that is less; always at
+least one block). The stack is detached as one autograd leaf,
 the objective gives one loss per block (k,), and the gradient of their sum is
 taken with respect to the leaf.
 
@@ -30,9 +31,10 @@ back to the rows and columns it came from, which equals calling
 backward(retain_graph=True) once per block on one shared graph; summed a chunk
 at a time, it differs from that only in the order of the additions.
 
-Blocks are streamed row-block-major (r outer, c inner): the chunks are planned
-in bands of whole block rows, so a band's chunks hold every block of its rows
-and are taken apart in that order. Memory is bounded by a chunk, not by N.
+Blocks are streamed row-block-major (r outer, c inner): `plan_bands`, the one
+plan (of the whole matrix for a request, of a tile for a job's task), puts the
+chunks in bands of whole block rows, so a band's chunks hold every block of its
+rows and are taken apart in that order. Memory is bounded by a chunk, not by N.
 
 Pure module: tensors and ints in, tensors out. No Flask, no JSON.
 """

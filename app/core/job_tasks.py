@@ -1,11 +1,10 @@
 """A job's computation cut into tasks of whole block tiles, and their reduction.
 
-A tile is a range of block rows x a range of block columns. Its task plans the tile's
-chunks with the engine's one planner (`engine.plan_bands`) and runs /v1's pass one on
-them (`executor.PassOne`, which also proves them finite), so a task's memory is bounded by a chunk plus its partial
-sums, and returns the tile's losses and its share of the
-accumulated gradient: rows x D onto the tile's rows of V and cols x D onto its columns,
-(rows + cols) x D in all, never N x D.
+A tile is a range of block rows x a range of block columns. Its task runs /v1's pass one
+(`executor.PassOne`: the engine's one plan, restricted to the tile, and the finiteness
+proof), so a task's memory is bounded by a chunk plus its partial sums, and returns the
+tile's losses and its share of the accumulated gradient: rows x D onto the tile's rows of
+V and cols x D onto its columns, (rows + cols) x D in all, never N x D.
 
 The reduction never makes a dense N x D sum until the last task: the row shares of the
 tiles of one tile row all land on the same rows of V, so they are summed on their own
