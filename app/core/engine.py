@@ -121,14 +121,11 @@ def plan_bands(n: int, dim: int, factor: int, max_elements: int,
     partition its rows' blocks by column, left to right; several block rows share a band
     when a whole row of the blocks fits, else each chunk is a run of one row's blocks and a
     band of its own. Lazy: a request of 1 x 1 blocks may plan thousands of chunks."""
-    base, pair = n // factor, 2 * dim
-    rows, cols = rows or range(factor), cols or range(factor)
-    columns = [(overlap(group, cols), width) for group, width in shape_groups(n, factor)]
-    columns = [(group, width) for group, width in columns if group]
+    base, pair, groups = n // factor, 2 * dim, shape_groups(n, factor)
+    columns = [(part, width) for group, width in groups if (part := overlap(group, cols or group))]
     row_width = sum(len(group) * width for group, width in columns)  # columns of V in one row of blocks
-    for row_group, height in shape_groups(n, factor):
-        row_group = overlap(row_group, rows)
-        if not row_group:
+    for row_group, height in groups:
+        if not (row_group := overlap(row_group, rows or row_group)):
             continue
         row_numbers = height * row_width * pair  # one whole row of the blocks
         if row_numbers <= max_elements:
