@@ -15,7 +15,7 @@ settings = Settings.from_env()  # raises at start-up, naming the variable, on a 
 
 bind = settings.bind  # BLOCKGRAD_BIND
 workers = settings.workers  # WEB_CONCURRENCY
-torch_threads = tuning.torch_threads(workers)  # 1: each compute slot is one core (docs/cores.md)
+torch_threads = tuning.TORCH_THREADS  # 1: each compute slot is one core (docs/cores.md)
 cores = available_cores()  # the pod's compute slots, shared by its workers (app/serving/slots.py)
 
 # Threads take connections, probes and slow clients; a request computes on one of the pod's

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from flask import Flask, current_app
 
-from .core.executor import TileExecutor
+from .core.executor import Executor
 from .core.gate import Gate
 from .core.memory import MemoryLedger
 from .core.objectives import Objective
@@ -36,7 +36,7 @@ class Services:
     objectives: Mapping[str, Objective]  # built-ins, then the models of BLOCKGRAD_MODEL_DIR
     gate: Gate  # the compute slots (the pod's, or this process's) and this worker's queue for them
     ledger: MemoryLedger  # the bytes this worker's requests reserve
-    executor: TileExecutor  # runs a request's tiles over the free slots (one pool per worker)
+    executor: Executor  # runs a request's chunks over the free slots (one pool per worker)
     # URL prefix -> how errors under it look (app/http/errors.py's ErrorStyle), by front end.
     error_styles: dict[str, object] = field(default_factory=dict)
     jobs: Jobs | None = None  # the app factory's; holds no connection until the first job route

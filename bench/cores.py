@@ -31,8 +31,9 @@ import time
 import requests
 import torch
 
-from app.core.engine import DEFAULT_CHUNK_ELEMENTS, add_to_vectors, chain_rule_sums, chunk_gradients, plan_bands
-from app.core.executor import LocalExecutor, SerialExecutor, tile_elements
+from app.core.engine import (DEFAULT_CHUNK_ELEMENTS, PARALLEL_CHUNK_ELEMENTS, add_to_vectors, chain_rule_sums,
+                             chunk_gradients, plan_bands)
+from app.core.executor import LocalExecutor, PassOne, SerialExecutor
 from app.core.objectives import OBJECTIVES
 from app.core.slots import ThreadSlots
 
@@ -50,24 +51,19 @@ TARGET_CONCURRENT_RATIO = 1.0  # their throughput on shared slots at least that 
 
 
 def tiles(n: int, dim: int, factor: int, parallel: bool) -> list:
-    size = tile_elements(DEFAULT_CHUNK_ELEMENTS, parallel)
+    size = PARALLEL_CHUNK_ELEMENTS if parallel else DEFAULT_CHUNK_ELEMENTS
     return [chunk for band in plan_bands(n, dim, factor, size) for chunk in band]
 
 
-def pass_one(executor, vectors: torch.Tensor, plan: list, objective: str = "sum") -> torch.Tensor:
-    """Pass one as app/core/run.py does it: losses and finiteness filled per tile, then the
-    accumulated gradient and one host synchronisation."""
-    f = plan[-1].rows.stop
-    losses = torch.empty((f, f), dtype=vectors.dtype)  # (F, F)
-    finite = torch.empty((f, f), dtype=torch.bool)  # (F, F)
-    run = executor.pass_one(vectors, plan, OBJECTIVES[objective], 5.0)
-    for tile in run:
-        rows, cols = tile.result.chunk.rows, tile.result.chunk.cols
-        losses[rows.start:rows.stop, cols.start:cols.stop] = tile.result.losses
-        finite[rows.start:rows.stop, cols.start:cols.stop] = tile.surely_finite
-    accumulated = run.accumulated()
-    assert bool(finite.all()) and bool(torch.isfinite(accumulated).all())
-    return accumulated
+def pass_one(executor, vectors: torch.Tensor, factor: int, parallel: bool, objective: str = "sum") -> torch.Tensor:
+    """Pass one as app/core/run.py does it: `tiles(...)`'s chunks, losses placed, the accumulated
+    gradient, one host synchronisation."""
+    size = PARALLEL_CHUNK_ELEMENTS if parallel else DEFAULT_CHUNK_ELEMENTS
+    run = PassOne(executor, vectors, factor, size, OBJECTIVES[objective], 5.0)
+    for _ in run:
+        pass
+    assert run.surely_finite()
+    return run.rows_sum
 
 
 def timed_with_cpu(fn) -> tuple[float, float]:
@@ -96,7 +92,7 @@ def plain_loop(vectors: torch.Tensor, plan: list, objective: str = "sum") -> Non
     no results consumed), one partial accumulated gradient."""
     partial, fn = torch.zeros_like(vectors), OBJECTIVES[objective]
     for chunk in plan:
-        add_to_vectors(partial, chunk_gradients(vectors, chunk, fn, 5.0))
+        add_to_vectors(partial, partial, chunk, chain_rule_sums(chunk_gradients(vectors, chunk, fn, 5.0)))
 
 
 def lone_request_speedup(bench=None, n: int = 2048, dim: int = 64, factor: int = 32,
@@ -116,10 +112,10 @@ def lone_request_speedup(bench=None, n: int = 2048, dim: int = 64, factor: int =
         serial_plan, parallel_plan = tiles(n, dim, factor, False), tiles(n, dim, factor, True)
 
         def alone():
-            return pass_one(SerialExecutor(), vectors, serial_plan)
+            return pass_one(SerialExecutor(), vectors, factor, False)
 
         def on_two():
-            return pass_one(executor, vectors, parallel_plan)
+            return pass_one(executor, vectors, factor, True)
 
         torch.testing.assert_close(on_two(), alone(), rtol=2e-5, atol=2e-5)  # warm-up, and the same answer
         one, two, pair, cpu_share, plain_one, plain_two = [], [], [], [], [], []

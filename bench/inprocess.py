@@ -11,7 +11,7 @@ import orjson
 import torch
 
 from app.api.v1.schemas import GradientRequestSchema
-from app.core.engine import add_to_vectors, band_blocks, block_bounds, iter_bands
+from app.core.engine import add_to_vectors, band_blocks, block_bounds, chain_rule_sums, iter_bands
 from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest
 from app.core.run import Deadline, run
@@ -59,7 +59,7 @@ def floor_body(req: GradientRequest) -> bytes:
     kept = []
     for band in iter_bands(vectors, req.factor, OBJECTIVES[req.objective], req.offset):
         for result in band:
-            add_to_vectors(accumulated, result)
+            add_to_vectors(accumulated, accumulated, result.chunk, chain_rule_sums(result))
         kept.extend({"row": block.r, "col": block.c, "rows": block.row_span, "cols": block.col_span,
                      "loss": to_numpy(block.loss)[()], "gradient": to_numpy(block.gradient)}
                     for block in band_blocks(band))

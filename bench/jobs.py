@@ -324,8 +324,8 @@ def tile_costs(n: int = 8192, dim: int = 64, factor: int = 64, side: int = 8, tu
     """One tile of side x side blocks (J2's shapes) by run_tile and by the synchronous executor
     on the same chunks, in the calling thread; `tuned`: the worker's malloc thresholds first."""
     from app.core.engine import elements_per_chunk
-    from app.core.executor import SerialExecutor
-    from app.core.job_tasks import JobSpec, Tile, run_tile, tile_chunks
+    from app.core.executor import PassOne, SerialExecutor
+    from app.core.job_tasks import JobSpec, Tile, run_tile
     from app.core.objectives import OBJECTIVES
     from app.jobs.tasks import restore_malloc_reuse
 
@@ -336,13 +336,13 @@ def tile_costs(n: int = 8192, dim: int = 64, factor: int = 64, side: int = 8, tu
     vectors = np.random.default_rng(0).standard_normal((n, dim)).astype(np.float32)
     spec = JobSpec(n, dim, factor, objective.name, 5.0, "float32", elements_per_chunk(16 << 20, objective, dim, 4))
     tile = Tile(0, range(side), range(side))
-    chunks = tile_chunks(n, dim, factor, tile, spec.chunk_elements)
 
     def synchronous():
-        one = SerialExecutor().pass_one(torch.as_tensor(vectors), chunks, objective, 5.0)
+        one = PassOne(SerialExecutor(), torch.as_tensor(vectors), factor, spec.chunk_elements, objective, 5.0,
+                     tile.rows, tile.cols)
         for _ in one:
             pass
-        one.accumulated()
+        one.surely_finite()
     run_tile(vectors, spec, tile, objective)  # warm
     return {"run_tile": thread_cost(lambda: run_tile(vectors, spec, tile, objective)),
             "synchronous executor": thread_cost(synchronous),

@@ -11,8 +11,7 @@ from .test_api import GOOD, assert_error, assert_still_serving
 def no_compute(monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("a refused request reached the engine")
-    for module, name in [(compute, "load_vectors"), (compute, "pass_one"),
-                         (compute, "one_chunk"), (engine, "pair_blocks"), (engine, "chunk_gradients")]:
+    for module, name in [(compute, "load_vectors"), (compute, "pass_one"), (engine, "pair_blocks"), (engine, "chunk_gradients")]:
         monkeypatch.setattr(module, name, must_not_run)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.core.engine import Chunk, block_bounds, elements_per_chunk, iter_blocks, pair_blocks, plan_bands
+from app.core.engine import Chunk, band_blocks, block_bounds, elements_per_chunk, iter_bands, pair_blocks, plan_bands
 from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest, default_factor
 from app.core.run import Deadline, load_vectors, pass_one
@@ -16,6 +16,11 @@ from tools.reference import reference_blocks
 from .numeric import assert_matches
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+def iter_blocks(vectors, factor, objective, offset, max_elements=1024 * 1024):
+    bands = iter_bands(vectors, factor, objective, offset, max_elements)
+    return [block for band in bands for block in band_blocks(band)]
 
 
 def block_numbers(chunk: Chunk, dim: int) -> int:
@@ -47,6 +52,24 @@ def test_plan_covers_every_block_once_row_block_major_within_the_chunk_limit(n, 
         order.extend((r, c) for r in rows for chunk in band for c in chunk.cols)
     assert order == [(r, c) for r in range(factor) for c in range(factor)]
     assert len(shapes) <= 4
+
+
+@pytest.mark.parametrize("n,dim,factor,max_elements,rows,cols", [
+    (37, 3, 7, 100, range(2, 5), range(3, 7)), (37, 3, 7, 10 ** 6, range(6, 7), range(0, 7)),
+    (100, 16, 17, 5000, range(0, 17), range(15, 17)), (64, 2, 64, 300, range(10, 20), range(60, 64)),
+])
+def test_a_tiles_plan_covers_its_blocks_once_row_block_major(n, dim, factor, max_elements, rows, cols):
+    """A job's tile is planned by the same function, restricted to its rectangle of blocks."""
+    bounds = block_bounds(n, factor)
+    order = []
+    for band in plan_bands(n, dim, factor, max_elements, rows, cols):
+        assert all(chunk.rows == band[0].rows for chunk in band)
+        for chunk in band:
+            assert chunk.count == 1 or chunk.count * block_numbers(chunk, dim) <= max_elements
+            for r, c in itertools.product(chunk.rows, chunk.cols):
+                assert (bounds[r + 1] - bounds[r], bounds[c + 1] - bounds[c]) == (chunk.height, chunk.width)
+        order.extend((r, c) for r in band[0].rows for chunk in band for c in chunk.cols)
+    assert order == [(r, c) for r in rows for c in cols]
 
 
 def test_stacked_pairs_are_the_seed_matrix_blocks():
@@ -136,7 +159,7 @@ def test_the_deadline_is_checked_between_chunks_of_pass_one():
     req = make_request(np.ones((37, 3)), outputs=("accumulated",))
     vectors = load_vectors(req, torch.device("cpu"))
     pass_one(req, torch.device("cpu"), vectors, Counting(60), 0, chunk_elements=1)
-    assert len(checks) == len(plan_bands(37, 3, 7, 1)) == 49  # one block a chunk: a check a block
+    assert len(checks) == len(list(plan_bands(37, 3, 7, 1))) == 49  # one block a chunk: a check a block
 
 
 class ModelLike:

@@ -567,7 +567,7 @@ class HeldSlots:
     hold them (an exclusive flock each): the server's requests wait, certainly, until release."""
 
     def __init__(self, server):
-        self.slots = PodSlots.attach(slot_directory(server))
+        self.slots = PodSlots(slot_directory(server))
         self.held = []
 
     def __enter__(self):

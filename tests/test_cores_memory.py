@@ -98,10 +98,9 @@ def test_the_reservation_follows_the_lanes_a_request_may_take(eight_slots, monke
     """The seed's 10 x 5 example is one tile at its default factor 2 (inline, one lane): it
     reserves what it does on one slot. At factor 3 the remainder blocks make four tiles of
     another shape, which four lanes may compute at once: it reserves for four, not eight."""
-    from app.core.engine import plan_bands
-    from app.core.executor import tile_elements
+    from app.core.engine import PARALLEL_CHUNK_ELEMENTS, plan_bands
 
-    assert sum(len(band) for band in plan_bands(10, 5, factor, tile_elements(2 ** 20, True))) == tiles
+    assert sum(len(band) for band in plan_bands(10, 5, factor, PARALLEL_CHUNK_ELEMENTS)) == tiles
     body = {"vectors": np.arange(50.0).reshape(10, 5).tolist(), "factor": factor, "outputs": ["accumulated"]}
     on_eight = reserved_bytes(create_app({"TESTING": True}), monkeypatch, body)
     on_one = reserved_bytes(create_app({"TESTING": True, "BLOCKGRAD_SLOTS_PER_REQUEST": "1"}), monkeypatch, body)
@@ -112,14 +111,3 @@ def test_the_reservation_follows_the_lanes_a_request_may_take(eight_slots, monke
         assert on_eight == on_one
     else:
         assert on_eight > on_one
-
-
-def test_the_planned_chunks_are_counted_as_plan_bands_plans_them():
-    from app.core.engine import plan_bands
-    from app.core.memory import planned_chunks
-
-    for n, dim, factor in [(10, 5, 2), (10, 5, 3), (61, 3, 9), (64, 16, 1), (300, 64, 7), (2048, 64, 32),
-                           (257, 8, 256), (1000, 2, 999), (97, 64, 13)]:
-        for max_elements in (1, 100, 1000, 300_000, 2 ** 18, 2 ** 20, 4 * 2 ** 20):
-            planned = sum(len(band) for band in plan_bands(n, dim, factor, max_elements))
-            assert planned_chunks(n, dim, factor, max_elements) == planned, (n, dim, factor, max_elements)

@@ -115,7 +115,7 @@ def test_a_paused_stream_holds_no_slot_and_each_band_computes_on_one(one_slot, m
     answer = orjson.loads(b"".join(received))
     assert_blocks_are_the_reference(answer, vectors)
     chunk = elements_per_chunk(services_of(app).settings.max_block_elements, OBJECTIVES["sum_of_squares"], DIM, 8)
-    bands = len(plan_bands(N, DIM, FACTOR, chunk))
+    bands = len(list(plan_bands(N, DIM, FACTOR, chunk)))
     assert bands > 2, bands
     assert len(held_while_computing) >= bands and set(held_while_computing) == {1}  # every chunk on the slot
     # Pass one's slot, one slot again for every band (the first too: the answer starts

@@ -75,7 +75,7 @@ N, FACTOR, RECOMPUTED = 64, 4, {"TESTING": True, "BLOCKGRAD_MAX_BLOCK_ELEMENTS":
 
 def expire_after_pass_one_and_two_blocks(monkeypatch) -> None:
     """All of pass one (one check per band of chunks), then two blocks of pass two."""
-    ExpiresAfter.checks_allowed = len(plan_bands(N, 2, FACTOR, 2048)) + 2
+    ExpiresAfter.checks_allowed = len(list(plan_bands(N, 2, FACTOR, 2048))) + 2
     monkeypatch.setattr(deadline_module, "Deadline", ExpiresAfter)
 
 
@@ -128,7 +128,7 @@ def test_kept_blocks_are_written_whole_whatever_the_deadline(monkeypatch, n):
     document = {"vectors": vectors, "factor": 4, "outputs": ["blocks", "accumulated"]}
     client = create_app({"TESTING": True}).test_client()
     expected = client.post("/v1/gradients", json=document).get_data()
-    ExpiresAfter.checks_allowed = len(plan_bands(n, 2, 4, DEFAULT_CHUNK_ELEMENTS))  # nothing after pass one
+    ExpiresAfter.checks_allowed = len(list(plan_bands(n, 2, 4, DEFAULT_CHUNK_ELEMENTS)))  # nothing after pass one
     monkeypatch.setattr(deadline_module, "Deadline", ExpiresAfter)
     response = client.post("/v1/gradients", json=document)
     assert response.status_code == 200 and response.get_data() == expected

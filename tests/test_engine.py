@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.core.engine import add_to_vectors, band_blocks, block_bounds, iter_bands
+from app.core.engine import add_to_vectors, band_blocks, block_bounds, chain_rule_sums, iter_bands
 from app.core.request import GradientRequest, default_factor
 from app.core.run import Deadline, run
 from app.core.settings import Settings
@@ -27,7 +27,7 @@ def engine_run(vectors, factor, objective, offset=5.0, max_elements=4 * 1024 * 1
     blocks, accumulated = [], torch.zeros_like(vectors)
     for band in iter_bands(vectors, factor, OBJECTIVES[objective], offset, max_elements):
         for result in band:
-            add_to_vectors(accumulated, result)
+            add_to_vectors(accumulated, accumulated, result.chunk, chain_rule_sums(result))
         blocks.extend(band_blocks(band))
     return blocks, accumulated
 

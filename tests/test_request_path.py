@@ -8,13 +8,14 @@ import torch
 
 from app import create_app
 from app.api.v1.render import stream_with_blocks
-from app.core.engine import iter_blocks
+from app.core import executor
+from app.core.engine import band_blocks, iter_bands
 from app.core.admission import Sizes, check_block_and_answer
 from app.core.errors import BlockgradError
 from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest
 import app.core.run as compute
-from app.core.run import Deadline, first_non_finite_block, load_vectors, pass_one
+from app.core.run import Deadline, load_vectors, pass_one
 from app.core.settings import Settings
 from app.http.streaming import to_numpy
 
@@ -67,24 +68,29 @@ def test_sum_gradients_are_kept_at_the_cost_of_one_number_each():
     assert summary.kept is not None and all(bool((b.gradient == 1).all()) for b in summary.kept)
 
 
-def test_finiteness_recheck_skips_blocks_that_are_finite():
+def test_finiteness_recheck_skips_blocks_that_are_finite(monkeypatch):
     vectors = np.zeros((4, 2))
     vectors[3, 0] = 1e20  # squares overflow float32 in every block holding V[3]: (0, 1), (1, 0), (1, 1)
     req = make_request(vectors, factor=2)
-    tensor = load_vectors(req, torch.device("cpu"))
-    flagged = torch.ones((2, 2), dtype=torch.bool)
-    flagged[0, 0] = flagged[0, 1] = False  # (0, 0) wrongly suspected: it is finite
-    assert first_non_finite_block(tensor, req, flagged) == (0, 1)
-    only_finite = torch.ones((2, 2), dtype=torch.bool)
-    only_finite[0, 0] = False
-    assert first_non_finite_block(tensor, req, only_finite) is None
+    computed = executor.PassOne(executor.SerialExecutor(), load_vectors(req, torch.device("cpu")), 2, 1,
+                                req.objective_fn, req.offset)  # one block a chunk
+    list(computed)
+    recomputed, real = [], executor.chunk_gradients
+
+    def counted(vectors, chunk, *rest):
+        recomputed.append((chunk.rows.start, chunk.cols.start))
+        return real(vectors, chunk, *rest)
+    monkeypatch.setattr(executor, "chunk_gradients", counted)
+    assert not computed.surely_finite()
+    assert computed.first_non_finite_block() == (0, 1)
+    assert recomputed == [(0, 1), (1, 0), (1, 1)]  # (0, 0): its losses and sums prove it finite
 
 
 @pytest.mark.parametrize("chunk_bytes", [1, 200, 10 ** 9])
 def test_stream_is_one_json_document_whatever_the_chunking(monkeypatch, chunk_bytes):
     monkeypatch.setattr("app.api.v1.render.CHUNK_BYTES", chunk_bytes)
     vectors = torch.randn(7, 2)
-    blocks = list(iter_blocks(vectors, 3, OBJECTIVES["logsumexp"], 5.0))
+    blocks = [block for band in iter_bands(vectors, 3, OBJECTIVES["logsumexp"], 5.0) for block in band_blocks(band)]
     head = {"n": 7, "accumulated": to_numpy(torch.zeros(7, 2))}
     chunks = list(stream_with_blocks(head, iter(blocks)))
     body = json.loads(b"".join(chunks))

@@ -154,7 +154,7 @@ def test_a_forked_child_holds_none_of_its_parents_slots(tmp_path):
 
 def test_slots_attached_from_another_process_tree_conflict_and_poll(two_slots):
     """A process not forked from the creator (no wake-up semaphore) still shares the slots."""
-    code = ("import sys, time; from app.serving.slots import PodSlots; s = PodSlots.attach(sys.argv[1]); "
+    code = ("import sys, time; from app.serving.slots import PodSlots; s = PodSlots(sys.argv[1]); "
             "a = s.try_acquire(); b = s.try_acquire(); print(a is not None, b is None, flush=True); "
             "sys.stdin.readline()")
     mine = two_slots.try_acquire()
@@ -198,7 +198,7 @@ def test_the_executor_runs_tiles_on_the_pods_slots(two_slots):
         return k
 
     try:
-        assert list(executor.map_tiles(tile, range(8))) == list(range(8))
+        assert list(executor.map_chunks(tile, range(8))) == list(range(8))
         assert two_slots.held_here() == 1
     finally:
         executor.shutdown()

@@ -7,8 +7,9 @@ shapes: base x base, base x last, last x base, last x last.
 
 Blocks of equal shape are computed together, a chunk at a time: a chunk is a
 stack (k, h, w, 2D) of whole blocks holding at most `max_elements` numbers
-(1M, or BLOCKGRAD_MAX_BLOCK_ELEMENTS, the memory of the largest block a request
-may have, if that is less; always at least one block). The stack is detached as one autograd leaf,
+(1M, 256K when chunks may run on several lanes, or BLOCKGRAD_MAX_BLOCK_ELEMENTS,
+the memory of the largest block a request may have, if that is less; always at
+least one block). The stack is detached as one autograd leaf,
 the objective gives one loss per block (k,), and the gradient of their sum is
 taken with respect to the leaf.
 
@@ -30,9 +31,10 @@ back to the rows and columns it came from, which equals calling
 backward(retain_graph=True) once per block on one shared graph; summed a chunk
 at a time, it differs from that only in the order of the additions.
 
-Blocks are streamed row-block-major (r outer, c inner): the chunks are planned
-in bands of whole block rows, so a band's chunks hold every block of its rows
-and are taken apart in that order. Memory is bounded by a chunk, not by N.
+Blocks are streamed row-block-major (r outer, c inner): `plan_bands`, the one
+plan (of the whole matrix for a request, of a tile for a job's task), puts the
+chunks in bands of whole block rows, so a band's chunks hold every block of its
+rows and are taken apart in that order. Memory is bounded by a chunk, not by N.
 
 Pure module: tensors and ints in, tensors out. No Flask, no JSON.
 """
@@ -47,6 +49,9 @@ from .objectives import Objective
 # cache (docs/benchmarks.md). A chunk always holds one whole block, so blocks up to
 # BLOCKGRAD_MAX_BLOCK_ELEMENTS still go one per chunk.
 DEFAULT_CHUNK_ELEMENTS = 1024 * 1024
+# Numbers per chunk when a request's chunks may run on several lanes: two lanes' working
+# sets then fit the shared cache together (docs/cores.md, "Tile size").
+PARALLEL_CHUNK_ELEMENTS = 256 * 1024
 
 
 def block_bounds(n: int, factor: int) -> list[int]:
@@ -104,26 +109,46 @@ def split(indices: range, size: int) -> list[range]:
     return [indices[k:k + size] for k in range(0, len(indices), size)]
 
 
-def plan_bands(n: int, dim: int, factor: int, max_elements: int) -> list[list[Chunk]]:
-    """Chunks of at most max_elements numbers (at least one block each), grouped in bands
-    of whole block rows, in row-block-major order. A band's chunks partition its rows'
-    blocks by column, left to right; several block rows share a band when a whole block
-    row fits, else each chunk is a run of one row's blocks and a band of its own."""
-    base, pair = n // factor, 2 * dim
-    columns = shape_groups(n, factor)
-    bands = []
-    for row_group, height in shape_groups(n, factor):
-        row_numbers = height * n * pair  # one whole block row
+def overlap(a: range, b: range) -> range:
+    return range(max(a.start, b.start), min(a.stop, b.stop))
+
+
+def plan_bands(n: int, dim: int, factor: int, max_elements: int,
+               rows: range | None = None, cols: range | None = None) -> Iterator[list[Chunk]]:
+    """The one plan of a computation: the blocks rows x cols (all of them by default; a job's
+    tile otherwise) in chunks of one block shape and at most max_elements numbers (at least
+    one block each), grouped in bands of whole block rows, row-block-major. A band's chunks
+    partition its rows' blocks by column, left to right; several block rows share a band
+    when a whole row of the blocks fits, else each chunk is a run of one row's blocks and a
+    band of its own. Lazy: a request of 1 x 1 blocks may plan thousands of chunks."""
+    base, pair, groups = n // factor, 2 * dim, shape_groups(n, factor)
+    columns = [(part, width) for group, width in groups if (part := overlap(group, cols or group))]
+    row_width = sum(len(group) * width for group, width in columns)  # columns of V in one row of blocks
+    for row_group, height in groups:
+        if not (row_group := overlap(row_group, rows or row_group)):
+            continue
+        row_numbers = height * row_width * pair  # one whole row of the blocks
         if row_numbers <= max_elements:
-            for rows in split(row_group, max_elements // row_numbers):
-                bands.append([Chunk(rows, cols, height, width, base) for cols, width in columns])
+            for band in split(row_group, max_elements // row_numbers):
+                yield [Chunk(band, group, height, width, base) for group, width in columns]
             continue
         for r in row_group:
-            for cols_group, width in columns:
+            for group, width in columns:
                 per_chunk = max(1, max_elements // (height * width * pair))
-                bands.extend([Chunk(range(r, r + 1), cols, height, width, base)]
-                             for cols in split(cols_group, per_chunk))
-    return bands
+                for run in split(group, per_chunk):
+                    yield [Chunk(range(r, r + 1), run, height, width, base)]
+
+
+def elements_per_chunk(max_elements: int, objective: Objective, dim: int, element_size: int,
+                       parallel: bool = False) -> int:
+    """Numbers per chunk: DEFAULT_CHUNK_ELEMENTS (PARALLEL_CHUNK_ELEMENTS when chunks may run
+    side by side), at most max_elements (the memory of the largest allowed block), less for
+    an objective that declares `bytes_per_pair` of activations, so that pairs plus
+    activations take about that memory. A chunk always holds one block, whatever this returns."""
+    extra = getattr(objective, "bytes_per_pair", 0) or 0
+    pair_bytes = 2 * dim * element_size
+    numbers = max(1, min(max_elements, DEFAULT_CHUNK_ELEMENTS) * pair_bytes // (pair_bytes + extra))
+    return min(numbers, PARALLEL_CHUNK_ELEMENTS) if parallel else numbers
 
 
 def pair_blocks(vectors: torch.Tensor, chunk: Chunk) -> torch.Tensor:
@@ -171,14 +196,6 @@ def band_blocks(results: list[ChunkResult]) -> Iterator[Block]:
                             loss, gradient)
 
 
-def iter_blocks(vectors: torch.Tensor, factor: int, objective: Objective, offset: float,
-                max_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Iterator[Block]:
-    """Every block's loss and gradient, row-block-major, computed a chunk at a time; one band
-    of chunk results is held at a time."""
-    for band in iter_bands(vectors, factor, objective, offset, max_elements):
-        yield from band_blocks(band)
-
-
 @dataclass(frozen=True)
 class ChunkSums:
     """A chunk's share of dL/dV: entry (i, j) of a block holds V[i] in its first D and V[j]
@@ -194,21 +211,12 @@ def chain_rule_sums(result: ChunkResult) -> ChunkSums:
                      result.gradient[..., d:].sum(dim=(0, 2)).reshape(kc * w, d))  # (kc * w, D)
 
 
-def add_to_vectors(accumulated: torch.Tensor, result: ChunkResult) -> ChunkSums:
-    """Chain rule from a chunk's blocks back to the rows and columns they came from (block
-    rows and columns of a chunk are consecutive in V); returns the sums it added."""
-    sums, chunk = chain_rule_sums(result), result.chunk
-    row_start, col_start = chunk.rows.start * chunk.base, chunk.cols.start * chunk.base
-    accumulated[row_start:row_start + sums.rows.shape[0]] += sums.rows  # (kr * h, D)
-    accumulated[col_start:col_start + sums.cols.shape[0]] += sums.cols  # (kc * w, D)
-    return sums
-
-
-def elements_per_chunk(max_elements: int, objective: Objective, dim: int, element_size: int) -> int:
-    """Numbers per chunk: DEFAULT_CHUNK_ELEMENTS, at most max_elements (the memory of the
-    largest allowed block), less for an objective that declares `bytes_per_pair` of
-    activations, so that pairs plus activations take about that memory. A chunk always
-    holds one block, whatever this returns."""
-    extra = getattr(objective, "bytes_per_pair", 0) or 0
-    pair_bytes = 2 * dim * element_size
-    return max(1, min(max_elements, DEFAULT_CHUNK_ELEMENTS) * pair_bytes // (pair_bytes + extra))
+def add_to_vectors(rows_into: torch.Tensor, cols_into: torch.Tensor, chunk: Chunk, sums: ChunkSums,
+                   origin: tuple[int, int] = (0, 0)) -> None:
+    """The chain rule's scatter: a chunk's sums added onto the rows and columns of V they came
+    from (a chunk's block rows and columns are consecutive in V). rows_into starts at the
+    first row of block row origin[0], cols_into at that of block column origin[1]: both the
+    (N, D) dL/dV for a request, a job tile's own (rows, D) and (cols, D) shares for a task."""
+    row_start, col_start = (chunk.rows.start - origin[0]) * chunk.base, (chunk.cols.start - origin[1]) * chunk.base
+    rows_into[row_start:row_start + sums.rows.shape[0]] += sums.rows  # (kr * h, D)
+    cols_into[col_start:col_start + sums.cols.shape[0]] += sums.cols  # (kc * w, D)

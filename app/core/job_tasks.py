@@ -1,11 +1,10 @@
 """A job's computation cut into tasks of whole block tiles, and their reduction.
 
-A tile is a range of block rows x a range of block columns. Its task computes every
-block of the tile a chunk at a time with the executor's own tile function
-(`executor.tile_shares`, what the local lanes run), so a task's memory is bounded by a
-chunk plus its partial sums, and returns the tile's losses and its share of the
-accumulated gradient: rows x D onto the tile's rows of V and cols x D onto its columns,
-(rows + cols) x D in all, never N x D.
+A tile is a range of block rows x a range of block columns. Its task runs /v1's pass one
+(`executor.PassOne`: the engine's one plan, restricted to the tile, and the finiteness
+proof), so a task's memory is bounded by a chunk plus its partial sums, and returns the
+tile's losses and its share of the accumulated gradient: rows x D onto the tile's rows of
+V and cols x D onto its columns, (rows + cols) x D in all, never N x D.
 
 The reduction never makes a dense N x D sum until the last task: the row shares of the
 tiles of one tile row all land on the same rows of V, so they are summed on their own
@@ -27,9 +26,9 @@ import numpy as np
 import torch
 
 from .dtypes import TORCH_DTYPES
-from .engine import Chunk, block_bounds, chunk_gradients, shape_groups, split
+from .engine import block_bounds
 from .errors import non_finite_accumulated, non_finite_block
-from .executor import tile_shares
+from .executor import PassOne, SerialExecutor
 from .objectives import Objective
 
 # Numbers (pairs x 2D) one tile task computes: large against a task's scheduling overhead,
@@ -131,42 +130,6 @@ def plan_tiles(n: int, dim: int, factor: int, workers: int = 1, tile_numbers: in
     return tiles
 
 
-def overlap(a: range, b: range) -> range:
-    return range(max(a.start, b.start), min(a.stop, b.stop))
-
-
-def tile_chunks(n: int, dim: int, factor: int, tile: Tile, max_elements: int) -> list[Chunk]:
-    """The engine's chunks (blocks of one shape, at most max_elements numbers, at least one
-    block) covering exactly the tile's blocks."""
-    base, pair = n // factor, 2 * dim
-    chunks = []
-    for row_group, height in shape_groups(n, factor):
-        rows = overlap(row_group, tile.rows)
-        for col_group, width in shape_groups(n, factor):
-            cols = overlap(col_group, tile.cols)
-            if not rows or not cols:
-                continue
-            per_chunk = max(1, max_elements // (height * width * pair))  # blocks in one chunk
-            if len(cols) <= per_chunk:
-                for run in split(rows, max(1, per_chunk // len(cols))):
-                    chunks.append(Chunk(run, cols, height, width, base))
-            else:
-                for r in rows:
-                    chunks.extend(Chunk(range(r, r + 1), run, height, width, base) for run in split(cols, per_chunk))
-    return chunks
-
-
-def first_bad_block(vectors: torch.Tensor, chunks: list[Chunk], objective: Objective,
-                    offset: float) -> tuple[int, int] | None:
-    """Row-major, the first block of these chunks whose loss or gradient is not finite."""
-    found = []
-    for chunk in chunks:
-        result = chunk_gradients(vectors, chunk, objective, offset)
-        finite = torch.isfinite(result.losses) & torch.isfinite(result.gradient).flatten(2).all(dim=2)
-        found += [(chunk.rows[i], chunk.cols[j]) for i, j in torch.nonzero(~finite).tolist()]
-    return min(found, default=None)
-
-
 def tile_spans(spec: JobSpec, tile: Tile) -> tuple[int, int, int, int]:
     """(first row, rows, first column, columns) of V the tile covers."""
     bounds = block_bounds(spec.n, spec.factor)
@@ -175,28 +138,19 @@ def tile_spans(spec: JobSpec, tile: Tile) -> tuple[int, int, int, int]:
 
 
 def run_tile(vectors: np.ndarray, spec: JobSpec, tile: Tile, objective: Objective) -> TilePartial:
-    """Every block of the tile: its losses and its chain-rule sums onto V's rows and columns."""
+    """Every block of the tile: its losses and its chain-rule sums onto V's rows and columns,
+    pass one as /v1 runs it (executor.PassOne), on the tile's blocks."""
     started_at = time.time()
     torch.set_num_threads(1)  # one core per task, and the same loss bits as /v1's one thread
     v = torch.as_tensor(vectors, dtype=TORCH_DTYPES[spec.dtype])  # (N, D)
-    row_start, height, col_start, width = tile_spans(spec, tile)
-    row_sums = torch.zeros((height, spec.dim), dtype=v.dtype)  # (rows, D)
-    col_sums = torch.zeros((width, spec.dim), dtype=v.dtype)  # (cols, D)
-    losses = torch.empty((len(tile.rows), len(tile.cols)), dtype=v.dtype)
-    chunks = tile_chunks(spec.n, spec.dim, spec.factor, tile, spec.chunk_elements)
-    # A sum is finite only if all its terms are: one check per chunk, no pass over gradients.
-    finite = torch.ones((), dtype=torch.bool)
-    for chunk in chunks:
-        computed, sums = tile_shares(v, chunk, objective, spec.offset)
-        r0, c0 = chunk.rows.start * chunk.base - row_start, chunk.cols.start * chunk.base - col_start
-        row_sums[r0:r0 + sums.rows.shape[0]] += sums.rows
-        col_sums[c0:c0 + sums.cols.shape[0]] += sums.cols
-        losses[chunk.rows.start - tile.rows.start:chunk.rows.stop - tile.rows.start,
-               chunk.cols.start - tile.cols.start:chunk.cols.stop - tile.cols.start] = computed.result.losses
-        finite &= computed.surely_finite
-    bad = None if bool(finite) else first_bad_block(v, chunks, objective, spec.offset)
-    return TilePartial(tile.rows, tile.cols, row_start, col_start, losses.numpy(), row_sums.numpy(),
-                       col_sums.numpy(), started_at, bad)
+    computed = PassOne(SerialExecutor(), v, spec.factor, spec.chunk_elements, objective, spec.offset,
+                       tile.rows, tile.cols)
+    for _ in computed:
+        pass
+    bad = None if computed.surely_finite() else computed.first_non_finite_block()
+    row_start, _, col_start, _ = tile_spans(spec, tile)
+    return TilePartial(tile.rows, tile.cols, row_start, col_start, computed.losses.numpy(),
+                       computed.rows_sum.numpy(), computed.cols_sum.numpy(), started_at, bad)
 
 
 def failed_tile(spec: JobSpec, tile: Tile, error: dict) -> TilePartial:

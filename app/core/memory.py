@@ -3,8 +3,8 @@
 `predict_peak_bytes` adds up what a request holds at its peak, from its sizes and the
 front end's `AnswerCost` alone: its body and the parsed input, the engine's working set
 (a chunk of at most BLOCKGRAD_MAX_BLOCK_ELEMENTS numbers and what the objective derives
-from it, blocks kept between the passes; on k compute slots, k tiles in flight, the tiles
-computed ahead and a partial accumulated gradient a lane: `working_set_bytes`), and the
+from it, blocks kept between the passes; on k compute slots, k chunks in flight and the
+chunks computed ahead: `working_set_bytes`), and the
 answer as the front end writes it (whole arrays, text a block or a slice at a time).
 A request is predicted for the most slots it may take (its reservation is never resized
 while it runs). Admission (admission.py) calls it. The coefficients are measured, not guessed: `python -m
@@ -24,14 +24,15 @@ complete. Bodies still arriving (uploads) together hold at most BLOCKGRAD_UPLOAD
 of the budget, so that clients sending slowly can hold back other uploads, never a request
 whose body has arrived.
 """
+import itertools
 import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 from .dtypes import DTYPES, WIDEST
-from .engine import elements_per_chunk, largest_block_side, shape_groups
+from .engine import PARALLEL_CHUNK_ELEMENTS, elements_per_chunk, largest_block_side, plan_bands
 from .errors import BlockgradError, limit_exceeded
-from .executor import LOOKAHEAD_PER_LANE, PARALLEL_TILE_ELEMENTS, tile_elements
+from .executor import LOOKAHEAD_PER_LANE
 from .heap import TRIM_SLACK_BYTES, untrimmed_growth
 from .settings import Settings
 from .sizes import Sizes
@@ -70,9 +71,9 @@ def chunk_numbers(n: int, dim: int, factor: int, settings: Settings) -> int:
 
 def working_set_bytes(sizes: Sizes, settings: Settings, lanes: int = 1) -> int:
     """The engine's working set in pass one: serially a chunk's (CHUNKS_IN_FLIGHT of its
-    size); on up to `lanes` slots the larger of that and, for each lane, a tile's working
-    set, LOOKAHEAD_PER_LANE tiles' results waiting and a partial accumulated gradient
-    (app/core/executor.py). The larger, because a request on several lanes may still find
+    size); on up to `lanes` slots the larger of that and, for each lane, a parallel chunk's
+    working set and LOOKAHEAD_PER_LANE chunks' results waiting (app/core/executor.py).
+    The larger, because a request on several lanes may still find
     no second slot free, and off the CPU runs serially with whole chunks."""
     n, dim, factor = sizes.n, sizes.dim, sizes.factor
     item = DTYPES.get(sizes.dtype, WIDEST).item_bytes
@@ -80,39 +81,24 @@ def working_set_bytes(sizes: Sizes, settings: Settings, lanes: int = 1) -> int:
     chunk = chunk_numbers(n, dim, factor, settings)
     serial = per_chunk * chunk * item
     lanes = request_lanes(sizes, settings, lanes)
-    if lanes <= 1:  # one slot, or one tile: inline, as serially
+    if lanes <= 1:  # one slot, or one chunk: inline, as serially
         return serial
     side = largest_block_side(n, factor)
-    tile = max(side * side * 2 * dim, min(PARALLEL_TILE_ELEMENTS, chunk))  # a block is never split
-    parallel = lanes * (per_chunk + LOOKAHEAD_PER_LANE) * tile * item + (lanes - 1) * n * dim * item
-    return max(serial, parallel)
+    small = max(side * side * 2 * dim, min(PARALLEL_CHUNK_ELEMENTS, chunk))  # a block is never split
+    return max(serial, lanes * (per_chunk + LOOKAHEAD_PER_LANE) * small * item)
 
 
 def request_lanes(sizes: Sizes, settings: Settings, lanes: int) -> int:
-    """The most lanes a request may take on `lanes` slots: no more than its tiles as run()
-    plans them for several slots (app/core/run.py), so a request of one tile, which runs
+    """The most lanes a request may take on `lanes` slots: no more than its chunks as run()
+    plans them for several slots (app/core/run.py), so a request of one chunk, which runs
     inline, reserves for one lane only."""
     if lanes <= 1 or not sizes.outputs:
         return 1
     item = DTYPES.get(sizes.dtype, WIDEST).item_bytes
     activations = SimpleNamespace(bytes_per_pair=sizes.bytes_per_pair)  # what elements_per_chunk reads
-    chunk = tile_elements(elements_per_chunk(settings.max_block_elements, activations, sizes.dim, item), True)
-    return max(1, min(lanes, planned_chunks(sizes.n, sizes.dim, sizes.factor, chunk)))
-
-
-def planned_chunks(n: int, dim: int, factor: int, max_elements: int) -> int:
-    """How many chunks `plan_bands(n, dim, factor, max_elements)` plans, counted without
-    planning them (a request of 1 x 1 blocks has thousands)."""
-    pair, columns, count = 2 * dim, shape_groups(n, factor), 0
-    for row_group, height in columns:
-        row_numbers = height * n * pair  # one whole block row
-        if row_numbers <= max_elements:
-            count += -(-len(row_group) // (max_elements // row_numbers)) * len(columns)
-            continue
-        for cols_group, width in columns:
-            per_chunk = max(1, max_elements // (height * width * pair))
-            count += len(row_group) * -(-len(cols_group) // per_chunk)
-    return count
+    chunk = elements_per_chunk(settings.max_block_elements, activations, sizes.dim, item, parallel=True)
+    bands = plan_bands(sizes.n, sizes.dim, sizes.factor, chunk)  # lazy: counted up to `lanes` chunks only
+    return max(1, sum(1 for _ in itertools.islice(itertools.chain.from_iterable(bands), lanes)))
 
 
 def predict_peak_bytes(sizes: Sizes, answer: AnswerCost, settings: Settings, lanes: int = 1) -> int:

@@ -19,12 +19,11 @@ import torch
 
 from .deadline import Deadline
 from .device import ready_device, release_device_memory
-from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, Chunk, add_to_vectors, band_blocks, block_bounds, chunk_gradients,
-                     elements_per_chunk, plan_bands)
+from .engine import (DEFAULT_CHUNK_ELEMENTS, Block, band_blocks, block_bounds, chunk_gradients, elements_per_chunk,
+                     plan_bands)
 from .errors import device_out_of_memory, non_finite_accumulated, non_finite_block
-from .executor import SerialExecutor, TileExecutor, tile_elements
+from .executor import Executor, PassOne, SerialExecutor
 from .heap import watch_for
-from .memory import planned_chunks
 from .request import GradientRequest
 from .settings import Settings
 
@@ -77,87 +76,43 @@ class Result:
 
 
 def run(req: GradientRequest, settings: Settings, deadline: Deadline | None = None,
-        executor: TileExecutor | None = None) -> Result:
+        executor: Executor | None = None) -> Result:
     """Compute an admitted request on this worker's device (app/core/admission.py admits);
-    `executor` runs pass one's tiles (on CPU, over the free compute slots), serial elsewhere."""
+    `executor` runs pass one's chunks (on CPU, over the free compute slots), serial elsewhere."""
     device = ready_device(settings.device)  # not_ready (503), as /readyz says, when it cannot compute
     deadline = deadline or Deadline(settings.request_timeout_s)
     if executor is None or device.type != "cpu":
         executor = SerialExecutor()
     with device_memory_guard():
         vectors = load_vectors(req, device)  # (N, D)
-        keep_bytes = settings.max_block_elements * vectors.element_size()
-        chunk = tile_elements(elements_per_chunk(settings.max_block_elements, req.objective_fn, req.dim,
-                                                 vectors.element_size()), executor.parallel)
-        if planned_chunks(req.n, req.dim, req.factor, chunk) == 1:  # counted: 1 x 1 blocks plan thousands
-            [[only]] = plan_bands(req.n, req.dim, req.factor, chunk)
-            whole = one_chunk(req, device, vectors, deadline, keep_bytes, chunk, only)
-            if whole is not None:
-                return whole
-        return pass_one(req, device, vectors, deadline, keep_bytes, chunk, executor)
-
-
-def one_chunk(req: GradientRequest, device: torch.device, vectors: torch.Tensor, deadline: Deadline,
-              keep_bytes: int, chunk_elements: int, chunk: Chunk) -> Result | None:
-    """Pass one of a request whose blocks all fit in one chunk (the seed's example), with a
-    fraction of pass_one's torch calls: the same chunk computed the same way, so the same
-    bits. One sum proves everything finite: it is finite only if every loss and every entry
-    of accumulated is, and accumulated holds the chain-rule sums of every gradient entry.
-    None when it is not: pass_one then computes the request again and says which block or
-    sum is not finite."""
-    keep = "blocks" in req.outputs
-    heap = watch_for(req.n * req.n * 2 * req.dim * vectors.element_size()) if keep else None  # as pass_one's
-    result = chunk_gradients(vectors, chunk, req.objective_fn, req.offset)
-    keep = keep and result.gradient.untyped_storage().nbytes() <= keep_bytes
-    accumulated = torch.zeros_like(vectors)  # (N, D)
-    add_to_vectors(accumulated, result)
-    if not bool(torch.isfinite(result.losses.sum() + accumulated.sum())):
-        return None
-    if heap is not None:
-        heap.check()
-    deadline.check()
-    return Result(req, device, bounds=block_bounds(req.n, req.factor), losses=result.losses,
-                  accumulated=accumulated, vectors=vectors, deadline=deadline,
-                  kept=list(band_blocks([result])) if keep else None, chunk_elements=chunk_elements)
+        chunk = elements_per_chunk(settings.max_block_elements, req.objective_fn, req.dim, vectors.element_size(),
+                                   executor.parallel)
+        return pass_one(req, device, vectors, deadline, settings.max_block_elements * vectors.element_size(),
+                        chunk, executor)
 
 
 def pass_one(req: GradientRequest, device: torch.device, vectors: torch.Tensor, deadline: Deadline,
              keep_bytes: int, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-             executor: TileExecutor | None = None) -> Result:
+             executor: Executor | None = None) -> Result:
     """Pass one: losses (F, F) and accumulated (N, D); non_finite_result if anything is not finite.
 
     Blocks' gradients are kept (for `blocks()`) while they hold at most keep_bytes: autograd
     often returns a view of a few numbers (e.g. for `sum`); past that they are let go and
     recomputed as consumed, so memory stays bounded by a band of chunks, not by N x N x 2D.
     No host synchronisation per block or chunk: one at the end. `executor` computes the
-    tiles (the planned chunks) and hands them back in order, each of its lanes summing its
-    share of accumulated (app/core/executor.py)."""
-    f = req.factor
+    chunks and hands them back in order (app/core/executor.py)."""
     keep, kept, kept_bytes = "blocks" in req.outputs, [], 0
-    losses = torch.empty((f, f), dtype=vectors.dtype, device=device)  # (F, F)
-    # True proves every block of a chunk finite: a sum is finite only if all its terms are,
-    # and the chain-rule sums cover every gradient entry. One number per chunk, no pass over
-    # the gradients and no host synchronisation; False may also be an overflowing sum, so
-    # those chunks are rechecked block by block below.
-    surely_finite = torch.empty((f, f), dtype=torch.bool, device=device)  # (F, F)
     # Kept blocks fragment glibc's heap (app/core/heap.py); a pass that keeps none does not grow it.
     heap = watch_for(req.n * req.n * 2 * req.dim * vectors.element_size()) if keep else None
-    bands = plan_bands(req.n, req.dim, f, chunk_elements)
-    tiles = (executor or SerialExecutor()).pass_one(vectors, [chunk for band in bands for chunk in band],
-                                                    req.objective_fn, req.offset)
-    results = iter(tiles)
+    computed = PassOne(executor or SerialExecutor(), vectors, req.factor, chunk_elements, req.objective_fn,
+                       req.offset)
+    results = iter(computed)
     try:
-        for band in bands:
-            band_results = []
-            for tile in itertools.islice(results, len(band)):
-                result = tile.result
-                rows, cols = result.chunk.rows, result.chunk.cols
-                losses[rows.start:rows.stop, cols.start:cols.stop] = result.losses  # (kr, kc)
-                surely_finite[rows.start:rows.stop, cols.start:cols.stop] = tile.surely_finite  # (), over (kr, kc)
-                if keep:
-                    kept_bytes += result.gradient.untyped_storage().nbytes()
-                    keep = kept_bytes <= keep_bytes  # over budget: let them go, blocks() recomputes
-                band_results.append(result)
+        for band in computed.bands:
+            band_results = list(itertools.islice(results, len(band)))
+            if keep:
+                kept_bytes += sum(result.gradient.untyped_storage().nbytes() for result in band_results)
+                keep = kept_bytes <= keep_bytes  # over budget: let them go, blocks() recomputes
             if keep:
                 kept.extend(band_blocks(band_results))
             else:
@@ -166,33 +121,14 @@ def pass_one(req: GradientRequest, device: torch.device, vectors: torch.Tensor, 
                 heap.check()
             deadline.check()
     finally:
-        tiles.close()  # stopped early: the tiles in flight end and give their slots back
-    accumulated = tiles.accumulated()  # (N, D)
-    if not bool(surely_finite.all()):
-        first = first_non_finite_block(vectors, req, surely_finite, chunk_elements)
+        computed.close()  # stopped early: the chunks in flight end and give their slots back
+    accumulated = computed.rows_sum  # (N, D)
+    if not computed.surely_finite():  # the one synchronisation
+        first = computed.first_non_finite_block()
         if first is not None:
             raise non_finite_block(*first, req.dtype)
-    if not bool(torch.isfinite(accumulated).all()):
-        raise non_finite_accumulated(req.dtype)
-    return Result(req, device, bounds=block_bounds(req.n, f), losses=losses, accumulated=accumulated,
-                  vectors=vectors, deadline=deadline, kept=kept if keep else None, chunk_elements=chunk_elements)
-
-
-def first_non_finite_block(vectors: torch.Tensor, req: GradientRequest, surely_finite: torch.Tensor,
-                           chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> tuple[int, int] | None:
-    """Row-block-major, the first block whose loss or gradient is not finite, checked entry by
-    entry: the chunks holding a block not surely finite are computed again."""
-    objective = req.objective_fn
-    suspects = {tuple(rc) for rc in torch.nonzero(~surely_finite).tolist()}
-    found = []
-    for band in plan_bands(req.n, req.dim, req.factor, chunk_elements):
-        for chunk in band:
-            if not any((r, c) in suspects for r in chunk.rows for c in chunk.cols):
-                continue
-            result = chunk_gradients(vectors, chunk, objective, req.offset)
-            finite = torch.isfinite(result.losses) & torch.isfinite(result.gradient).flatten(2).all(dim=2)  # (kr, kc)
-            for i, j in torch.nonzero(~finite).tolist():
-                if (chunk.rows[i], chunk.cols[j]) in suspects:  # the others are proven finite
-                    found.append((chunk.rows[i], chunk.cols[j]))
-    return min(found, default=None)  # None: only sums overflowed, the accumulated check reports it
-
+        if not bool(torch.isfinite(accumulated).all()):
+            raise non_finite_accumulated(req.dtype)
+    return Result(req, device, bounds=block_bounds(req.n, req.factor), losses=computed.losses,
+                  accumulated=accumulated, vectors=vectors, deadline=deadline, kept=kept if keep else None,
+                  chunk_elements=chunk_elements)

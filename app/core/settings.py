@@ -109,10 +109,6 @@ def parse_scheduler(name: str, raw: Any, default: str | None) -> str | None:
     return address
 
 
-def env_int(name: str, default: int, environ: Mapping[str, Any] = os.environ) -> int:
-    return parse_int(name, environ.get(name), default)
-
-
 def default_workers() -> int:
     """One worker per core, two at most: each worker computes on the cores it owns."""
     return min(2, available_cores())

@@ -68,7 +68,7 @@ def on_starting(server):
 
 def post_fork(server, worker):
     process.metrics.prepare_worker_files(worker.pid, process.metric_kinds)  # before any value is written
-    tuning.tune_worker(server.cfg.workers)
+    tuning.tune_worker()
     process.recycling = WorkerRecycling.loading(process.metrics.file(recycling.LOCK_NAME))
 
 

@@ -144,11 +144,6 @@ class PodSlots:
         self._waiting = 0  # this process's waiting threads
         _INSTANCES.add(self)
 
-    @classmethod
-    def attach(cls, path: str) -> "PodSlots":
-        """Slots made by another process tree: no wake-ups, waiters poll."""
-        return cls(path)
-
     # --- taking and giving back -------------------------------------------------------
     def try_acquire(self) -> PodSlot | None:
         """A slot free right now, unless a request in the pod is waiting for one."""

@@ -8,11 +8,10 @@ SWITCH_INTERVAL_S = 0.001
 MALLOC_ARENAS = 1
 
 
-def torch_threads(workers: int) -> int:
-    """One per computing thread, whatever the workers: a request spreads over the pod's free
-    compute slots (one per core, app/serving/slots.py), each tile on a thread of its own, so
-    more torch threads per tile would oversubscribe the cores the slots stand for."""
-    return 1
+# One per computing thread, whatever the workers: a request spreads over the pod's free
+# compute slots (one per core, app/serving/slots.py), each chunk on a thread of its own, so
+# more torch threads per chunk would oversubscribe the cores the slots stand for.
+TORCH_THREADS = 1
 
 
 def limit_malloc_arenas() -> None:
@@ -23,10 +22,10 @@ def limit_malloc_arenas() -> None:
     mallopt(M_ARENA_MAX, MALLOC_ARENAS)
 
 
-def tune_worker(workers: int) -> None:
+def tune_worker() -> None:
     import torch  # in the worker only: the master must stay free of it
 
-    torch.set_num_threads(torch_threads(workers))
+    torch.set_num_threads(TORCH_THREADS)
     limit_malloc_arenas()
     # A thread waiting for the GIL (the main loop handing over a connection, a probe) waits
     # for the running thread's switch interval: 5 ms by default.
