@@ -15,7 +15,7 @@ from app.core.memory import AnswerCost
 from app.core.request import GradientRequest
 from app.core.deadline import Deadline
 from app.core.engine import DEFAULT_CHUNK_ELEMENTS, plan_bands
-from app.core.run import first_non_finite_block, one_chunk
+from app.core.run import pass_one
 from tools.reference import reference_accumulated, reference_blocks
 
 from .numeric import assert_matches
@@ -177,40 +177,41 @@ def overflowing(n: int, factor: int, row: int) -> tuple[GradientRequest, torch.T
     return req, torch.as_tensor(vectors)
 
 
+def named_block(req: GradientRequest, vectors: torch.Tensor, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> dict:
+    with pytest.raises(BlockgradError) as info:
+        pass_one(req, torch.device("cpu"), vectors, Deadline(60.0), 0, chunk_elements)
+    assert info.value.code == "non_finite_result"
+    return info.value.details["block"]
+
+
 def test_the_first_non_finite_block_may_be_in_a_bands_second_chunk():
     """N = 5, factor 4: blocks of 1, 1, 1 and 2 rows; a band's first chunk holds columns 0-2,
     its second the wider column 3. Row 4 (in block 3) overflows: the first such block,
     row-block-major, is (0, 3), in the first band's second chunk."""
-    req, vectors = overflowing(5, 4, row=4)
-    surely_finite = torch.ones((4, 4), dtype=torch.bool)
-    surely_finite[3, :] = surely_finite[:, 3] = False
-    assert first_non_finite_block(vectors, req, surely_finite) == (0, 3)
+    assert named_block(*overflowing(5, 4, row=4)) == {"row": 0, "col": 3}
 
 
-def test_a_suspect_block_that_is_finite_is_not_named():
-    """A false alarm (a sum that overflowed over finite blocks) on (0, 0) beside the real (0, 2)
-    in the same chunk: each block is judged on its own entries."""
+def test_a_finite_block_in_a_suspect_chunk_is_not_named():
+    """Row 2 overflows (block 2 of 4): in the chunk of the first block row, (0, 0) and (0, 1)
+    are finite and (0, 2) is not; one block per chunk or the whole row in one, the same block."""
     req, vectors = overflowing(4, 4, row=2)
-    surely_finite = torch.ones((4, 4), dtype=torch.bool)
-    surely_finite[0, 0] = surely_finite[0, 2] = False
-    assert first_non_finite_block(vectors, req, surely_finite) == (0, 2)
-    surely_finite[0, 2] = True  # only the false alarm: nothing to name
-    assert first_non_finite_block(vectors, req, surely_finite) is None
+    assert named_block(req, vectors) == {"row": 0, "col": 2}
+    assert named_block(req, vectors, chunk_elements=1) == {"row": 0, "col": 2}
 
 
-# one_chunk (the one-chunk fast path): blocks kept while their gradients fit keep_bytes, else let
-# go and recomputed from the vectors when written. N = 6, factor 2, D = 2, sum_of_squares in
+# pass one keeps blocks while their gradients fit keep_bytes, else lets them go and recomputes
+# them from the vectors when written. N = 6, factor 2, D = 2, sum_of_squares in
 # float64: one chunk of 2 x 2 blocks of 3 x 3 x 4 gradients, 144 numbers, 1152 bytes.
 GRADIENT_BYTES = 144 * 8
 
 
 @pytest.mark.parametrize("keep_bytes,kept", [(GRADIENT_BYTES, True), (GRADIENT_BYTES - 1, False)])
-def test_one_chunk_keeps_blocks_within_the_budget_and_recomputes_them_past_it(keep_bytes, kept):
+def test_pass_one_keeps_blocks_within_the_budget_and_recomputes_them_past_it(keep_bytes, kept):
     vectors = np.random.default_rng(27).standard_normal((6, 2))
     req = GradientRequest(vectors, 2, "sum_of_squares", 0.0, ("blocks", "accumulated"), "float64")
     tensor = torch.as_tensor(vectors)
-    [[only]] = plan_bands(6, 2, 2, DEFAULT_CHUNK_ELEMENTS)
-    result = one_chunk(req, torch.device("cpu"), tensor, Deadline(60.0), keep_bytes, DEFAULT_CHUNK_ELEMENTS, only)
+    assert len([chunk for band in plan_bands(6, 2, 2, DEFAULT_CHUNK_ELEMENTS) for chunk in band]) == 1
+    result = pass_one(req, torch.device("cpu"), tensor, Deadline(60.0), keep_bytes, DEFAULT_CHUNK_ELEMENTS)
     assert (result.kept is not None) == kept
     blocks = list(result.blocks())
     expected = reference_blocks(tensor, 2, "sum_of_squares", offset=0.0)
