@@ -1,11 +1,11 @@
 """A lone request on idle cores, in process: S_lone against S_pair (docs/cores.md).
 
 S_lone = t(1 slot) / t(2 slots): one request's pass one (what an `accumulated` request
-computes) serially on the default chunks, then on two slots with cache-sized tiles.
+computes) serially on the default chunks, then on two slots with cache-sized chunks.
 S_pair = 2 x t(one alone, 1 slot) / t(until both of two concurrent 1-slot runs finish):
 what the second core gives two independent requests on this machine, the bound S_lone is
-measured against. Beside them the bound of the tiles themselves: a plain loop of the engine
-over the parallel tiles on one thread against two (S_plain). Medians of `repeats`, every run
+measured against. Beside them the bound of the chunks themselves: a plain loop of the engine
+over the parallel chunks on one thread against two (S_plain). Medians of `repeats`, every run
 on a thread other than the main one, one torch thread, as in a worker.
 
 Served rows (`make bench`, gunicorn as `make serve` runs it): `concurrent_pairs_balance`, 20
@@ -15,11 +15,11 @@ of each pair against the faster (the issue: at most 1.3x, none one after the oth
 wall time (at least 1.7 on 2 cores); `four_concurrent_requests`, four such requests at once,
 total throughput with the default BLOCKGRAD_SLOTS_PER_REQUEST against 1 (at least 1.0).
 
-`--tiles`: the tile-size probe instead: the engine's chunks of several sizes on one thread
-and on two threads (every other tile each), with CPU time and how much the threads overlap:
+`--chunks`: the chunk-size probe instead: the engine's chunks of several sizes on one thread
+and on two threads (every other chunk each), with CPU time and how much the threads overlap:
 on a loaded machine those say more than wall time.
 
-Usage: python -m bench.cores [--repeats 5] [--n 2048] [--dim 64] [--factor 32] [--tiles | --served]
+Usage: python -m bench.cores [--repeats 5] [--n 2048] [--dim 64] [--factor 32] [--chunks | --served]
 """
 import argparse
 import json
@@ -50,13 +50,13 @@ CONCURRENT = 4  # large requests at once
 TARGET_CONCURRENT_RATIO = 1.0  # their throughput on shared slots at least that on one slot each
 
 
-def tiles(n: int, dim: int, factor: int, parallel: bool) -> list:
+def planned_chunks(n: int, dim: int, factor: int, parallel: bool) -> list:
     size = PARALLEL_CHUNK_ELEMENTS if parallel else DEFAULT_CHUNK_ELEMENTS
     return [chunk for band in plan_bands(n, dim, factor, size) for chunk in band]
 
 
 def pass_one(executor, vectors: torch.Tensor, factor: int, parallel: bool, objective: str = "sum") -> torch.Tensor:
-    """Pass one as app/core/run.py does it: `tiles(...)`'s chunks, losses placed, the accumulated
+    """Pass one as app/core/run.py does it: `planned_chunks(...)`'s chunks, losses placed, the accumulated
     gradient, one host synchronisation."""
     size = PARALLEL_CHUNK_ELEMENTS if parallel else DEFAULT_CHUNK_ELEMENTS
     run = PassOne(executor, vectors, factor, size, OBJECTIVES[objective], 5.0)
@@ -88,7 +88,7 @@ def two_at_once(fn, args=((), ())) -> float:
 
 
 def plain_loop(vectors: torch.Tensor, plan: list, objective: str = "sum") -> None:
-    """The bound: the engine's work on the tiles and nothing else (no executor, no slots,
+    """The bound: the engine's work on the chunks and nothing else (no executor, no slots,
     no results consumed), one partial accumulated gradient."""
     partial, fn = torch.zeros_like(vectors), OBJECTIVES[objective]
     for chunk in plan:
@@ -99,8 +99,8 @@ def lone_request_speedup(bench=None, n: int = 2048, dim: int = 64, factor: int =
                          repeats: int = 5) -> list[Result]:
     """`bench` unused: the signature of bench/rows.py's rows. Every run on a thread other
     than the main one, as in a worker. Beside S_lone, the bound: a plain loop of the engine
-    over the same parallel tiles, on one thread against two threads each taking every other
-    tile (S_plain)."""
+    over the same parallel chunks, on one thread against two threads each taking every other
+    chunk (S_plain)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     slots = ThreadSlots(2)
@@ -109,7 +109,7 @@ def lone_request_speedup(bench=None, n: int = 2048, dim: int = 64, factor: int =
     load = os.getloadavg()[0]
     try:
         vectors = torch.as_tensor(random_vectors(n, dim), dtype=torch.float32)  # (N, D)
-        serial_plan, parallel_plan = tiles(n, dim, factor, False), tiles(n, dim, factor, True)
+        serial_plan, parallel_plan = planned_chunks(n, dim, factor, False), planned_chunks(n, dim, factor, True)
 
         def alone():
             return pass_one(SerialExecutor(), vectors, factor, False)
@@ -139,8 +139,8 @@ def lone_request_speedup(bench=None, n: int = 2048, dim: int = 64, factor: int =
                    at_least(s_lone, TARGET_SHARE * s_pair),
                    f"t(1 slot) {t1 * 1e3:.0f} ms, t(2 slots) {t2 * 1e3:.0f} ms, pair of 1-slot runs "
                    f"{tp * 1e3:.0f} ms; CPU/wall on 2 slots {statistics.median(cpu_share):.2f}; "
-                   f"tiles {len(serial_plan)} serial, {len(parallel_plan)} parallel; bound: a plain loop on "
-                   f"the parallel tiles {p1 * 1e3:.0f} ms on 1 thread, {p2 * 1e3:.0f} ms on 2 (S_plain "
+                   f"chunks {len(serial_plan)} serial, {len(parallel_plan)} parallel; bound: a plain loop on "
+                   f"the parallel chunks {p1 * 1e3:.0f} ms on 1 thread, {p2 * 1e3:.0f} ms on 2 (S_plain "
                    f"{s_plain:.2f}; 2 slots vs 2 plain threads {p2 / t2:.2f}); load average {load:.2f}")]
 
 
@@ -259,8 +259,8 @@ def lone_request_cpu(bench, repeats: int = 5) -> list[Result]:
                    f"wall median {statistics.median(walls) * 1e3:.0f} ms; ticks of {tick} Hz")]
 
 
-# (factor, numbers per chunk) at N = 2048, D = 64: tiles of 128K to 4M numbers.
-PROBE_TILES = [(64, 128 * 1024), (64, 256 * 1024), (32, 512 * 1024), (64, 1024 * 1024), (64, 2048 * 1024),
+# (factor, numbers per chunk) at N = 2048, D = 64: chunks of 128K to 4M numbers.
+PROBE_CHUNKS = [(64, 128 * 1024), (64, 256 * 1024), (32, 512 * 1024), (64, 1024 * 1024), (64, 2048 * 1024),
                (32, 4096 * 1024)]
 
 
@@ -277,8 +277,8 @@ def overlap_seconds(a: list[tuple[float, float]], b: list[tuple[float, float]]) 
     return total
 
 
-def tile_probe(n: int = 2048, dim: int = 64, repeats: int = 3) -> list[str]:
-    """One line per tile size: CPU seconds on one thread and on two, their overlap, wall speedup."""
+def chunk_probe(n: int = 2048, dim: int = 64, repeats: int = 3) -> list[str]:
+    """One line per chunk size: CPU seconds on one thread and on two, their overlap, wall speedup."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     vectors = torch.as_tensor(random_vectors(n, dim), dtype=torch.float32)  # (N, D)
@@ -292,7 +292,7 @@ def tile_probe(n: int = 2048, dim: int = 64, repeats: int = 3) -> list[str]:
             log.append((began, time.monotonic()))
 
     try:
-        for factor, size in PROBE_TILES:
+        for factor, size in PROBE_CHUNKS:
             chunks = [chunk for band in plan_bands(n, dim, factor, size) for chunk in band]
             numbers = chunks[0].count * chunks[0].height * chunks[0].width * 2 * dim
             work(chunks[:4], [])  # warm-up
@@ -304,7 +304,7 @@ def tile_probe(n: int = 2048, dim: int = 64, repeats: int = 3) -> list[str]:
                 two_wall, two_cpu = timed_with_cpu(lambda: ([t.start() for t in pair], [t.join() for t in pair]))
                 runs.append((one_cpu, two_cpu / one_cpu, overlap_seconds(*logs) / two_wall, one_wall / two_wall))
             one_cpu, cpu_ratio, overlap, speedup = (statistics.median(r[k] for r in runs) for k in range(4))
-            lines.append(f"tile {numbers // 1024}K numbers (F={factor}), {len(chunks)} tiles: CPU 1 thread "
+            lines.append(f"chunk {numbers // 1024}K numbers (F={factor}), {len(chunks)} chunks: CPU 1 thread "
                          f"{one_cpu:.3f} s, CPU 2 threads / 1 thread {cpu_ratio:.2f}, overlap {overlap:.2f}, "
                          f"wall speedup {speedup:.2f}")
     finally:
@@ -318,7 +318,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=2048)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--factor", type=int, default=32)
-    parser.add_argument("--tiles", action="store_true", help="the tile-size probe instead")
+    parser.add_argument("--chunks", action="store_true", help="the chunk-size probe instead")
     parser.add_argument("--served", action="store_true", help="the served rows instead (gunicorn as make serve)")
     args = parser.parse_args()
     if args.served:
@@ -333,8 +333,8 @@ def main() -> None:
         finally:
             bench.close()
         return
-    if args.tiles:
-        for line in tile_probe(args.n, args.dim, args.repeats):
+    if args.chunks:
+        for line in chunk_probe(args.n, args.dim, args.repeats):
             print(line, flush=True)
         return
     for result in lone_request_speedup(None, args.n, args.dim, args.factor, args.repeats):

@@ -439,7 +439,7 @@ def default_factor_http_vs_floor(bench: Bench) -> list[Result]:
 
 def same_answer(served: bytes, floor: bytes) -> bool:
     """The same document, blocks and losses to the bit; the accumulated gradient within float
-    rounding, since tiles on the pod's free slots sum it in another order (docs/cores.md)."""
+    rounding, since chunks on the pod's free slots sum it in another order (docs/cores.md)."""
     if served == floor:
         return True
     a, b = orjson.loads(served), orjson.loads(floor)

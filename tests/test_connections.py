@@ -308,3 +308,58 @@ def test_the_default_bound_holds_the_flood_the_service_is_sized_for(monkeypatch)
     monkeypatch.delenv("BLOCKGRAD_HEADER_TIMEOUT_S", raising=False)
     ConnectionWorker.check_config(Cfg(), log)
     assert log.lines and "raise it to 1900" in log.lines[0]
+
+
+class Recorded:
+    """A stand-in for what the worker calls around one connection: its log, its close and its metrics."""
+
+    def __init__(self):
+        self.errors, self.closed, self.reasons = [], [], []
+        self.log = self
+        self.metrics = self
+        self.CLOSED = self
+
+    def error(self, message, *args, exc_info=None):
+        self.errors.append((message % args, exc_info))
+
+    def exception(self, message, *args):
+        self.errors.append((message % args, None))
+
+    def labels(self, reason):
+        self.reasons.append(reason)
+        return self
+
+    def inc(self):
+        pass
+
+
+def bare_worker(recorded: Recorded):
+    from app.serving.worker import ConnectionWorker
+
+    worker = object.__new__(ConnectionWorker)  # no loop: only the two methods below run
+    worker.log, worker.metrics = recorded.log, recorded.metrics
+    worker.close_after_answer = lambda conn, counted=False: recorded.closed.append((conn, counted))
+    return worker
+
+
+def test_a_request_whose_pool_thread_raised_is_logged_when_its_connection_closes():
+    from concurrent.futures import Future
+
+    recorded, conn, failed = Recorded(), object(), Future()
+    error = RuntimeError("escaped gthread's handle()")
+    failed.set_exception(error)
+    bare_worker(recorded).finish_request(conn, failed)
+    assert recorded.closed == [(conn, False)]
+    assert [exc_info for _, exc_info in recorded.errors] == [error]
+
+
+def test_a_connection_closed_because_no_thread_could_start_is_not_counted_served():
+    class NoThreads:
+        def submit(self, *args):
+            raise RuntimeError("can't start new thread")
+
+    recorded, conn = Recorded(), object()
+    worker = bare_worker(recorded)
+    worker.tpool = NoThreads()
+    worker.enqueue_req(conn)
+    assert recorded.reasons == ["no_thread"] and recorded.closed == [(conn, True)]

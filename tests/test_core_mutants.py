@@ -2,14 +2,12 @@
 docs/testing.md). Expected values are literals worked out by hand from the docs' rules, or
 tools/reference.py's; the cost model (app/core/cost.py, not mutated here) only where a
 prediction is the input."""
-from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
 from app.core.admission import admit, advice, check_activations, check_block_and_answer, over_the_deadline
-from app.core.cost import predict_seconds
 from app.core.errors import BlockgradError
 from app.core.memory import AnswerCost
 from app.core.request import GradientRequest
@@ -92,14 +90,29 @@ def test_over_the_deadline_without_a_better_factor_suggests_none():
                              "BLOCKGRAD_REQUEST_TIMEOUT_S = 10 s; send fewer vectors or ask for fewer outputs.")
 
 
+# Every cost constant pinned (BLOCKGRAD_COST_PER_BLOCK_S / _PER_NUMBER_S replace compute and
+# output costs alike) to powers of two, so the predictions below are exact. The cost model
+# (app/core/cost.py; docs/performance.md, "Choosing a factor"):
+#   seconds = stages x (blocks x b + numbers x u) + [blocks asked] (blocks x b + N x N x 2D x u)
+#   blocks = F x F, numbers = N x N x 2D + F x N x 2D (no block over a 1M-number chunk here);
+#   stages = 1: `sum`, the default objective, keeps its gradients from pass one.
+PINNED_COSTS = dict(cost_per_block_s=1 / 8, cost_per_number_s=1 / 64)
+
+
 def test_over_the_deadline_suggests_a_factor_predicted_to_meet_it_exactly():
     """The suggestion's own prediction (factor 4's, not the request's factor 2's) against the deadline."""
     sizes = Sizes(4, 1, 2, ("blocks",))
-    better_s = predict_seconds(replace(sizes, factor=4), Settings(**ONLY_FACTOR_4))
-    assert f"{better_s:.2g}" != f"{predict_seconds(sizes, Settings(**ONLY_FACTOR_4)):.2g}"  # told apart below
-    error = over_the_deadline(sizes, 99.0, Settings(request_timeout_s=better_s, **ONLY_FACTOR_4))
+    # N = 4, D = 1 (2D = 2), blocks asked. Factor 4: blocks 16, numbers 32 + 4 x 4 x 2 = 64:
+    #   (16/8 + 64/64) + (16/8 + 32/64) = 3 + 2.5 = 5.5 s.
+    # Factor 2 (the request's): blocks 4, numbers 32 + 2 x 4 x 2 = 48:
+    #   (4/8 + 48/64) + (4/8 + 32/64) = 1.25 + 1 = 2.25 s, "2.2" against factor 4's "5.5".
+    better_s = 5.5
+    error = over_the_deadline(sizes, 99.0, Settings(request_timeout_s=better_s, **ONLY_FACTOR_4, **PINNED_COSTS))
     assert error.details["suggested_factor"] == 4
-    assert f"factor 4 is predicted to take about {better_s:.2g} s" in error.message
+    assert "factor 4 is predicted to take about 5.5 s" in error.message
+    slower = over_the_deadline(sizes, 99.0, Settings(request_timeout_s=better_s - 1e-9, **ONLY_FACTOR_4,
+                                                     **PINNED_COSTS))
+    assert "suggested_factor" not in slower.details  # 5.5 s exactly: a hair under it is too slow
 
 
 def test_over_the_deadline_does_not_suggest_a_factor_that_is_also_too_slow():
@@ -108,14 +121,14 @@ def test_over_the_deadline_does_not_suggest_a_factor_that_is_also_too_slow():
     assert "suggested_factor" not in error.details and error.details["deadline_s"] == 1e-12
 
 
-@pytest.mark.parametrize("outputs", [("blocks",), ("accumulated", "losses")])
-def test_admit_refuses_past_the_deadline_and_admits_at_it(outputs):
+# N = 64, D = 8 (2D = 16), F = 4: blocks 16, numbers 64 x 64 x 16 + 4 x 64 x 16 = 65,536 + 4,096 = 69,632;
+# compute 16/8 + 69,632/64 = 2 + 1,088 = 1,090 s; writing the blocks 16/8 + 65,536/64 = 2 + 1,024 = 1,026 s.
+@pytest.mark.parametrize("outputs,predicted", [(("blocks",), 2116.0), (("accumulated", "losses"), 1090.0)])
+def test_admit_refuses_past_the_deadline_and_admits_at_it(outputs, predicted):
     sizes = Sizes(64, 8, 4, outputs)
-    predicted = predict_seconds(sizes, Settings())
-    assert predicted > 0
-    error = refusal(admit, sizes, AnswerCost(), Settings(request_timeout_s=predicted / 2))
-    assert error.details["limit"] == "BLOCKGRAD_REQUEST_TIMEOUT_S" and error.details["value"] == round(predicted, 3)
-    assert admit(sizes, AnswerCost(), Settings(request_timeout_s=predicted)).seconds == predicted
+    error = refusal(admit, sizes, AnswerCost(), Settings(request_timeout_s=predicted / 2, **PINNED_COSTS))
+    assert error.details["limit"] == "BLOCKGRAD_REQUEST_TIMEOUT_S" and error.details["value"] == predicted
+    assert admit(sizes, AnswerCost(), Settings(request_timeout_s=predicted, **PINNED_COSTS)).seconds == predicted
 
 
 def test_admit_predicts_no_time_for_no_outputs():

@@ -21,7 +21,7 @@ from .test_api import assert_error
 
 MIB = 2 ** 20
 LANES = 8
-# 8 tiles of 256K numbers when parallel, one 2M chunk serially.
+# 8 chunks of 256K numbers when parallel, one 2M chunk serially.
 SIZES = Sizes(256, 16, 16, ("accumulated",), "sum", "float32")
 
 
@@ -34,9 +34,9 @@ def eight_slots(monkeypatch):
 def test_more_lanes_reserve_more_memory_and_the_same_time():
     settings, cost = Settings(), answer_cost(0, "float32")
     one, many = admit(SIZES, cost, settings, 1), admit(SIZES, cost, settings, LANES)
-    assert many.bytes > one.bytes  # each lane's tile, the tiles computed ahead, partial gradients
+    assert many.bytes > one.bytes  # each lane's chunk, the chunks computed ahead, partial gradients
     assert many.seconds == one.seconds  # time at one slot: the conservative case
-    # No more lanes than tiles: a request of one block (one tile) costs no more on many slots.
+    # No more lanes than chunks: a request of one block (one chunk) costs no more on many slots.
     lone_block = Sizes(64, 16, 1, ("accumulated",), "sum", "float32")
     assert predict_peak_bytes(lone_block, cost, settings, LANES) == predict_peak_bytes(lone_block, cost, settings, 1)
 
@@ -93,21 +93,21 @@ def reserved_bytes(app, monkeypatch, body: dict) -> int:
     return held[0]
 
 
-@pytest.mark.parametrize("factor,tiles", [(2, 1), (3, 4)])
-def test_the_reservation_follows_the_lanes_a_request_may_take(eight_slots, monkeypatch, factor, tiles):
-    """The seed's 10 x 5 example is one tile at its default factor 2 (inline, one lane): it
-    reserves what it does on one slot. At factor 3 the remainder blocks make four tiles of
+@pytest.mark.parametrize("factor,chunks", [(2, 1), (3, 4)])
+def test_the_reservation_follows_the_lanes_a_request_may_take(eight_slots, monkeypatch, factor, chunks):
+    """The seed's 10 x 5 example is one chunk at its default factor 2 (inline, one lane): it
+    reserves what it does on one slot. At factor 3 the remainder blocks make four chunks of
     another shape, which four lanes may compute at once: it reserves for four, not eight."""
     from app.core.engine import PARALLEL_CHUNK_ELEMENTS, plan_bands
 
-    assert sum(len(band) for band in plan_bands(10, 5, factor, PARALLEL_CHUNK_ELEMENTS)) == tiles
+    assert sum(len(band) for band in plan_bands(10, 5, factor, PARALLEL_CHUNK_ELEMENTS)) == chunks
     body = {"vectors": np.arange(50.0).reshape(10, 5).tolist(), "factor": factor, "outputs": ["accumulated"]}
     on_eight = reserved_bytes(create_app({"TESTING": True}), monkeypatch, body)
     on_one = reserved_bytes(create_app({"TESTING": True, "BLOCKGRAD_SLOTS_PER_REQUEST": "1"}), monkeypatch, body)
-    capped = reserved_bytes(create_app({"TESTING": True, "BLOCKGRAD_SLOTS_PER_REQUEST": str(tiles)}), monkeypatch,
+    capped = reserved_bytes(create_app({"TESTING": True, "BLOCKGRAD_SLOTS_PER_REQUEST": str(chunks)}), monkeypatch,
                             body)
-    assert on_eight == capped  # no more lanes than tiles
-    if tiles == 1:
+    assert on_eight == capped  # no more lanes than chunks
+    if chunks == 1:
         assert on_eight == on_one
     else:
         assert on_eight > on_one

@@ -98,7 +98,7 @@ def computing(server, sock) -> int:
 def two_long_requests_on_two_workers(server) -> None:
     """A long request; once its worker computes it, a second on a fresh connection: the busy
     worker leaves it to its idle sibling (docs/cores.md, "Balancing connections"), which gets
-    a slot at the first one's next tile boundary. Both compute for minutes, so the two
+    a slot at the first one's next chunk boundary. Both compute for minutes, so the two
     workers holding a slot at once is an event that lasts, not a moment to sample."""
     first = post_long(server)
     try:

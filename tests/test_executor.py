@@ -1,6 +1,6 @@
-"""The tile executor: parallel tiles give the serial engine's bits for blocks and losses and
-the seed loops' accumulated gradient; slots are taken only when free, one tile at a time,
-and given back at tile boundaries, so a request arriving meanwhile gets one."""
+"""The chunk executor: parallel chunks give the serial engine's bits for blocks and losses and
+the seed loops' accumulated gradient; slots are taken only when free, one chunk at a time,
+and given back at chunk boundaries, so a request arriving meanwhile gets one."""
 import threading
 
 import pytest
@@ -39,13 +39,13 @@ class CountingSlots(ThreadSlots):
         return slot
 
 
-def tiles_of(n, dim, factor, max_elements):
+def chunks_of(n, dim, factor, max_elements):
     return [chunk for band in plan_bands(n, dim, factor, max_elements) for chunk in band]
 
 
-def serial_pass(vectors, tiles, objective, offset):
+def serial_pass(vectors, chunks, objective, offset):
     results, accumulated = [], torch.zeros_like(vectors)
-    for chunk in tiles:
+    for chunk in chunks:
         result = chunk_gradients(vectors, chunk, OBJECTIVES[objective], offset)
         add_to_vectors(accumulated, accumulated, chunk, chain_rule_sums(result))
         results.append(result)
@@ -58,7 +58,7 @@ def test_parallel_tiles_are_the_serial_bits_and_the_seed_loops_accumulated(objec
     torch.manual_seed(5)
     vectors = torch.randn(61, 3, dtype=dtype) * 3  # 61 = 9 x 6 + 7: the remainder blocks too
     factor, offset = 9, 2.5
-    tiles = tiles_of(61, 3, factor, 300)  # many tiles of a few blocks each
+    chunks = chunks_of(61, 3, factor, 300)  # many chunks of a few blocks each
     slots = CountingSlots(3)
     own = slots.try_acquire()  # the request's own slot, as the gate hands it over
     executor = LocalExecutor(slots, slots_per_request=3)
@@ -69,10 +69,10 @@ def test_parallel_tiles_are_the_serial_bits_and_the_seed_loops_accumulated(objec
     finally:
         executor.shutdown()
         own.release()
-    assert slots.grants > 0, "no tile ran on an extra slot"
+    assert slots.grants > 0, "no chunk ran on an extra slot"
     assert slots.busy == 0
-    expected, serial_accumulated = serial_pass(vectors, tiles, objective, offset)
-    assert [t.chunk for t in parallel] == tiles  # in the plan's order
+    expected, serial_accumulated = serial_pass(vectors, chunks, objective, offset)
+    assert [t.chunk for t in parallel] == chunks  # in the plan's order
     for got, want in zip(parallel, expected, strict=True):
         assert torch.equal(got.losses, want.losses)
         assert torch.equal(got.gradient, want.gradient)
@@ -86,15 +86,15 @@ def test_parallel_tiles_are_the_serial_bits_and_the_seed_loops_accumulated(objec
     seed = reference_blocks(wide, factor, objective, offset)
     blocks = batch_matrix(concat_matrix(wide), factor=factor)
     checked = 0
-    for tile in parallel:
-        chunk = tile.chunk
+    for result in parallel:
+        chunk = result.chunk
         for i, r in enumerate(chunk.rows):
             for j, c in enumerate(chunk.cols):
                 loss, gradient = seed[r * factor + c]
-                assert_matches(tile.losses[i, j], loss, dtype, scale=loss_terms(blocks[r * factor + c],
+                assert_matches(result.losses[i, j], loss, dtype, scale=loss_terms(blocks[r * factor + c],
                                                                                         objective, offset),
                                what=f"block ({r}, {c}) loss")
-                assert_matches(tile.gradient[i, j], gradient, dtype, what=f"block ({r}, {c}) gradient")
+                assert_matches(result.gradient[i, j], gradient, dtype, what=f"block ({r}, {c}) gradient")
                 checked += 1
     assert checked == factor * factor
 
@@ -102,11 +102,11 @@ def test_parallel_tiles_are_the_serial_bits_and_the_seed_loops_accumulated(objec
 def test_serial_executor_is_the_engine_exactly():
     torch.manual_seed(1)
     vectors = torch.randn(40, 4)
-    tiles = tiles_of(40, 4, 7, 500)
+    chunks = chunks_of(40, 4, 7, 500)
     run = PassOne(SerialExecutor(), vectors, 7, 500, OBJECTIVES["logsumexp"], 1.0)
     results = list(run)
-    expected, accumulated = serial_pass(vectors, tiles, "logsumexp", 1.0)
-    assert len(results) == len(expected) == len(tiles)
+    expected, accumulated = serial_pass(vectors, chunks, "logsumexp", 1.0)
+    assert len(results) == len(expected) == len(chunks)
     assert all(torch.equal(a.gradient, b.gradient) for a, b in zip(results, expected, strict=True))
     assert torch.equal(run.rows_sum, accumulated)  # one lane: the serial order of additions
 
@@ -114,13 +114,13 @@ def test_serial_executor_is_the_engine_exactly():
 def test_one_slot_per_request_is_serial_and_bitwise_the_engine():
     torch.manual_seed(2)
     vectors = torch.randn(40, 4)
-    tiles = tiles_of(40, 4, 7, 500)
+    chunks = chunks_of(40, 4, 7, 500)
     slots = CountingSlots(4)
     executor = LocalExecutor(slots, slots_per_request=1)
     run = PassOne(executor, vectors, 7, 500, OBJECTIVES["sum_of_squares"], 0.0)
     list(run)
     assert slots.tries == 0
-    assert torch.equal(run.rows_sum, serial_pass(vectors, tiles, "sum_of_squares", 0.0)[1])
+    assert torch.equal(run.rows_sum, serial_pass(vectors, chunks, "sum_of_squares", 0.0)[1])
 
 
 def test_a_request_of_one_tile_runs_inline_with_no_hand_over():
@@ -128,9 +128,9 @@ def test_a_request_of_one_tile_runs_inline_with_no_hand_over():
     executor = LocalExecutor(slots, slots_per_request=2)
     try:
         caller = threading.get_ident()
-        threads = list(executor.map_chunks(lambda tile: threading.get_ident(), ["only"]))
-        tiles = tiles_of(10, 5, 2, 10 ** 6)
-        assert len(tiles) == 1  # the seed's 10 x 5 example is one tile
+        threads = list(executor.map_chunks(lambda chunk: threading.get_ident(), ["only"]))
+        chunks = chunks_of(10, 5, 2, 10 ** 6)
+        assert len(chunks) == 1  # the seed's 10 x 5 example is one chunk
         list(PassOne(executor, torch.randn(10, 5), 2, 10 ** 6, OBJECTIVES["sum"], 0.0))
     finally:
         executor.shutdown()
@@ -139,19 +139,19 @@ def test_a_request_of_one_tile_runs_inline_with_no_hand_over():
 
 
 def test_two_tiles_compute_at_the_same_time():
-    """Each of the first two tiles waits for the other: only two lanes at once get past."""
+    """Each of the first two chunks waits for the other: only two lanes at once get past."""
     barrier = threading.Barrier(2, timeout=WAIT_S)
     slots = CountingSlots(2)
     own = slots.try_acquire()
     executor = LocalExecutor(slots, slots_per_request=2)
 
-    def tile(k):
+    def chunk(k):
         if k < 2:
             barrier.wait()
         return k
 
     try:
-        assert list(executor.map_chunks(tile, range(6))) == list(range(6))
+        assert list(executor.map_chunks(chunk, range(6))) == list(range(6))
     finally:
         executor.shutdown()
         own.release()
@@ -164,7 +164,7 @@ def test_the_cap_bounds_the_slots_one_request_takes():
     executor = LocalExecutor(slots, slots_per_request=3, threads=4)
     in_flight, most, lock = [0], [0], threading.Lock()
 
-    def tile(k):
+    def chunk(k):
         with lock:
             in_flight[0] += 1
             most[0] = max(most[0], in_flight[0])
@@ -174,7 +174,7 @@ def test_the_cap_bounds_the_slots_one_request_takes():
         return k
 
     try:
-        assert list(executor.map_chunks(tile, range(40))) == list(range(40))
+        assert list(executor.map_chunks(chunk, range(40))) == list(range(40))
     finally:
         executor.shutdown()
         own.release()
@@ -185,8 +185,8 @@ def test_the_cap_bounds_the_slots_one_request_takes():
 
 
 def test_a_request_arriving_meanwhile_gets_a_slot_at_the_next_tile_boundary():
-    """Two slots, one request holding both (its own and an extra, tile after tile); another
-    request waits for one. It gets the extra when a tile ends, and from then on the first
+    """Two slots, one request holding both (its own and an extra, chunk after chunk); another
+    request waits for one. It gets the extra when a chunk ends, and from then on the first
     request takes no extra slot: it goes on alone, on its own slot."""
     slots = CountingSlots(2)
     own = slots.try_acquire()
@@ -199,17 +199,17 @@ def test_a_request_arriving_meanwhile_gets_a_slot_at_the_next_tile_boundary():
         state["at"], state["grants"] = len(computed), slots.grants
         state["slot"] = slot
 
-    def tile(k):
+    def chunk(k):
         computed.append(k)
         if k == 4 and "thread" not in state:
             state["thread"] = threading.Thread(target=other_request)
             state["thread"].start()
             arrived.set()
-        threading.Event().wait(0.005)  # tiles that take a while, so the arrival is mid-request
+        threading.Event().wait(0.005)  # chunks that take a while, so the arrival is mid-request
         return k
 
     try:
-        assert list(executor.map_chunks(tile, range(200))) == list(range(200))
+        assert list(executor.map_chunks(chunk, range(200))) == list(range(200))
         state["thread"].join(WAIT_S)
     finally:
         executor.shutdown()
@@ -227,14 +227,14 @@ def test_closing_early_waits_for_tiles_in_flight_and_gives_their_slots_back():
     executor = LocalExecutor(slots, slots_per_request=3)
     running = []
 
-    def tile(k):
+    def chunk(k):
         running.append(k)
         threading.Event().wait(0.01)
         running.remove(k)
         return k
 
     try:
-        results = executor.map_chunks(tile, range(50))
+        results = executor.map_chunks(chunk, range(50))
         assert next(results) == 0
         results.close()  # a deadline or a gone client stops the request
         assert running == []
@@ -248,14 +248,14 @@ def test_a_failing_tile_raises_in_the_caller_and_frees_the_slots():
     slots = CountingSlots(2)
     executor = LocalExecutor(slots, slots_per_request=2)
 
-    def tile(k):
+    def chunk(k):
         if k == 3:
-            raise RuntimeError("tile 3")
+            raise RuntimeError("chunk 3")
         return k
 
     try:
-        with pytest.raises(RuntimeError, match="tile 3"):
-            list(executor.map_chunks(tile, range(10)))
+        with pytest.raises(RuntimeError, match="chunk 3"):
+            list(executor.map_chunks(chunk, range(10)))
     finally:
         executor.shutdown()
     assert slots.busy == 0
@@ -277,14 +277,14 @@ def test_slots_per_request_setting():
 def test_closing_pass_one_early_gives_the_extra_slots_back():
     torch.manual_seed(4)
     vectors = torch.randn(64, 4)
-    tiles = tiles_of(64, 4, 16, 200)
+    chunks = chunks_of(64, 4, 16, 200)
     slots = CountingSlots(3)
     own = slots.try_acquire()
     executor = LocalExecutor(slots, slots_per_request=3)
     try:
         run = PassOne(executor, vectors, 16, 200, OBJECTIVES["mean"], 0.0)
         first = next(iter(run))
-        assert first.chunk == tiles[0]
+        assert first.chunk == chunks[0]
         run.close()
         assert slots.busy == 1
     finally:
@@ -302,8 +302,8 @@ def test_bench_overlap_counts_only_time_both_intervals_ran():
 
 
 def test_an_extra_lane_goes_on_from_tile_to_tile_while_the_caller_computes_one():
-    """The pool lane does not wait for the calling thread to hand it each tile: while the
-    caller sits in its first tile, the lane computes every other tile the window allows
+    """The pool lane does not wait for the calling thread to hand it each chunk: while the
+    caller sits in its first chunk, the lane computes every other chunk the window allows
     (LOOKAHEAD_PER_LANE x 2 lanes, less the caller's), giving its slot back between them."""
     from app.core.executor import LOOKAHEAD_PER_LANE
 
@@ -315,14 +315,14 @@ def test_an_extra_lane_goes_on_from_tile_to_tile_while_the_caller_computes_one()
     ahead = 2 * LOOKAHEAD_PER_LANE - 1
     seen = {}
 
-    def tile(k):
+    def chunk(k):
         if threading.get_ident() == caller:
             if not started.is_set():
                 started.set()
                 seen["ran on its own"] = enough.wait(WAIT_S)
-                seen["pool tiles meanwhile"] = len(on_pool)
+                seen["pool chunks meanwhile"] = len(on_pool)
         else:
-            started.wait(WAIT_S)  # the pool's first tile ends only once the caller is inside one
+            started.wait(WAIT_S)  # the pool's first chunk ends only once the caller is inside one
             with lock:
                 on_pool.append(k)
                 if len(on_pool) >= ahead:
@@ -330,11 +330,11 @@ def test_an_extra_lane_goes_on_from_tile_to_tile_while_the_caller_computes_one()
         return k
 
     try:
-        assert list(executor.map_chunks(tile, range(20))) == list(range(20))
+        assert list(executor.map_chunks(chunk, range(20))) == list(range(20))
     finally:
         executor.shutdown()
         own.release()
     assert seen["ran on its own"], seen
-    assert seen["pool tiles meanwhile"] == ahead  # and no more: the window bounds what is held
-    assert slots.grants >= ahead  # a slot taken again at each tile boundary
+    assert seen["pool chunks meanwhile"] == ahead  # and no more: the window bounds what is held
+    assert slots.grants >= ahead  # a slot taken again at each chunk boundary
     assert slots.busy == 0

@@ -42,7 +42,7 @@ def test_out_of_memory_mid_stream_frees_the_cache(monkeypatch, empty_cache_calls
     from app import create_app
     # Dense gradients over a tiny keep budget: pass one cannot keep them, so pass two runs.
     client = create_app({"TESTING": True, "BLOCKGRAD_MAX_BLOCK_ELEMENTS": 16}).test_client()
-    real = compute.chunk_gradients  # run.py's own name for it: pass two's (pass one's tiles run in executor.py)
+    real = compute.chunk_gradients  # run.py's own name for it: pass two's (pass one's chunks run in executor.py)
     calls = []
 
     def fail_in_pass_two(*args, **kwargs):

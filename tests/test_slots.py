@@ -182,7 +182,7 @@ def test_slots_module_loads_neither_torch_nor_flask():
 
 
 def test_the_executor_runs_tiles_on_the_pods_slots(two_slots):
-    """The pod's slots are a SlotSource: two tiles that wait for each other both finish only
+    """The pod's slots are a SlotSource: two chunks that wait for each other both finish only
     when the second slot lets them run at once; afterwards only the request's own is held."""
     import threading
 
@@ -192,13 +192,13 @@ def test_the_executor_runs_tiles_on_the_pods_slots(two_slots):
     own = two_slots.try_acquire()
     executor = LocalExecutor(two_slots, slots_per_request=2, threads=two_slots.count)
 
-    def tile(k):
+    def chunk(k):
         if k < 2:
             barrier.wait()
         return k
 
     try:
-        assert list(executor.map_chunks(tile, range(8))) == list(range(8))
+        assert list(executor.map_chunks(chunk, range(8))) == list(range(8))
         assert two_slots.held_here() == 1
     finally:
         executor.shutdown()

@@ -62,7 +62,7 @@ def test_binary_inputs_and_outputs_equal_v1_and_reference(client, server):
         "vectors": vectors.tolist(), "factor": 4, "objective": "l2_norm",
         "outputs": ["blocks", "accumulated", "losses"]}).json()
     assert got["bounds"].tolist() == v1["bounds"] == [0, 2, 4, 6, 9]
-    # Tiles on the pod's free slots sum accumulated in another order (docs/cores.md): the tolerance.
+    # Chunks on the pod's free slots sum accumulated in another order (docs/cores.md): the tolerance.
     assert_matches(got["accumulated"], np.array(v1["accumulated"], dtype=np.float32), "float32", what="accumulated")
     assert np.array_equal(got["losses"], np.array(v1["losses"], dtype=np.float32))
     for block in v1["blocks"]:

@@ -50,7 +50,7 @@ from .objectives import Objective
 # BLOCKGRAD_MAX_BLOCK_ELEMENTS still go one per chunk.
 DEFAULT_CHUNK_ELEMENTS = 1024 * 1024
 # Numbers per chunk when a request's chunks may run on several lanes: two lanes' working
-# sets then fit the shared cache together (docs/cores.md, "Tile size").
+# sets then fit the shared cache together (docs/cores.md, "Chunk size").
 PARALLEL_CHUNK_ELEMENTS = 256 * 1024
 
 

@@ -75,7 +75,7 @@ class Gate:
 
     @property
     def busy(self) -> int:
-        """First slots this worker's requests hold (a request's extra tiles' slots not counted)."""
+        """First slots this worker's requests hold (a request's extra chunks' slots not counted)."""
         return self._busy
 
     def acquire(self, deadline: "Deadline") -> Ticket:

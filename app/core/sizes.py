@@ -2,17 +2,18 @@
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .dtypes import DEFAULT_DTYPE, DTYPES, UNKNOWN_DTYPE
+from .dtypes import DEFAULT_DTYPE, DTYPES
 from .errors import field_error
 from .objectives import DEFAULT_OBJECTIVE, Objective
-from .request import factor_out_of_range
 from .vectors import EMPTY_ROWS, NO_ROWS
 
 
 @dataclass(frozen=True)
 class Sizes:
-    """Valid once made (validation_error otherwise): every front end makes one before it admits a
-    request, so no limit, cost or memory model ever reads an N or D of 0 (they divide by them)."""
+    """N, D >= 1 once made (validation_error otherwise): every front end makes one before it admits
+    a request, so no limit, cost or memory model ever reads an N or D of 0 (they divide by them).
+    A factor outside 1..N or an unknown dtype never gets here: the front ends send None
+    (`admissible_factor`) and the default dtype (`request_sizes`)."""
     n: int
     dim: int
     factor: int | None  # None: not valid as sent (the request is refused when converted)
@@ -26,10 +27,11 @@ class Sizes:
             raise field_error("vectors", NO_ROWS)
         if self.dim < 1:
             raise field_error("vectors", EMPTY_ROWS)
-        if self.factor is not None and not 1 <= self.factor <= self.n:
-            raise field_error("factor", factor_out_of_range(self.n))
-        if self.dtype not in DTYPES:
-            raise field_error("dtype", UNKNOWN_DTYPE)
+
+
+def admissible_factor(factor: object, n: int) -> int | None:
+    """The factor as sent if it is one admission can read, else None (conversion refuses it)."""
+    return factor if type(factor) is int and 1 <= factor <= n else None
 
 
 def request_sizes(n: int, dim: int, factor: int | None, outputs: tuple[str, ...] | None, *, objective: object,

@@ -86,7 +86,7 @@ def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
     install_services(app, Services(
         settings, objectives, Gate(settings.queue_depth, slots=slots, listener=MetricsListener()),
         MemoryLedger(settings.worker_memory_bytes, settings.upload_memory_share),
-        tile_executor(slots, settings), jobs=jobs(settings) if jobs else None, scrape_lock=scrape_lock))
+        chunk_executor(slots, settings), jobs=jobs(settings) if jobs else None, scrape_lock=scrape_lock))
     configure_logging(settings.log_level)
     request_record.init_app(app)  # first, so that its hooks see every request
 
@@ -94,8 +94,8 @@ def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
     return app, BlockgradApi(app)
 
 
-def tile_executor(slots: SlotSource, settings: Settings) -> LocalExecutor:
-    """One per worker: a request's tiles over at most BLOCKGRAD_SLOTS_PER_REQUEST of `slots`
+def chunk_executor(slots: SlotSource, settings: Settings) -> LocalExecutor:
+    """One per worker: a request's chunks over at most BLOCKGRAD_SLOTS_PER_REQUEST of `slots`
     (default all); its pool has a thread for every slot the worker may hold."""
     count = slots.count
     return LocalExecutor(slots, max(1, min(settings.slots_per_request or count, count)), threads=max(1, count))

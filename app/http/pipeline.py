@@ -4,7 +4,7 @@
 read the body -> decode the document or header -> admit once from the sizes, before any
 number is converted (the body's memory reservation resized to the prediction, for the most
 compute slots the request may take) -> convert -> take a compute slot -> run (the
-executor spreads the tiles over free slots) -> render -> stream, holding a slot only while
+executor spreads the chunks over free slots) -> render -> stream, holding a slot only while
 a band of blocks is recomputed (app/http/slot.py) -> record (request_record.py, when the
 last byte is written).
 

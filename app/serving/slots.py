@@ -223,7 +223,7 @@ class PodSlots:
         ranks before this worker by (serving, slots held, connections held). So an idle
         sibling takes it from a serving worker; among serving ones, the one holding fewer
         slots (a lone request spread over every slot leaves the next to a sibling, whose
-        request then gets a slot at the next tile boundary), then the one with fewer kept-
+        request then gets a slot at the next chunk boundary), then the one with fewer kept-
         alive connections. The first in that order always accepts (ties all do), and a
         booting, stopping or dead sibling never counts. One read of /proc/locks; a worker
         asks only when a new connection is waiting."""

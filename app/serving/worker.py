@@ -82,6 +82,7 @@ KEEPALIVE_TIMEOUT = "keepalive_timeout"  # idle past BLOCKGRAD_KEEPALIVE_S (guni
 EVICTED = "evicted"  # the longest-idle one without a head, past BLOCKGRAD_MAX_CONNECTIONS
 CLIENT_CLOSED = "client_closed"  # the client closed or reset it while it waited in the poller
 SHUTDOWN = "shutdown"  # still open when the worker stopped
+NO_THREAD = "no_thread"  # closed unanswered: no pool thread could start for its request
 
 
 def head_timeout_answer(seconds: float) -> bytes:
@@ -221,7 +222,8 @@ class ConnectionWorker(gthread.ThreadWorker):
             future = self.tpool.submit(self.handle, conn)
         except RuntimeError:  # threading's "can't start new thread", or the pool shut down
             self.log.exception("no pool thread for a request: its connection is closed")
-            self.close_after_answer(conn)
+            self.counts_closed(NO_THREAD)
+            self.close_after_answer(conn, counted=True)
             return
         future.add_done_callback(lambda done: self.method_queue.defer(self.finish_request, conn, done))
 
@@ -406,7 +408,10 @@ class ConnectionWorker(gthread.ThreadWorker):
     def finish_request(self, conn, done):
         """A pool thread is done with `conn` (on the main loop): kept alive when gthread's
         handle() returned True."""
-        if done.cancelled() or done.exception() is not None or done.result() is not True or conn.closed:
+        error = None if done.cancelled() else done.exception()
+        if error is not None:  # gthread's handle() logs what it catches; this escaped it
+            self.log.error("serving a request: its connection is closed", exc_info=error)
+        if done.cancelled() or error is not None or done.result() is not True or conn.closed:
             self.close_after_answer(conn)
             return
         now = time.monotonic()

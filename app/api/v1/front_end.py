@@ -18,7 +18,7 @@ from ...core.errors import many_unknown, unknown_fields
 from ...core.memory import AnswerCost
 from ...core.request import DEFAULT_OUTPUTS, OUTPUTS, GradientRequest, default_factor, ordered_outputs
 from ...core.run import Result
-from ...core.sizes import Sizes, request_sizes
+from ...core.sizes import Sizes, admissible_factor, request_sizes
 from ...extensions import services
 from ...http.errors import wrong_content_type
 from ...http.parsing import decode_document, is_json_mimetype, schema_error
@@ -82,10 +82,9 @@ def document_sizes(document: Any) -> Sizes | None:
     n, dim = len(vectors), len(vectors[0])
     factor = document.get("factor", default_factor(n))
     outputs = document.get("outputs", list(DEFAULT_OUTPUTS))
-    valid_factor = type(factor) is int and 1 <= factor <= n
     valid_outputs = (isinstance(outputs, list) and outputs
                      and all(isinstance(name, str) and name in OUTPUTS for name in outputs))
-    return request_sizes(n, dim, factor if valid_factor else None, ordered_outputs(outputs) if valid_outputs else None,
+    return request_sizes(n, dim, admissible_factor(factor, n), ordered_outputs(outputs) if valid_outputs else None,
                          objective=document.get("objective"), dtype=document.get("dtype"),
                          objectives=services().objectives)
 

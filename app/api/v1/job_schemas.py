@@ -4,7 +4,7 @@ from marshmallow import Schema, ValidationError, fields, pre_load
 from marshmallow.validate import Length
 
 from ...core.errors import many_unknown, unknown_fields
-from ...core.sizes import Sizes
+from ...core.sizes import Sizes, admissible_factor
 from ...extensions import services
 from ...jobs.limits import admit_job
 from .schemas import GradientRequestSchema
@@ -34,9 +34,8 @@ class JobRequestSchema(GradientRequestSchema):
             raise unknown_fields(unknown, self.fields)
         vectors = data.get("vectors") if isinstance(data, dict) else None
         if isinstance(vectors, list) and vectors and isinstance(vectors[0], list):
-            n, factor = len(vectors), data.get("factor")
-            valid_factor = type(factor) is int and 1 <= factor <= n
-            admit_job(Sizes(n, len(vectors[0]), factor if valid_factor else None, None), services().settings)
+            n = len(vectors)
+            admit_job(Sizes(n, len(vectors[0]), admissible_factor(data.get("factor"), n), None), services().settings)
         return data
 
 

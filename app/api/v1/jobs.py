@@ -17,7 +17,7 @@ from ...core.dtypes import DTYPES
 from ...core.engine import block_bounds
 from ...core.errors import field_error, job_result_too_large, validation_error
 from ...core.request import GradientRequest, build_request
-from ...core.sizes import Sizes
+from ...core.sizes import Sizes, admissible_factor
 from ...core.vectors import MatrixError, check_matrix
 from ...http.docs import documents_errors
 from ...http.errors import HttpError, bad_request, unsupported_media_type
@@ -115,7 +115,7 @@ def query_request(vectors: np.ndarray) -> GradientRequest:
     if errors:
         raise validation_error(errors)
     (n, dim), factor = vectors.shape, values.get("factor")
-    admit_job(Sizes(n, dim, factor if factor is not None and 1 <= factor <= n else None, None), services().settings)
+    admit_job(Sizes(n, dim, admissible_factor(factor, n), None), services().settings)
     try:
         vectors = check_matrix(vectors)
     except MatrixError as exc:

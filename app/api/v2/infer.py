@@ -16,7 +16,7 @@ from ...core.engine import block_bounds
 from ...core.errors import BlockgradError, listed_names, many_unknown
 from ...core.request import GradientRequest, build_request, default_factor, ordered_outputs
 from ...core.run import Result
-from ...core.sizes import Sizes, request_sizes
+from ...core.sizes import Sizes, admissible_factor, request_sizes
 from ...core.vectors import MatrixError, check_matrix, parse_flat, parse_matrix
 from ...extensions import services
 from ...http.parsing import decode_json
@@ -109,7 +109,7 @@ def infer_sizes(decoded: DecodedInfer) -> Sizes:
     (n, dim), typed = decoded.declared.shape, decoded.parameters
     factor = typed.get("factor", default_factor(n)) if typed is not None else None
     computed = ordered_outputs({OUTPUTS[output.name] for output in decoded.outputs} - {None})
-    return request_sizes(n, dim, factor if factor is not None and 1 <= factor <= n else None, computed,
+    return request_sizes(n, dim, admissible_factor(factor, n), computed,
                          objective=(typed or {}).get("objective"), dtype=decoded.dtype,
                          objectives=services().objectives)
 

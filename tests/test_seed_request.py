@@ -1,13 +1,12 @@
-"""A request whose blocks fit in one chunk (the seed's 10 x 5 example): run gives pass one's
-bits, the seed loops' numbers and the same errors for what is not finite."""
+"""The seed's 10 x 5 example through run: the seed loops' numbers, blocks kept or recomputed
+alike, and what is not finite named."""
 import numpy as np
 import pytest
 import torch
 
-from app.core.engine import plan_bands
 from app.core.errors import BlockgradError
 from app.core.request import GradientRequest
-from app.core.run import Deadline, load_vectors, pass_one, run
+from app.core.run import run
 from app.core.settings import Settings
 
 from tools.reference import batch_matrix, concat_matrix, reference_accumulated, reference_blocks
@@ -26,26 +25,17 @@ def request(vectors, **fields) -> GradientRequest:
 
 @pytest.mark.parametrize("objective", ["sum", "mean", "sum_of_squares", "l2_norm"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_one_chunk_is_pass_one_bit_for_bit_and_the_seed_loops_numbers(one_thread, objective, dtype):
-    req = request(SEED, objective=objective, dtype=dtype)
-    assert len(list(plan_bands(10, 5, 2, 1024 * 1024))) == 1  # the short path's case
-    short = run(req, CPU)
-    vectors = load_vectors(req, torch.device("cpu"))
-    long = pass_one(req, torch.device("cpu"), vectors, Deadline(60), 10 ** 9)
-    assert torch.equal(short.losses, long.losses) and torch.equal(short.accumulated, long.accumulated)
-    assert short.kept is not None and len(short.kept) == len(long.kept) == 4
-    for mine, theirs in zip(short.kept, long.kept, strict=True):
-        assert (mine.r, mine.c, mine.row_span, mine.col_span) == (theirs.r, theirs.c, theirs.row_span, theirs.col_span)
-        assert torch.equal(mine.loss, theirs.loss) and torch.equal(mine.gradient, theirs.gradient)
+def test_the_seed_request_gives_the_seed_loops_numbers(one_thread, objective, dtype):
+    result = run(request(SEED, objective=objective, dtype=dtype), CPU)
     # The literal loops in float64 on the values the service holds (rounded to dtype): the oracle.
     reference = torch.tensor(SEED, dtype=getattr(torch, dtype)).to(torch.float64)
     expected = reference_blocks(reference, 2, objective)
     inputs = batch_matrix(concat_matrix(reference), factor=2)
-    assert len(expected) == 4
-    for k, (block, (loss, gradient)) in enumerate(zip(short.kept, expected, strict=True)):
+    assert result.kept is not None and len(result.kept) == len(expected) == 4
+    for k, (block, (loss, gradient)) in enumerate(zip(result.kept, expected, strict=True)):
         assert_matches(block.gradient, gradient, dtype, what=f"block {k} gradient")
         assert_matches(block.loss, loss, dtype, scale=loss_terms(inputs[k], objective), what=f"block {k} loss")
-    assert_matches(short.accumulated, reference_accumulated(reference, 2, objective), dtype, what="accumulated")
+    assert_matches(result.accumulated, reference_accumulated(reference, 2, objective), dtype, what="accumulated")
 
 
 def test_blocks_too_large_to_keep_are_recomputed_as_streamed():
@@ -58,7 +48,7 @@ def test_blocks_too_large_to_keep_are_recomputed_as_streamed():
     assert all(torch.equal(a.gradient, b.gradient) for a, b in zip(blocks, kept, strict=True))
 
 
-def test_what_is_not_finite_is_named_as_pass_one_names_it():
+def test_what_is_not_finite_is_named():
     vectors = np.zeros((10, 5))
     vectors[7, 1] = 1e20  # squares overflow float32; row 7 is in block row 1: block (0, 1) comes first
     with pytest.raises(BlockgradError) as refused:
