@@ -1,13 +1,17 @@
 """Events a test can wait for instead of sleeping: a request has reached the app, a worker
-holds a connection, a worker has stopped listening. Read from the server's /metrics and
-from /proc (Linux, loopback IPv4), each wait bounded by tools.server.wait_until."""
+holds a connection, a worker has stopped listening, a request waits for a compute slot (the
+test holding them all: HeldSlots). Read from the server's /metrics and from /proc (Linux,
+loopback IPv4), each wait bounded by tools.server.wait_until."""
 import os
 import re
 from pathlib import Path
 
 import requests
 
-LISTEN = "0A"  # the TCP state column of /proc/net/tcp
+from app.serving.slots import SLOT_PREFIX, PodSlots
+
+LISTEN, ESTABLISHED = "0A", "01"  # the TCP state column of /proc/net/tcp
+HOLD_WAIT_S = 120  # bound on taking the pod's slots; reached only on failure
 
 
 def in_flight(server) -> float:
@@ -68,6 +72,11 @@ def connection_owner(server, client_sock) -> int | None:
     return next(iter(owners)) if len(owners) == 1 else None
 
 
+def connected_workers(server) -> set[int]:
+    """The workers holding an established client connection on the server's port."""
+    return holders(socket_inodes(server.port, state=ESTABLISHED), server.worker_pids())
+
+
 def workers_listening(server, pids) -> set[int]:
     """Those of `pids` that still hold the listening socket: a worker told to stop closes it."""
     return holders(socket_inodes(server.port, state=LISTEN), pids)
@@ -104,3 +113,39 @@ def in_flight_in(metrics_dir) -> float:
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=str(metrics_dir))
     return registry.get_sample_value("blockgrad_requests_in_flight") or 0.0
+
+
+def slot_directory(server) -> str:
+    """The pod's compute slots (app/serving/slots.py): the directory of the lock files its workers have open."""
+    for worker in server.worker_pids():
+        for fd in os.listdir(f"/proc/{worker}/fd"):
+            try:
+                target = os.readlink(f"/proc/{worker}/fd/{fd}")
+            except OSError:
+                continue
+            if os.path.basename(target).startswith(SLOT_PREFIX):
+                return os.path.dirname(target)
+    raise AssertionError("no worker holds a slot file open")
+
+
+class HeldSlots:
+    """Every compute slot of the pod, taken by this process as a sibling worker computing would
+    hold them (an exclusive flock each): the server's requests wait, certainly, until release."""
+
+    def __init__(self, server):
+        self.slots = PodSlots(slot_directory(server))
+        self.held = []
+
+    def __enter__(self):
+        for _ in range(self.slots.count):
+            slot = self.slots.acquire(timeout=HOLD_WAIT_S)
+            assert slot is not None, "a compute slot stayed busy"
+            self.held.append(slot)
+        return self
+
+    def __exit__(self, *exc):
+        for slot in self.held:
+            slot.release()
+
+    def waiting(self) -> int:
+        return self.slots.pod_state().waiting_processes

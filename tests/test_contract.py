@@ -28,6 +28,7 @@ from app.serving.slots import SLOT_PREFIX, PodSlots
 from tools.reference import reference_accumulated, reference_blocks
 from tools.server import free_port, gunicorn_server, wait_until
 
+from .events import HeldSlots
 from .test_readme import curl_examples
 
 pytestmark = pytest.mark.slow
@@ -560,29 +561,6 @@ def slot_directory(server) -> str:
         if os.path.basename(target).startswith(SLOT_PREFIX):
             return os.path.dirname(target)
     raise AssertionError("the worker holds no slot file open")
-
-
-class HeldSlots:
-    """Every compute slot of the pod, taken by this process as a sibling worker computing would
-    hold them (an exclusive flock each): the server's requests wait, certainly, until release."""
-
-    def __init__(self, server):
-        self.slots = PodSlots(slot_directory(server))
-        self.held = []
-
-    def __enter__(self):
-        for _ in range(self.slots.count):
-            slot = self.slots.acquire(timeout=WAIT_S)
-            assert slot is not None, "a compute slot stayed busy"
-            self.held.append(slot)
-        return self
-
-    def __exit__(self, *exc):
-        for slot in self.held:
-            slot.release()
-
-    def waiting(self) -> int:
-        return self.slots.pod_state().waiting_processes
 
 
 def in_background(fn):

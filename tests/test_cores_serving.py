@@ -6,8 +6,10 @@ slot a request.
 
 Slots are read from /proc/locks (the slot files' flocks and the pids holding them) and
 connections from /proc (tests/events.py) at known points: the long request, which would
-compute for minutes and is ended by closing its socket, holds a worker while the test looks.
-Verdicts are counts of slots and workers, never times.
+compute for minutes and is ended by closing its socket, holds a worker while the test looks;
+a request whose body lacks its last byte, or which waits for a slot the test holds
+(HeldSlots), cannot be answered until the test lets it. Verdicts are counts of slots and
+workers, never times.
 """
 import glob
 import http.client
@@ -24,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.core.settings import available_cores
 from blockgrad_client import Client
-from tests.events import connection_owner
+from tests.events import HeldSlots, connected_workers, connection_owner
 from tools.server import gunicorn_server, wait_until
 
 pytestmark = pytest.mark.slow
@@ -36,17 +38,15 @@ LONG = json.dumps({"vectors": np.zeros((8192, 128)).tolist(), "factor": 64, "out
 # The issue's pair request: N = 2048, D = 64, factor 32, accumulated (small integers: a quick parse).
 PAIR = {"vectors": (np.arange(2048 * 64).reshape(2048, 64) % 7 - 3).tolist(), "factor": 32,
         "outputs": ["accumulated"]}
-# Four times the pair's pairs: seconds of compute, so that it is still computing when looked at.
-MID_N = 4096
-MID = json.dumps({"vectors": (np.arange(MID_N * 64).reshape(MID_N, 64) % 7 - 3).tolist(), "factor": 32,
-                  "outputs": ["accumulated"]})
 
 
 @pytest.fixture(scope="module")
 def server():
     if available_cores() < 2:
         pytest.skip("needs two cores")
-    with gunicorn_server(workers=2, env={"BLOCKGRAD_REQUEST_TIMEOUT_S": "300"}) as server:
+    # Read timeout: a request held with its body's last byte unsent gets no 408 while the test acts.
+    with gunicorn_server(workers=2, env={"BLOCKGRAD_REQUEST_TIMEOUT_S": "300",
+                                         "BLOCKGRAD_READ_TIMEOUT_S": "300"}) as server:
         yield server
 
 
@@ -165,25 +165,30 @@ def unanswered(sock: socket.socket) -> bool:
 
 
 def test_a_sigkilled_worker_loses_only_its_request_and_a_pair_still_runs_in_parallel(server):
-    """A long request computing on one worker (for minutes: certainly in flight), a MID request
-    computing on the other, unanswered; the first worker SIGKILLed: the other's answers 200
-    and exact, the killed one's connection gives no answer, and after the master forks a
-    replacement two requests again compute on both workers at once and a lone one again holds
-    every slot."""
+    """A long request computing on one worker (it outlasts the few steps before the kill), a PAIR request
+    accepted by the other and held there, unanswered, by its body's last byte; the first worker
+    SIGKILLed: the killed one's connection gives no answer, the other's, once its last byte is
+    sent, answers 200 and exact, and after the master forks a replacement two requests again
+    compute on both workers at once and a lone one again holds every slot."""
+    body = json.dumps(PAIR).encode()
     doomed = post_long(server)
-    survivor = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_S)
+    survivor = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
     try:
         victim = computing(server, doomed)
-        survivor.request("POST", "/v1/gradients", MID, {"Content-Type": "application/json"})
-        assert computing(server, survivor.sock) != victim
-        assert unanswered(survivor.sock)  # in flight when its sibling dies
+        survivor.sendall(f"POST /v1/gradients HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:-1])
+        assert wait_until(lambda: connection_owner(server, survivor) is not None, WAIT_S), "never accepted"
+        assert connection_owner(server, survivor) != victim
         os.kill(victim, signal.SIGKILL)
         try:
             assert doomed.recv(1) == b""  # closed without an answer byte
         except ConnectionResetError:
             pass
-        answer = survivor.getresponse()
-        assert answer.status == 200 and exact(json.loads(answer.read())["accumulated"], MID_N)
+        assert unanswered(survivor)  # its worker still waits for the last byte
+        survivor.sendall(body[-1:])
+        answer = http.client.HTTPResponse(survivor, method="POST")
+        answer.begin()
+        assert answer.status == 200 and exact(json.loads(answer.read())["accumulated"], 2048)
     finally:
         doomed.close()
         survivor.close()
@@ -199,9 +204,10 @@ def test_a_sigkilled_worker_loses_only_its_request_and_a_pair_still_runs_in_para
 
 def test_the_client_package_resends_the_killed_workers_request(server):
     """A request that got no answer byte is safe to resend (gradients are pure): the client
-    package does, so its call is answered, exact, although the worker computing it (the only
-    request in flight, so the only worker holding a slot) was SIGKILLed before it answered."""
-    vectors = np.asarray(json.loads(MID)["vectors"], dtype=np.float32)
+    package does, so its call is answered, exact, although the worker holding it (the only
+    request in flight, waiting for a slot the test holds, so certainly unanswered) was
+    SIGKILLed; the resend is seen waiting on a live worker before the slots are let go."""
+    vectors = np.asarray(PAIR["vectors"], dtype=np.float32)
     results: list = []
 
     def call():
@@ -210,16 +216,19 @@ def test_the_client_package_resends_the_killed_workers_request(server):
         except Exception as exc:  # noqa: BLE001 - reported by the assertion below
             results.append(exc)
     thread = threading.Thread(target=call, daemon=True)
-    workers = set(server.worker_pids())
-    thread.start()
-    assert wait_until(lambda: slot_holders(workers) or not thread.is_alive(), WAIT_S)
-    [victim] = slot_holders(workers)
-    assert thread.is_alive(), results  # not answered yet: the kill hits it computing
-    os.kill(victim, signal.SIGKILL)
+    with HeldSlots(server) as held:
+        thread.start()
+        assert wait_until(lambda: held.waiting() == 1, WAIT_S), ("the request never waited for a slot", results)
+        [victim] = connected_workers(server)
+        os.kill(victim, signal.SIGKILL)
+        # Reaped, so its flocks are gone: a waiter now is the client's resend.
+        assert wait_until(lambda: victim not in server.worker_pids() and held.waiting() == 1, WAIT_S), \
+            ("the client never resent", results)
+        assert results == []  # nothing can have answered while every slot is held
     thread.join(WAIT_S)
     [result] = results
     assert not isinstance(result, BaseException), result
-    assert exact(result.accumulated, MID_N)
+    assert exact(result.accumulated, 2048)
     assert wait_until(lambda: len(server.worker_pids()) == 2, WAIT_S)  # the master forks a replacement
 
 
