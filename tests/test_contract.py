@@ -6,16 +6,15 @@ its embedded Dask cluster) on /v1, /v2 and /v1/jobs alike.
 Expected answers are literals from the docs (docs/api.md, README.md) or tools/reference.py,
 never the code under test. Codes that need a setting the defaults do not have (a token, a
 short deadline, a one-place queue, an unusable device, an unreachable scheduler, short read
-timeouts) come from one more server, `edge` below. Not produced here: `internal_error` and
+timeouts) come from three more servers below (`edge`, `short_deadline`, `impatient`), so that a
+short setting only ever decides the test that waits for it to run out. Not produced here: `internal_error` and
 `device_out_of_memory` are injected faults (a bug, a GPU out of memory), tested by patching in
 tests/test_error_table.py.
 """
 import io
 import json
-import os
 import re
 import socket
-import threading
 import uuid
 
 import numpy as np
@@ -24,7 +23,6 @@ import requests
 import torch
 
 from app.http.errors import ERRORS
-from app.serving.slots import SLOT_PREFIX, PodSlots
 from tools.reference import reference_accumulated, reference_blocks
 from tools.server import free_port, gunicorn_server, wait_until
 
@@ -172,11 +170,11 @@ PRODUCED = {
     "unsupported_media_type": "test_unsupported_media_type",
     "validation_error": "test_validation_error",
     "non_finite_result": "test_non_finite_result",
-    "deadline_exceeded": "test_queue_full_overloaded_then_deadline_then_client_closed",
+    "deadline_exceeded": "test_deadline_exceeded_in_the_queue",
     "not_ready": "test_not_ready",
     "read_timeout": "test_read_timeout",
-    "overloaded": "test_queue_full_overloaded_then_deadline_then_client_closed",
-    "client_closed": "test_queue_full_overloaded_then_deadline_then_client_closed",
+    "overloaded": "test_queue_full_overloaded_then_client_closed",
+    "client_closed": "test_queue_full_overloaded_then_client_closed",
     "job_not_found": "test_job_not_found",
     "job_not_done": "test_job_not_done_and_a_job_exact",
     "cluster_unavailable": "test_cluster_unavailable_on_a_get",
@@ -471,25 +469,46 @@ def test_v2_binary_tensors_round_trip(served):
     assert np.frombuffer(payload[32:], "<f4").tolist() == [104.0, 136.0, 136.0, 168.0]
 
 
-# --- codes that need other settings: one more server ---------------------------------------
+# --- codes that need other settings: three more servers, one worker each -----------------
+# A short setting decides only the test whose verdict is that it ran out: every other verdict
+# needs something to happen first (a request to queue, a body to be read), so it runs where
+# the settings are long.
 TOKEN = "contract-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-EDGE_DEADLINE_S = 3
+SHORT_DEADLINE_S = 1
 
 
 @pytest.fixture(scope="module")
 def edge():
     """One worker, so that every request meets the same queue, and what each code needs:
-    BLOCKGRAD_API_TOKEN (unauthorized), a 3 s deadline and a queue of 1 (deadline_exceeded and
-    overloaded, with the compute slots held by the test), BLOCKGRAD_DEVICE=cuda (not_ready on a
-    machine without CUDA; no test here computes on it), a scheduler address nothing listens on
-    (cluster_unavailable), and 1 s read and head timeouts (read_timeout)."""
-    env = {"BLOCKGRAD_API_TOKEN": TOKEN, "BLOCKGRAD_REQUEST_TIMEOUT_S": str(EDGE_DEADLINE_S),
-           "BLOCKGRAD_QUEUE_DEPTH": "1", "BLOCKGRAD_DASK_SCHEDULER": f"tcp://127.0.0.1:{free_port()}",
-           "BLOCKGRAD_READ_TIMEOUT_S": "1", "BLOCKGRAD_HEADER_TIMEOUT_S": "1"}
+    BLOCKGRAD_API_TOKEN (unauthorized), a queue of 1 (overloaded and client_closed, with the
+    compute slots held by the test), BLOCKGRAD_DEVICE=cuda (not_ready on a machine without
+    CUDA; no test here computes on it), a scheduler address nothing listens on
+    (cluster_unavailable). Its deadline is WAIT_S: a request waits in the queue until the test
+    ends its wait, never until a clock does."""
+    env = {"BLOCKGRAD_API_TOKEN": TOKEN, "BLOCKGRAD_REQUEST_TIMEOUT_S": str(WAIT_S),
+           "BLOCKGRAD_QUEUE_DEPTH": "1", "BLOCKGRAD_DASK_SCHEDULER": f"tcp://127.0.0.1:{free_port()}"}
     with gunicorn_server(workers=1, device="cuda", env=env) as server:
         yield server
         assert TOKEN not in server.log()
+
+
+@pytest.fixture(scope="module")
+def short_deadline():
+    """One worker with a deadline of SHORT_DEADLINE_S (deadline_exceeded, and limit_exceeded for
+    a request predicted past it). Nothing is asked to compute here: it might not finish in time."""
+    env = {"BLOCKGRAD_REQUEST_TIMEOUT_S": str(SHORT_DEADLINE_S), "BLOCKGRAD_QUEUE_DEPTH": "1"}
+    with gunicorn_server(workers=1, env=env) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def impatient():
+    """One worker with 1 s read and head timeouts (read_timeout): only bytes that never come
+    meet them here."""
+    env = {"BLOCKGRAD_READ_TIMEOUT_S": "1", "BLOCKGRAD_HEADER_TIMEOUT_S": "1"}
+    with gunicorn_server(workers=1, env=env) as server:
+        yield server
 
 
 def test_unauthorized(edge):
@@ -529,80 +548,62 @@ def test_cluster_unavailable_on_a_get(edge):
     assert int(answer.headers["Retry-After"]) >= 1
 
 
-def test_read_timeout(edge):
+def test_read_timeout(impatient):
     """A body that stops arriving, and a head that does (docs/api.md: 408, then the connection closes)."""
-    raw = exchange(edge.port, f"POST /v1/gradients HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-                              "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"vec".encode())
+    raw = exchange(impatient.port, b"POST /v1/gradients HTTP/1.1\r\nHost: x\r\n"
+                                   b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"vec")
     status, headers, body = head_and_body(raw)
     assert (status, headers[CODE_HEADER.lower()]) == (408, "read_timeout")
     assert json.loads(body)["error"]["details"] == {"timeout_s": 1.0}
-    status, headers, body = head_and_body(exchange(edge.port, b"POST /v1/gradients HTTP/1.1\r\nHost: x\r\n"))
+    status, headers, body = head_and_body(exchange(impatient.port, b"POST /v1/gradients HTTP/1.1\r\nHost: x\r\n"))
     assert (status, headers[CODE_HEADER.lower()]) == (408, "read_timeout")
     assert "BLOCKGRAD_HEADER_TIMEOUT_S" in json.loads(body)["error"]["message"]
 
 
-def test_predicted_over_the_deadline_is_limit_exceeded(edge):
+def test_predicted_over_the_deadline_is_limit_exceeded(short_deadline):
     # 67 million blocks of logsumexp: predicted at about 12 s by the default cost model (docs/performance.md).
     body = {"vectors": [[1.0] * 8] * 8192, "factor": 8192, "objective": "logsumexp", "outputs": ["accumulated"],
             "dtype": "float64"}
-    error = v1_error(post(edge, V1, body, headers=AUTH), 413, "limit_exceeded")
+    error = v1_error(post(short_deadline, V1, body), 413, "limit_exceeded")
     assert error["details"]["limit"] == "BLOCKGRAD_REQUEST_TIMEOUT_S"
-    assert error["details"]["deadline_s"] == EDGE_DEADLINE_S and error["details"]["predicted_s"] > EDGE_DEADLINE_S
+    assert error["details"]["deadline_s"] == SHORT_DEADLINE_S and error["details"]["predicted_s"] > SHORT_DEADLINE_S
 
 
-def slot_directory(server) -> str:
-    """The pod's compute slots (app/serving/slots.py): the directory of the lock files its worker has open."""
-    [worker] = server.worker_pids()
-    for fd in os.listdir(f"/proc/{worker}/fd"):
-        try:
-            target = os.readlink(f"/proc/{worker}/fd/{fd}")
-        except OSError:
-            continue
-        if os.path.basename(target).startswith(SLOT_PREFIX):
-            return os.path.dirname(target)
-    raise AssertionError("the worker holds no slot file open")
-
-
-def in_background(fn):
-    result = {}
-    thread = threading.Thread(target=lambda: result.setdefault("answer", fn()), daemon=True)
-    thread.start()
-    return thread, result
-
-
-def test_queue_full_overloaded_then_deadline_then_client_closed(edge):
+def test_queue_full_overloaded_then_client_closed(edge):
     """With every compute slot held: one request waits (the queue's one place), the next is
-    refused at once (503 overloaded), the one waiting reaches its deadline in the queue (503
-    deadline_exceeded, details.queued), and one whose client half-closes while it waits is
-    dropped without a byte and logged as client_closed (status 499)."""
+    refused at once (503 overloaded); then the client of the one waiting half-closes, and it is
+    dropped without a byte and logged as client_closed (status 499). The deadline is WAIT_S:
+    the waiting request leaves the queue when its client goes, not when a clock runs out."""
     body = json.dumps(GOOD).encode()
-    headers = {**AUTH, "Content-Type": "application/json"}
-    with HeldSlots(edge) as held:
-        thread, first = in_background(lambda: post(edge, V1, data=body, headers=headers))
-        assert wait_until(lambda: held.waiting() == 1, WAIT_S), "the first request never waited for a slot"
-        refused = post(edge, V1, data=body, headers=headers)
+    request_id = uuid.uuid4().hex
+    with HeldSlots(edge) as held, socket.create_connection(("127.0.0.1", edge.port), timeout=WAIT_S) as sock:
+        sock.sendall(f"POST /v1/gradients HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                     f"X-Request-ID: {request_id}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert wait_until(lambda: held.waiting() == 1, WAIT_S), "the request never waited for a slot"
+        refused = post(edge, V1, data=body, headers={**AUTH, "Content-Type": "application/json"})
         assert v1_error(refused, 503, "overloaded")["details"] == {"queue_depth": 1}
         assert int(refused.headers["Retry-After"]) >= 1
-        thread.join(WAIT_S)
-        error = v1_error(first["answer"], 503, "deadline_exceeded")
-        assert error["details"] == {"timeout_s": EDGE_DEADLINE_S, "queued": True}
-        assert int(first["answer"].headers["Retry-After"]) >= 1
-        # client_closed: the request waits, its client half-closes; nothing is written back.
-        request_id = uuid.uuid4().hex
-        with socket.create_connection(("127.0.0.1", edge.port), timeout=WAIT_S) as sock:
-            sock.sendall(f"POST /v1/gradients HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
-                         f"X-Request-ID: {request_id}\r\nContent-Type: application/json\r\n"
-                         f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            assert wait_until(lambda: held.waiting() == 1, WAIT_S), "the request never waited for a slot"
-            sock.shutdown(socket.SHUT_WR)
-            try:
-                assert sock.recv(65536) == b""  # closed without a byte
-            except ConnectionResetError:
-                pass
-        line = f'"request_id":"{request_id}"'
-        assert wait_until(lambda: line in edge.log(), WAIT_S)
-        [logged] = [json.loads(text) for text in edge.log().splitlines() if line in text]
-        assert (logged["status"], logged["error"]) == (499, "client_closed")
+        sock.shutdown(socket.SHUT_WR)
+        try:
+            assert sock.recv(65536) == b""  # closed without a byte
+        except ConnectionResetError:
+            pass
+    line = f'"request_id":"{request_id}"'
+    assert wait_until(lambda: line in edge.log(), WAIT_S)
+    [logged] = [json.loads(text) for text in edge.log().splitlines() if line in text]
+    assert (logged["status"], logged["error"]) == (499, "client_closed")
     metrics = requests.get(edge.url + "/metrics", timeout=WAIT_S).text
     assert re.search(r'blockgrad_errors_total\{code="client_closed"[^}]*\} [1-9]', metrics), metrics[-2000:]
     assert re.search(r'blockgrad_errors_total\{code="overloaded"[^}]*\} [1-9]', metrics)
+
+
+def test_deadline_exceeded_in_the_queue(short_deadline):
+    """With every compute slot held, a request leaves the queue only at its deadline: 503
+    deadline_exceeded, details.queued. The deadline counts from its arrival, so one that
+    reaches the queue late meets it there all the same: no margin decides the answer."""
+    with HeldSlots(short_deadline):
+        answer = post(short_deadline, V1, GOOD)
+    error = v1_error(answer, 503, "deadline_exceeded")
+    assert error["details"] == {"timeout_s": SHORT_DEADLINE_S, "queued": True}
+    assert int(answer.headers["Retry-After"]) >= 1

@@ -101,9 +101,9 @@ def model_dir(tmp_path, library, *names, rename: dict | None = None):
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, library):
+def models_client(tmp_path_factory, library):
     """One app for the module's read-only requests (loading the models is most of a test's time)."""
-    directory = model_dir(tmp_path_factory.mktemp("served"), library, "pairmlp", "bilinear")
+    directory = model_dir(tmp_path_factory.mktemp("models"), library, "pairmlp", "bilinear")
     return create_app({"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(directory)}).test_client()
 
 
@@ -124,10 +124,10 @@ CASES = [(7, 3), (5, 1), (4, 4), (9, 2)]  # N % F != 0, F = 1, F = N, N % F != 0
 
 @pytest.mark.parametrize("name", ["pairmlp", "bilinear"])
 @pytest.mark.parametrize("n, factor", CASES)
-def test_v1_matches_the_literal_per_block_reference(served, library, name, n, factor):
+def test_v1_matches_the_literal_per_block_reference(models_client, library, name, n, factor):
     _, dim, dtype = library[1][name]
     vectors = random_vectors(n, dim, dtype)
-    response = served.post("/v1/gradients", json={
+    response = models_client.post("/v1/gradients", json={
         "vectors": vectors.tolist(), "factor": factor, "objective": name, "dtype": dtype,
         "outputs": ["blocks", "accumulated", "losses"]})
     assert response.status_code == 200, response.get_json()
@@ -148,10 +148,10 @@ def test_v1_matches_the_literal_per_block_reference(served, library, name, n, fa
 
 @pytest.mark.parametrize("name", ["pairmlp", "bilinear"])
 @pytest.mark.parametrize("n, factor", CASES)
-def test_v2_matches_the_literal_per_block_reference(served, library, name, n, factor):
+def test_v2_matches_the_literal_per_block_reference(models_client, library, name, n, factor):
     _, dim, dtype = library[1][name]
     vectors = random_vectors(n, dim, dtype)
-    response = served.post(INFER, json={
+    response = models_client.post(INFER, json={
         "inputs": [{"name": "vectors", "shape": [n, dim], "datatype": DATATYPES[dtype],
                     "data": vectors.flatten().tolist()}],
         "parameters": {"factor": factor, "objective": name}})
@@ -172,9 +172,9 @@ def test_v2_matches_the_literal_per_block_reference(served, library, name, n, fa
     assert_matches(outputs["accumulated"], accumulated, dtype, scale=largest(accumulated), what="accumulated")
 
 
-def test_losses_of_stacked_blocks_are_each_blocks_own(served, library):
+def test_losses_of_stacked_blocks_are_each_blocks_own(models_client, library):
     """The batched interface: losses((k, h, w, 2D)) is each block's loss alone, and differentiable."""
-    objective = served.application.extensions["blockgrad"].objectives["pairmlp"]
+    objective = models_client.application.extensions["blockgrad"].objectives["pairmlp"]
     assert isinstance(objective, ModelObjective)
     blocks = torch.randn(3, 2, 4, 6, generator=torch.Generator().manual_seed(3))  # (k, h, w, 2D)
     leaf = blocks.clone().requires_grad_(True)
@@ -189,9 +189,9 @@ def test_losses_of_stacked_blocks_are_each_blocks_own(served, library):
         assert_matches(grad[k], alone_grad, "float32", scale=largest(alone_grad), what=f"block {k} gradient")
 
 
-def test_objectives_are_listed_with_file_size_and_parameters(served, library):
+def test_objectives_are_listed_with_file_size_and_parameters(models_client, library):
     root, originals = library
-    listed = {o["name"]: o for o in served.get("/v1/objectives").get_json()["objectives"]}
+    listed = {o["name"]: o for o in models_client.get("/v1/objectives").get_json()["objectives"]}
     assert [n for n, o in listed.items() if o["kind"] == "builtin"] == [
         "sum", "mean", "sum_of_squares", "l2_norm", "logsumexp"]
     assert listed["sum"]["dim"] is None and listed["sum"]["dtypes"] == ["float32", "float64"]
@@ -202,7 +202,7 @@ def test_objectives_are_listed_with_file_size_and_parameters(served, library):
         assert entry["size_bytes"] == os.path.getsize(root / f"{name}.pt2")
         assert entry["parameters"] == sum(p.numel() for p in module.parameters())
         assert entry["bytes_per_pair"] > 0 and f"{name}.pt2" in entry["description"]
-    spec = served.get("/openapi.json").get_json()
+    spec = models_client.get("/openapi.json").get_json()
     assert "pairmlp" in spec["components"]["schemas"]["GradientRequest"]["properties"]["objective"]["enum"]
     assert "| `bilinear` | model | 2 | float64 |" in spec["info"]["description"]
 
@@ -214,33 +214,33 @@ def test_without_a_model_directory_only_the_builtins(client):
 
 # Refusals of requests that do not fit a model.
 
-def test_wrong_length_is_refused_naming_the_models_dim(served):
-    response = served.post("/v1/gradients", json={"vectors": [[1.0, 2.0], [3.0, 4.0]], "objective": "pairmlp"})
+def test_wrong_length_is_refused_naming_the_models_dim(models_client):
+    response = models_client.post("/v1/gradients", json={"vectors": [[1.0, 2.0], [3.0, 4.0]], "objective": "pairmlp"})
     assert response.status_code == 422
     error = response.get_json()["error"]
     assert error["code"] == "validation_error"
     assert "D = 3" in error["details"]["fields"]["vectors"][0]
-    response = served.post(INFER, json={"inputs": [{"name": "vectors", "shape": [2, 2], "datatype": "FP32",
+    response = models_client.post(INFER, json={"inputs": [{"name": "vectors", "shape": [2, 2], "datatype": "FP32",
                                                      "data": [1, 2, 3, 4]}], "parameters": {"objective": "pairmlp"}})
     assert response.status_code == 400 and "D = 3" in response.get_json()["error"]
 
 
-def test_wrong_dtype_is_refused_naming_the_models_dtype(served):
-    response = served.post("/v1/gradients", json={"vectors": [[1.0, 2.0]], "objective": "bilinear"})  # float32
+def test_wrong_dtype_is_refused_naming_the_models_dtype(models_client):
+    response = models_client.post("/v1/gradients", json={"vectors": [[1.0, 2.0]], "objective": "bilinear"})  # float32
     assert response.status_code == 422
     assert "float64" in response.get_json()["error"]["details"]["fields"]["dtype"][0]
-    response = served.post(INFER, json={"inputs": [{"name": "vectors", "shape": [1, 3], "datatype": "FP64",
+    response = models_client.post(INFER, json={"inputs": [{"name": "vectors", "shape": [1, 3], "datatype": "FP64",
                                                      "data": [1, 2, 3]}], "parameters": {"objective": "pairmlp"}})
     assert response.status_code == 400
     assert "float32" in response.get_json()["error"] and "datatype" in response.get_json()["error"]
 
 
-def test_unknown_objective_is_refused_listing_the_available_ones(served):
-    response = served.post("/v1/gradients", json={"vectors": [[1.0, 2.0]], "objective": "nope"})
+def test_unknown_objective_is_refused_listing_the_available_ones(models_client):
+    response = models_client.post("/v1/gradients", json={"vectors": [[1.0, 2.0]], "objective": "nope"})
     assert response.status_code == 422
     message = response.get_json()["error"]["details"]["fields"]["objective"][0]
     assert all(name in message for name in ("sum", "logsumexp", "pairmlp", "bilinear"))
-    response = served.post(INFER, json={"inputs": [{"name": "vectors", "shape": [1, 2], "datatype": "FP32",
+    response = models_client.post(INFER, json={"inputs": [{"name": "vectors", "shape": [1, 2], "datatype": "FP32",
                                                      "data": [1, 2]}], "parameters": {"objective": "nope"}})
     assert response.status_code == 400 and "bilinear" in response.get_json()["error"]
 

@@ -44,9 +44,14 @@ def failed_tests(output: str) -> set[str]:
 @pytest.mark.parametrize("sabotage", sorted(CASES))
 def test_the_suite_fails_on_a_broken_service(sabotage):
     subset, must_fail = CASES[sabotage]
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", f"tests._sabotage_{sabotage}", "-p", "no:cacheprovider",
-         "-q", "-rf", *subset], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    try:  # under pytest.ini's 600 s, so that a hang shows the sub-run's output, not a SIGALRM
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", f"tests._sabotage_{sabotage}", "-p", "no:cacheprovider",
+             "-q", "-rf", *subset], cwd=ROOT, capture_output=True, text=True, timeout=500)
+    except subprocess.TimeoutExpired as hung:
+        shown = [part.decode(errors="replace") if isinstance(part, bytes) else part or ""
+                 for part in (hung.stdout, hung.stderr)]
+        pytest.fail("the sub-run hung past 500 s:\n" + "".join(shown)[-3000:])
     output = done.stdout + done.stderr
     failed = failed_tests(output)
     assert done.returncode == 1, output[-3000:]
