@@ -14,6 +14,7 @@ import select
 import socket
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -108,7 +109,14 @@ def test_full_load_sheds_at_once_and_probes_answer(server):
     shed_before = metric(server, "blockgrad_shed_requests_total")
     closed_before = metric(server, "blockgrad_errors_total", code="client_closed")
     started_before = metric(server, "blockgrad_queue_wait_seconds_count")
-    computing = [raw_post(server, "/v1/gradients", LONG) for _ in range(available_cores())]
+    ids = iter(f"{uuid.uuid4().hex}{i:02d}" for i in range(100))  # this test's lines in a shared log
+    mine = []
+
+    def post_long():
+        mine.append(next(ids))
+        return raw_post(server, "/v1/gradients", LONG, headers={"X-Request-ID": mine[-1]})
+
+    computing = [post_long() for _ in range(available_cores())]
     waiting = []
     try:
         # Each request joins the line only once the one before it is where it belongs: those
@@ -117,7 +125,7 @@ def test_full_load_sheds_at_once_and_probes_answer(server):
         assert wait_until(lambda: metric(server, "blockgrad_queue_wait_seconds_count")
                           == started_before + len(computing), WAIT_S), "the long requests did not all start"
         for depth in range(1, QUEUE_DEPTH + 1):
-            waiting.append(raw_post(server, "/v1/gradients", LONG))
+            waiting.append(post_long())
             assert wait_until(lambda: metric(server, "blockgrad_queue_depth") == depth, WAIT_S), \
                 (depth, metric(server, "blockgrad_queue_depth"))
         for path in ("/healthz", "/readyz", "/v2/health/live", "/v2/health/ready", "/metrics", "/docs"):
@@ -137,8 +145,8 @@ def test_full_load_sheds_at_once_and_probes_answer(server):
     assert wait_until(lambda: metric(server, "blockgrad_errors_total", code="client_closed")
                       == closed_before + len(computing) + QUEUE_DEPTH, WAIT_S)
     assert requests.post(server.url + "/v1/gradients", json=GOOD, timeout=WAIT_S).status_code == 200
-    stopped = [line for line in log_lines(server) if line.get("error") == "client_closed"]
-    assert len(stopped) >= len(computing) + QUEUE_DEPTH and all(line["status"] == 499 for line in stopped)
+    stopped = [line for line in log_lines(server) if line.get("request_id") in mine]
+    assert [(line["error"], line["status"]) for line in stopped] == [("client_closed", 499)] * len(mine), stopped
 
 
 def test_a_client_leaving_mid_stream_stops_the_blocks(server):
