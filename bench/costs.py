@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from app.core.cost import engine_work
+from app.core.admission import engine_work
 from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest
 from app.core.run import Deadline, run

@@ -7,18 +7,16 @@ import numpy as np
 import pytest
 import torch
 
-from app.core.admission import admit, advice, check_activations, check_block_and_answer, over_the_deadline
+from app.core.admission import AnswerCost, admit, advice, check_activations, check_block_and_answer, over_the_deadline
 from app.core.errors import BlockgradError
-from app.core.memory import AnswerCost
-from app.core.request import GradientRequest
-from app.core.deadline import Deadline
+from app.core.request import GradientRequest, Sizes
+from app.core.slots import Deadline
 from app.core.engine import DEFAULT_CHUNK_ELEMENTS, plan_bands
 from app.core.run import pass_one
 from tools.reference import reference_accumulated, reference_blocks
 
 from .numeric import assert_matches
 from app.core.settings import Settings
-from app.core.sizes import Sizes
 
 
 def refusal(call, *args) -> BlockgradError:

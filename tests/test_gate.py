@@ -6,8 +6,7 @@ import threading
 import pytest
 
 from app.core.errors import BlockgradError
-from app.core.gate import Gate, GateListener
-from app.core.deadline import Deadline
+from app.core.slots import Deadline, Gate, GateListener
 
 FAR = 60.0
 JOIN_S = 30

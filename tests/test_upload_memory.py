@@ -9,7 +9,7 @@ import pytest
 
 from app import create_app
 from app.core.errors import BlockgradError
-from app.core.memory import MemoryLedger, body_parse_bytes, upload_bytes
+from app.core.admission import MemoryLedger, body_parse_bytes, upload_bytes
 from app.http import memory as http_memory
 from app.extensions import services_of
 from app.http.parsing import BODY_PIECE_BYTES

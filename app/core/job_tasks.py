@@ -28,7 +28,7 @@ import torch
 from .dtypes import TORCH_DTYPES
 from .engine import block_bounds
 from .errors import non_finite_accumulated, non_finite_block
-from .executor import PassOne, SerialExecutor
+from .run import PassOne, SerialExecutor
 from .objectives import Objective
 
 # Numbers (pairs x 2D) one tile task computes: large against a task's scheduling overhead,

@@ -5,7 +5,7 @@ import math
 from ..core.admission import block_elements
 from ..core.errors import job_too_many_vectors, limit_exceeded
 from ..core.settings import Settings
-from ..core.sizes import Sizes
+from ..core.request import Sizes
 
 
 def fitting_factor(n: int, dim: int, allowed: int) -> int | None:

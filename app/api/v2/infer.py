@@ -16,7 +16,7 @@ from ...core.engine import block_bounds
 from ...core.errors import BlockgradError, listed_names, many_unknown
 from ...core.request import GradientRequest, build_request, default_factor, ordered_outputs
 from ...core.run import Result
-from ...core.sizes import Sizes, admissible_factor, request_sizes
+from ...core.request import Sizes, admissible_factor, request_sizes
 from ...core.vectors import MatrixError, check_matrix, parse_flat, parse_matrix
 from ...extensions import services
 from ...http.parsing import decode_json
