@@ -152,29 +152,20 @@ class AnswerCost:
     head_fixed: int = 0  # e.g. a buffer of text
 
 
-def chunk_numbers(n: int, dim: int, factor: int, settings: Settings) -> int:
-    """Numbers in a chunk as predicted: at most max_block_elements, at least one block,
-    never more than the whole pair matrix."""
-    side = largest_block_side(n, factor)
-    return max(side * side * 2 * dim, min(settings.max_block_elements, n * n * 2 * dim))
-
-
-def working_set_bytes(sizes: Sizes, settings: Settings, lanes: int = 1) -> int:
-    """The engine's working set in pass one: serially a chunk's (CHUNKS_IN_FLIGHT of its
-    size); on up to `lanes` slots the larger of that and, for each lane, a parallel chunk's
-    working set and LOOKAHEAD_PER_LANE chunks' results waiting (app/core/run.py).
-    The larger, because a request on several lanes may still find
-    no second slot free, and off the CPU runs serially with whole chunks."""
-    n, dim, factor = sizes.n, sizes.dim, sizes.factor
+def working_set_bytes(sizes: Sizes, settings: Settings, lanes: int, chunk: int, block: int) -> int:
+    """The engine's working set in pass one, for chunks of `chunk` numbers and blocks of at
+    most `block`: serially a chunk's (CHUNKS_IN_FLIGHT of its size); on up to `lanes` slots
+    the larger of that and, for each lane, a parallel chunk's working set and
+    LOOKAHEAD_PER_LANE chunks' results waiting (app/core/run.py). The larger, because a
+    request on several lanes may still find no second slot free, and off the CPU runs
+    serially with whole chunks."""
     item = DTYPES.get(sizes.dtype, WIDEST).item_bytes
     per_chunk = CHUNKS_IN_FLIGHT.get(sizes.objective, DEFAULT_CHUNKS_IN_FLIGHT)
-    chunk = chunk_numbers(n, dim, factor, settings)
     serial = per_chunk * chunk * item
     lanes = request_lanes(sizes, settings, lanes)
     if lanes <= 1:  # one slot, or one chunk: inline, as serially
         return serial
-    side = largest_block_side(n, factor)
-    small = max(side * side * 2 * dim, min(PARALLEL_CHUNK_ELEMENTS, chunk))  # a block is never split
+    small = max(block, min(PARALLEL_CHUNK_ELEMENTS, chunk))  # a block is never split
     return max(serial, lanes * (per_chunk + LOOKAHEAD_PER_LANE) * small * item)
 
 
@@ -202,10 +193,14 @@ def predict_peak_bytes(sizes: Sizes, answer: AnswerCost, settings: Settings, lan
     total = FIXED_BYTES + 2 * answer.body_bytes + answer.input_per_number * numbers
     total += 3 * numbers * item  # vectors, accumulated, the chain-rule sums onto them
     heap_slack = 0
+    side = largest_block_side(n, factor)
+    block = side * side * 2 * dim  # numbers of the largest block
     if outputs:
-        chunk = chunk_numbers(n, dim, factor, settings)
+        # A chunk as predicted: at most max_block_elements, at least one block, never more
+        # than the whole pair matrix.
+        chunk = max(block, min(settings.max_block_elements, grid))
         chunk_bytes = chunk * item
-        total += working_set_bytes(sizes, settings, lanes)
+        total += working_set_bytes(sizes, settings, lanes, chunk, block)
         total += min(settings.max_block_elements, grid) * item  # blocks kept between the passes
         if "blocks" in outputs:
             # Keeping blocks fragments the heap by up to a chunk's temporaries per chunk, until
@@ -213,8 +208,7 @@ def predict_peak_bytes(sizes: Sizes, answer: AnswerCost, settings: Settings, lan
             chunks = -(-grid // max(1, chunk))
             heap_slack = min(TRIM_SLACK_BYTES, untrimmed_growth(chunks * chunk_bytes))  # a bound: no margin
     if "blocks" in outputs:
-        side = largest_block_side(n, factor)
-        total += answer.block_per_number * side * side * 2 * dim
+        total += answer.block_per_number * block
         total += answer.block_row_per_number * side * n * 2 * dim
         total += answer.grid_per_number * grid
     head_numbers = (numbers if "accumulated" in outputs else 0) + (factor * factor if "losses" in outputs else 0)

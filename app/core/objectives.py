@@ -23,8 +23,9 @@ BLOCK_DIMS = (1, 2, 3)  # the dimensions of one block in a (k, h, w, 2D) stack
 
 
 class Objective(Protocol):
-    """What the engine needs of an objective. A model-backed objective may also expose
-    `bytes_per_pair` (activation memory per pair), which the engine uses to size its chunks."""
+    """What the engine needs of an objective. A model-backed objective also exposes `dim` and
+    `dtypes` (the D and dtypes it takes; a built-in takes any) and `bytes_per_pair`
+    (activation memory per pair), which the engine uses to size its chunks."""
     name: str
     description: str
 
@@ -155,21 +156,9 @@ OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (
 )}
 DEFAULT_OBJECTIVE = "sum"
 DEFAULT_OFFSET = 5.0
-ALL_DTYPES = tuple(DTYPES)
-
-
 def served_objectives(settings: Settings) -> dict[str, Objective]:
     """Built-ins first, then models by name; raises ModelError for a file that cannot be served."""
     return {**OBJECTIVES, **load_models(settings.model_dir, OBJECTIVES)}
-
-
-def objective_dim(objective: Objective) -> int | None:
-    """The D a model was exported for; None: any D (built-ins)."""
-    return objective.dim if isinstance(objective, ModelObjective) else None
-
-
-def objective_dtypes(objective: Objective) -> tuple[str, ...]:
-    return objective.dtypes if isinstance(objective, ModelObjective) else ALL_DTYPES
 
 
 def describe(name: str, objective: Objective) -> dict[str, Any]:
@@ -179,5 +168,5 @@ def describe(name: str, objective: Objective) -> dict[str, Any]:
                 "description": objective.description, "file": objective.file.name,
                 "size_bytes": objective.size_bytes, "parameters": objective.parameter_count,
                 "bytes_per_pair": objective.bytes_per_pair}
-    return {"name": name, "kind": "builtin", "dim": None, "dtypes": list(ALL_DTYPES),
+    return {"name": name, "kind": "builtin", "dim": None, "dtypes": list(DTYPES),
             "description": objective.description}

@@ -13,7 +13,7 @@ import numpy as np
 
 from .dtypes import DEFAULT_DTYPE, DTYPES, UNKNOWN_DTYPE
 from .errors import field_error, validation_error
-from .objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET, OBJECTIVES, Objective, objective_dim, objective_dtypes
+from .objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET, OBJECTIVES, Objective
 from .vectors import EMPTY_ROWS, NO_ROWS, fits_dtype
 
 OUTPUTS = ("blocks", "accumulated", "losses")
@@ -72,18 +72,14 @@ class GradientRequest:
     # What `objective` names among the server's objectives (build_request resolves it); left out,
     # the built-in of that name.
     objective_fn: Objective | None = field(default=None, repr=False, compare=False)
+    n: int = field(init=False, repr=False, compare=False)  # N and D of `vectors`
+    dim: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.objective_fn is None:
             object.__setattr__(self, "objective_fn", OBJECTIVES[self.objective])
-
-    @property
-    def n(self) -> int:
-        return self.vectors.shape[0]
-
-    @property
-    def dim(self) -> int:
-        return self.vectors.shape[1]
+        object.__setattr__(self, "n", self.vectors.shape[0])
+        object.__setattr__(self, "dim", self.vectors.shape[1])
 
 
 def ordered_outputs(names) -> tuple[str, ...]:
@@ -99,12 +95,13 @@ def unknown_objective(objectives: Mapping[str, Objective]) -> str:
 
 
 def objective_fit(name: str, objective: Objective, dim: int, dtype: str) -> dict[str, list[str]]:
-    """A model takes only the D and the dtype it was exported for (it is never cast)."""
+    """A model takes only the D and the dtype it was exported for (it is never cast); a
+    built-in, any D and dtype."""
     errors = {}
-    model_dim = objective_dim(objective)
+    model_dim = getattr(objective, "dim", None)
     if model_dim is not None and dim != model_dim:
         errors["vectors"] = [f"Objective {name!r} takes vectors of length D = {model_dim}; got {dim}."]
-    dtypes = objective_dtypes(objective)
+    dtypes = getattr(objective, "dtypes", DTYPES)
     if dtype in DTYPES and dtype not in dtypes:
         errors["dtype"] = [f"Objective {name!r} takes {' or '.join(dtypes)} only (the dtype it was exported "
                            f"with); got {dtype}."]

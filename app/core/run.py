@@ -153,17 +153,10 @@ class LocalExecutor:
             raise ValueError("slots_per_request must be at least 1")
         self.slots = slots
         self.slots_per_request = slots_per_request
+        self.parallel = slots_per_request > 1
+        self.most_lanes = slots_per_request
         workers = threads if threads is not None else max(1, slots_per_request - 1)
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="chunk") \
-            if slots_per_request > 1 else None
-
-    @property
-    def parallel(self) -> bool:
-        return self._pool is not None
-
-    @property
-    def most_lanes(self) -> int:
-        return self.slots_per_request if self.parallel else 1
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="chunk") if self.parallel else None
 
     def shutdown(self) -> None:
         if self._pool is not None:
