@@ -1,6 +1,6 @@
 """Unit tests of app/core that kill mutants the rest of the fast suite let live (`make mutants`,
 docs/testing.md). Expected values are literals worked out by hand from the docs' rules, or
-tools/reference.py's; the cost model (app/core/cost.py, not mutated here) only where a
+tools/reference.py's; the cost model (its measured constants in app/core/admission.py) only where a
 prediction is the input."""
 
 import numpy as np
@@ -90,7 +90,7 @@ def test_over_the_deadline_without_a_better_factor_suggests_none():
 
 # Every cost constant pinned (BLOCKGRAD_COST_PER_BLOCK_S / _PER_NUMBER_S replace compute and
 # output costs alike) to powers of two, so the predictions below are exact. The cost model
-# (app/core/cost.py; docs/performance.md, "Choosing a factor"):
+# (app/core/admission.py; docs/performance.md, "Choosing a factor"):
 #   seconds = stages x (blocks x b + numbers x u) + [blocks asked] (blocks x b + N x N x 2D x u)
 #   blocks = F x F, numbers = N x N x 2D + F x N x 2D (no block over a 1M-number chunk here);
 #   stages = 1: `sum`, the default objective, keeps its gradients from pass one.

@@ -1,4 +1,4 @@
-"""The compute gate (app/core/gate.py): one slot, a bounded FIFO queue, deadlines and
+"""The compute gate (app/core/slots.py): one slot, a bounded FIFO queue, deadlines and
 cancellation while waiting. Threads only; every wait bounded; no timing verdicts: a
 waiter's deadline is either already past or far away (60 s) and released explicitly."""
 import threading

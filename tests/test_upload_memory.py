@@ -1,4 +1,4 @@
-"""Memory for request bodies as they arrive (app/core/memory.py, app/http/parsing.py): never
+"""Memory for request bodies as they arrive (app/core/admission.py, app/http/parsing.py): never
 for what a Content-Length declares; bodies still arriving share at most
 BLOCKGRAD_UPLOAD_MEMORY_SHARE of the budget, and a body that has arrived is never held back
 by them. In process (Flask's test client); tests/test_hostile_clients.py has real sockets."""
