@@ -84,21 +84,11 @@ OUTPUT_COSTS: dict[str, tuple[float, float]] = {"float32": (1.2e-05, 2.0e-08), "
 SCALAR_GRADIENTS = frozenset({"sum", "mean"})
 
 
-def compute_costs(objective_name: str, dtype: str, settings: Settings) -> tuple[float, float]:
-    per_block, per_number = COMPUTE_COSTS.get((objective_name, dtype), UNKNOWN_OBJECTIVE)
+def measured_or_set(costs: tuple[float, float], settings: Settings) -> tuple[float, float]:
+    """(seconds per block, seconds per number): the table's, or the settings' where set."""
+    per_block, per_number = costs
     return (per_block if settings.cost_per_block_s is None else settings.cost_per_block_s,
             per_number if settings.cost_per_number_s is None else settings.cost_per_number_s)
-
-
-def output_costs(dtype: str, settings: Settings) -> tuple[float, float]:
-    per_block, per_number = OUTPUT_COSTS[dtype] if dtype in OUTPUT_COSTS else OUTPUT_COSTS["float64"]
-    return (per_block if settings.cost_per_block_s is None else settings.cost_per_block_s,
-            per_number if settings.cost_per_number_s is None else settings.cost_per_number_s)
-
-
-def recomputes_blocks(n: int, dim: int, objective_name: str, settings: Settings) -> bool:
-    """Whether pass two recomputes the blocks: dense gradients past the keep budget."""
-    return objective_name not in SCALAR_GRADIENTS and n * n * 2 * dim > settings.max_block_elements
 
 
 def engine_work(n: int, dim: int, factor: int) -> tuple[int, int]:
@@ -117,12 +107,13 @@ def predict_seconds(sizes: Sizes, settings: Settings) -> float:
     """Predicted seconds of computing (and, for blocks, writing) the answer on this machine's CPU."""
     n, dim, objective, dtype = sizes.n, sizes.dim, sizes.objective, sizes.dtype
     blocks, numbers = engine_work(n, dim, sizes.factor)
-    per_block, per_number = compute_costs(objective, dtype, settings)
+    per_block, per_number = measured_or_set(COMPUTE_COSTS.get((objective, dtype), UNKNOWN_OBJECTIVE), settings)
     stages = 1
     seconds = 0.0
     if "blocks" in sizes.outputs:
-        stages += recomputes_blocks(n, dim, objective, settings)
-        out_block, out_number = output_costs(dtype, settings)
+        # Pass two recomputes the blocks when their gradients are dense and past the keep budget.
+        stages += objective not in SCALAR_GRADIENTS and n * n * 2 * dim > settings.max_block_elements
+        out_block, out_number = measured_or_set(OUTPUT_COSTS.get(dtype, OUTPUT_COSTS["float64"]), settings)
         seconds += blocks * out_block + n * n * 2 * dim * out_number
     return seconds + stages * (blocks * per_block + numbers * per_number)
 
