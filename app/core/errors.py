@@ -63,6 +63,11 @@ def unknown_fields(names: set[str], known) -> BlockgradError:
                           {"fields": fields, "unknown_fields": len(names)})
 
 
+def invalid_request(message: str) -> BlockgradError:
+    """validation_error with a message only: /v2 answers it as the protocol's {"error": message}."""
+    return BlockgradError("validation_error", message)
+
+
 def field_error(field: str, message: str) -> BlockgradError:
     return validation_error({field: [message]})
 

@@ -28,8 +28,8 @@ import torch
 from .dtypes import TORCH_DTYPES
 from .engine import block_bounds
 from .errors import non_finite_accumulated, non_finite_block
-from .run import PassOne, SerialExecutor
 from .objectives import Objective
+from .run import PassOne, SerialExecutor
 
 # Numbers (pairs x 2D) one tile task computes: large against a task's scheduling overhead,
 # small enough that a cancelled job frees its worker soon (docs/jobs.md).
