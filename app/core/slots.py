@@ -152,12 +152,6 @@ class Ticket:
     def release(self) -> None:
         self.gate._release(self)
 
-    def __enter__(self) -> "Ticket":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
 
 class Gate:
     def __init__(self, queue_depth: int, slots: int | SlotSource = COMPUTE_SLOTS,
