@@ -19,7 +19,7 @@ torch_threads = tuning.TORCH_THREADS  # 1: each compute slot is one core (docs/c
 cores = available_cores()  # the pod's compute slots, shared by its workers (app/serving/slots.py)
 
 # Threads take connections, probes and slow clients; a request computes on one of the pod's
-# compute slots (app/core/gate.py), BLOCKGRAD_QUEUE_DEPTH waiting per worker.
+# compute slots (app/core/slots.py), BLOCKGRAD_QUEUE_DEPTH waiting per worker.
 worker_class = "app.serving.worker.ConnectionWorker"  # gthread, connections waiting in its poller (docs/connections.md)
 # Threads neither computing nor queued: 16 slow uploads (each freed after at most
 # BLOCKGRAD_READ_TIMEOUT_S), slow readers (BLOCKGRAD_SEND_TIMEOUT_S), probes, /metrics, docs.

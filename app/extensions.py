@@ -10,11 +10,11 @@ from typing import Any, Protocol
 
 from flask import Flask, current_app
 
-from .core.executor import Executor
-from .core.gate import Gate
-from .core.memory import MemoryLedger
+from .core.admission import MemoryLedger
 from .core.objectives import Objective
+from .core.run import Executor
 from .core.settings import Settings
+from .core.slots import Gate
 
 KEY = "blockgrad"
 

@@ -33,7 +33,7 @@ import torch
 
 from app.core.engine import (DEFAULT_CHUNK_ELEMENTS, PARALLEL_CHUNK_ELEMENTS, add_to_vectors, chain_rule_sums,
                              chunk_gradients, plan_bands)
-from app.core.executor import LocalExecutor, PassOne, SerialExecutor
+from app.core.run import LocalExecutor, PassOne, SerialExecutor
 from app.core.objectives import OBJECTIVES
 from app.core.slots import ThreadSlots
 

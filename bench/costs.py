@@ -1,9 +1,9 @@
-"""Measure the cost model's constants (app/core/cost.py): seconds per block and per number
+"""Measure the cost model's constants (app/core/admission.py): seconds per block and per number
 of pass one, per objective and dtype, fitted by least squares over a few requests that
 vary the block count at a fixed number count and the number count at a fixed block count,
 weighted by relative error.
 
-`python -m bench.costs` prints the table in the form app/core/cost.py holds it.
+`python -m bench.costs` prints the table in the form app/core/admission.py holds it.
 """
 import sys
 import time
@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from app.core.cost import engine_work
+from app.core.admission import engine_work
 from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest
 from app.core.run import Deadline, run

@@ -324,7 +324,7 @@ def tile_costs(n: int = 8192, dim: int = 64, factor: int = 64, side: int = 8, tu
     """One tile of side x side blocks (J2's shapes) by run_tile and by the synchronous executor
     on the same chunks, in the calling thread; `tuned`: the worker's malloc thresholds first."""
     from app.core.engine import elements_per_chunk
-    from app.core.executor import PassOne, SerialExecutor
+    from app.core.run import PassOne, SerialExecutor
     from app.core.job_tasks import JobSpec, Tile, run_tile
     from app.core.objectives import OBJECTIVES
     from app.jobs.tasks import restore_malloc_reuse

@@ -20,9 +20,8 @@ from app.api.v1.front_end import answer_cost as v1_answer_cost
 from app.api.v2.front_end import answer_cost as v2_answer_cost
 from app.api.v2.infer import RequestedOutput
 from app.api.v2.model import OUTPUTS as V2_OUTPUTS
-from app.core.memory import predict_peak_bytes
-from app.core.request import ordered_outputs
-from app.core.sizes import Sizes
+from app.core.admission import predict_peak_bytes
+from app.core.request import Sizes, ordered_outputs
 from app.core.settings import Settings
 from blockgrad_client.infer import binary_infer_request
 from tools.server import gunicorn_server, peak_rss_kib, rss_kib, wait_until

@@ -305,7 +305,7 @@ def test_sizes_are_refused_before_any_model_reads_them(sizes, field):
     """A Sizes is what admission, the cost and the memory models read; one with N or D of 0
     (they divide by D) cannot be made. The contract on the real server: tests/test_contract.py."""
     from app.core.errors import BlockgradError
-    from app.core.sizes import Sizes
+    from app.core.request import Sizes
 
     with pytest.raises(BlockgradError) as refused:
         Sizes(*sizes)

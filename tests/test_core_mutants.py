@@ -1,24 +1,22 @@
 """Unit tests of app/core that kill mutants the rest of the fast suite let live (`make mutants`,
 docs/testing.md). Expected values are literals worked out by hand from the docs' rules, or
-tools/reference.py's; the cost model (app/core/cost.py, not mutated here) only where a
+tools/reference.py's; the cost model (its measured constants in app/core/admission.py) only where a
 prediction is the input."""
 
 import numpy as np
 import pytest
 import torch
 
-from app.core.admission import admit, advice, check_activations, check_block_and_answer, over_the_deadline
+from app.core.admission import AnswerCost, admit, advice, check_activations, check_block_and_answer, over_the_deadline
 from app.core.errors import BlockgradError
-from app.core.memory import AnswerCost
-from app.core.request import GradientRequest
-from app.core.deadline import Deadline
+from app.core.request import GradientRequest, Sizes
+from app.core.slots import Deadline
 from app.core.engine import DEFAULT_CHUNK_ELEMENTS, plan_bands
 from app.core.run import pass_one
 from tools.reference import reference_accumulated, reference_blocks
 
 from .numeric import assert_matches
 from app.core.settings import Settings
-from app.core.sizes import Sizes
 
 
 def refusal(call, *args) -> BlockgradError:
@@ -92,7 +90,7 @@ def test_over_the_deadline_without_a_better_factor_suggests_none():
 
 # Every cost constant pinned (BLOCKGRAD_COST_PER_BLOCK_S / _PER_NUMBER_S replace compute and
 # output costs alike) to powers of two, so the predictions below are exact. The cost model
-# (app/core/cost.py; docs/performance.md, "Choosing a factor"):
+# (app/core/admission.py; docs/performance.md, "Choosing a factor"):
 #   seconds = stages x (blocks x b + numbers x u) + [blocks asked] (blocks x b + N x N x 2D x u)
 #   blocks = F x F, numbers = N x N x 2D + F x N x 2D (no block over a 1M-number chunk here);
 #   stages = 1: `sum`, the default objective, keeps its gradients from pass one.

@@ -8,10 +8,9 @@ import torch
 
 from app import create_app
 from app.api.v1.front_end import answer_cost
-from app.core.admission import admit
-from app.core.memory import predict_peak_bytes
+from app.core.admission import admit, predict_peak_bytes
 from app.core.settings import Settings
-from app.core.sizes import Sizes
+from app.core.request import Sizes
 from app.core.slots import ThreadSlots
 from app.extensions import services_of
 from app.serving import slots as pod_slots

@@ -16,11 +16,9 @@ import torch
 
 from app import create_app
 from app.core import run as run_module
-from app.core.deadline import Deadline
+from app.core.slots import Deadline, Gate, ThreadSlots
 from app.core.engine import elements_per_chunk, plan_bands
-from app.core.gate import Gate
 from app.core.objectives import OBJECTIVES
-from app.core.slots import ThreadSlots
 from app.extensions import services_of
 from app.serving import slots as pod_slots
 from tools.reference import reference_blocks

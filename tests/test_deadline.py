@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 import requests
 
-import app.core.deadline as deadline_module
+import app.core.slots as deadline_module
 import app.core.run as compute
 from app import create_app
-from app.core.errors import deadline_exceeded
+from app.core.errors import BlockgradError, deadline_exceeded
 from app.core.engine import DEFAULT_CHUNK_ELEMENTS, plan_bands
-from app.core.deadline import Deadline
-from app.core.errors import BlockgradError
+from app.core.slots import Deadline
 
 from tools.server import gunicorn_server, wait_until
 from .events import reached_the_app

@@ -8,7 +8,7 @@ import torch
 
 from app.core.engine import (PARALLEL_CHUNK_ELEMENTS, add_to_vectors, chain_rule_sums, chunk_gradients,
                              elements_per_chunk, plan_bands)
-from app.core.executor import LocalExecutor, PassOne, SerialExecutor
+from app.core.run import LocalExecutor, PassOne, SerialExecutor
 from app.core.slots import ThreadSlots
 from app.core.objectives import OBJECTIVES
 from app.core.settings import Settings
@@ -305,7 +305,7 @@ def test_an_extra_lane_goes_on_from_tile_to_tile_while_the_caller_computes_one()
     """The pool lane does not wait for the calling thread to hand it each chunk: while the
     caller sits in its first chunk, the lane computes every other chunk the window allows
     (LOOKAHEAD_PER_LANE x 2 lanes, less the caller's), giving its slot back between them."""
-    from app.core.executor import LOOKAHEAD_PER_LANE
+    from app.core.run import LOOKAHEAD_PER_LANE
 
     slots = CountingSlots(2)
     own = slots.try_acquire()

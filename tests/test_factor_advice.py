@@ -6,9 +6,9 @@ import itertools
 import pytest
 
 from app import create_app
-from app.core.cost import COMPUTE_COSTS, OUTPUT_COSTS, predict_seconds
+from app.core.admission import COMPUTE_COSTS, OUTPUT_COSTS, check_block_and_answer, predict_seconds, suggested_factor
 from app.core.errors import BlockgradError
-from app.core.admission import Sizes, check_block_and_answer, suggested_factor
+from app.core.request import Sizes
 from app.core.settings import Settings
 
 from .test_api import assert_error, post

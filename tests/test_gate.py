@@ -1,4 +1,4 @@
-"""The compute gate (app/core/gate.py): one slot, a bounded FIFO queue, deadlines and
+"""The compute gate (app/core/slots.py): one slot, a bounded FIFO queue, deadlines and
 cancellation while waiting. Threads only; every wait bounded; no timing verdicts: a
 waiter's deadline is either already past or far away (60 s) and released explicitly."""
 import threading
@@ -6,8 +6,7 @@ import threading
 import pytest
 
 from app.core.errors import BlockgradError
-from app.core.gate import Gate, GateListener
-from app.core.deadline import Deadline
+from app.core.slots import Deadline, Gate, GateListener
 
 FAR = 60.0
 JOIN_S = 30

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from app import create_app
-from app.core import executor
+from app.core import run as executor
 from app.core.engine import elements_per_chunk, plan_bands
 from app.core.job_tasks import (COLS, ROWS, JobSpec, add_band, band_groups, finish, plan_tiles, reduction_levels,
                                 run_tile)

@@ -9,9 +9,9 @@ from app import create_app
 from app.api.v1.front_end import answer_cost as v1_answer_cost
 from app.api.v2.front_end import answer_cost as v2_answer_cost
 from app.api.v2.infer import RequestedOutput
-from app.core.memory import MemoryLedger, predict_peak_bytes
+from app.core.admission import MemoryLedger, predict_peak_bytes
 from app.core.settings import Settings
-from app.core.sizes import Sizes
+from app.core.request import Sizes
 from app.extensions import services_of
 from blockgrad_client.infer import binary_infer_request, read_infer_response
 
@@ -183,7 +183,7 @@ def test_mixed_json_and_binary_outputs_match_the_all_json_answer(client):
 
 def test_a_body_at_the_size_limit_fits_the_default_budget():
     # A body at the size limit, once it has arrived, reserves its parse estimate: that must fit.
-    from app.core.memory import body_parse_bytes
+    from app.core.admission import body_parse_bytes
 
     settings = Settings()
     assert body_parse_bytes(settings.max_body_bytes, binary=False) <= settings.worker_memory_bytes

@@ -22,7 +22,7 @@ def raise_oom(*args, **kwargs):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
-@pytest.mark.parametrize("where", ["app.core.run.load_vectors", "app.core.executor.plan_bands"])  # pass one's plan
+@pytest.mark.parametrize("where", ["app.core.run.load_vectors", "app.core.run.plan_bands"])  # pass one's plan
 def test_out_of_memory_is_503_and_the_worker_serves_on(client, monkeypatch, empty_cache_calls, where):
     monkeypatch.setattr(where, raise_oom)
     response = client.post("/v1/gradients", json=GOOD)
@@ -42,7 +42,7 @@ def test_out_of_memory_mid_stream_frees_the_cache(monkeypatch, empty_cache_calls
     from app import create_app
     # Dense gradients over a tiny keep budget: pass one cannot keep them, so pass two runs.
     client = create_app({"TESTING": True, "BLOCKGRAD_MAX_BLOCK_ELEMENTS": 16}).test_client()
-    real = compute.chunk_gradients  # run.py's own name for it: pass two's (pass one's chunks run in executor.py)
+    real = compute.chunk_gradients
     calls = []
 
     def fail_in_pass_two(*args, **kwargs):
@@ -50,9 +50,9 @@ def test_out_of_memory_mid_stream_frees_the_cache(monkeypatch, empty_cache_calls
         if len(calls) == 1:  # pass two's first band, while the body streams
             raise_oom()
         return real(*args, **kwargs)
-    monkeypatch.setattr(compute, "chunk_gradients", fail_in_pass_two)
     response = client.post("/v1/gradients", json=dict(GOOD, objective="sum_of_squares"))
     assert response.status_code == 200
+    monkeypatch.setattr(compute, "chunk_gradients", fail_in_pass_two)  # pass one is over: the head was sent
     with pytest.raises(BlockgradError) as cut:
         response.get_data()
     assert cut.value.code == "device_out_of_memory"

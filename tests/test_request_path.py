@@ -8,12 +8,12 @@ import torch
 
 from app import create_app
 from app.api.v1.render import stream_with_blocks
-from app.core import executor
+from app.core import run as executor
 from app.core.engine import band_blocks, iter_bands
-from app.core.admission import Sizes, check_block_and_answer
+from app.core.admission import check_block_and_answer
+from app.core.request import GradientRequest, Sizes
 from app.core.errors import BlockgradError
 from app.core.objectives import OBJECTIVES
-from app.core.request import GradientRequest
 import app.core.run as compute
 from app.core.run import Deadline, load_vectors, pass_one
 from app.core.settings import Settings

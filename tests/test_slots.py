@@ -186,7 +186,7 @@ def test_the_executor_runs_tiles_on_the_pods_slots(two_slots):
     when the second slot lets them run at once; afterwards only the request's own is held."""
     import threading
 
-    from app.core.executor import LocalExecutor
+    from app.core.run import LocalExecutor
 
     barrier = threading.Barrier(2, timeout=WAIT_S)
     own = two_slots.try_acquire()

@@ -1,4 +1,4 @@
-"""Memory for request bodies as they arrive (app/core/memory.py, app/http/parsing.py): never
+"""Memory for request bodies as they arrive (app/core/admission.py, app/http/parsing.py): never
 for what a Content-Length declares; bodies still arriving share at most
 BLOCKGRAD_UPLOAD_MEMORY_SHARE of the budget, and a body that has arrived is never held back
 by them. In process (Flask's test client); tests/test_hostile_clients.py has real sockets."""
@@ -9,7 +9,7 @@ import pytest
 
 from app import create_app
 from app.core.errors import BlockgradError
-from app.core.memory import MemoryLedger, body_parse_bytes, upload_bytes
+from app.core.admission import MemoryLedger, body_parse_bytes, upload_bytes
 from app.http import memory as http_memory
 from app.extensions import services_of
 from app.http.parsing import BODY_PIECE_BYTES

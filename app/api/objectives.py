@@ -1,7 +1,7 @@
 """GET /v1/objectives: the objectives this server has, built-ins and models."""
 from marshmallow import Schema, fields
 
-from ..core.served_objectives import describe
+from ..core.objectives import describe
 from ..http.docs import documents_errors
 from ..http.parsing import ApiBlueprint
 from ..extensions import services

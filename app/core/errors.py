@@ -63,6 +63,11 @@ def unknown_fields(names: set[str], known) -> BlockgradError:
                           {"fields": fields, "unknown_fields": len(names)})
 
 
+def invalid_request(message: str) -> BlockgradError:
+    """validation_error with a message only: /v2 answers it as the protocol's {"error": message}."""
+    return BlockgradError("validation_error", message)
+
+
 def field_error(field: str, message: str) -> BlockgradError:
     return validation_error({field: [message]})
 
@@ -192,3 +197,42 @@ def job_result_too_large(predicted: int, budget: int, binary: bool) -> Blockgrad
     return limit_exceeded(
         f"This job's result takes about {predicted // 2 ** 20} MiB to send, over BLOCKGRAD_WORKER_MEMORY_BYTES "
         f"= {budget // 2 ** 20} MiB per worker; {advice}.", "BLOCKGRAD_WORKER_MEMORY_BYTES", predicted, budget)
+
+
+# Memory (the worker's ledger, app/core/admission.py).
+def memory_limit_exceeded(predicted: int, budget: int) -> BlockgradError:
+    return limit_exceeded(
+        f"This request would take about {predicted // 2 ** 20} MiB at its peak, over "
+        f"BLOCKGRAD_WORKER_MEMORY_BYTES = {budget // 2 ** 20} MiB per worker; send a larger factor, "
+        "fewer outputs (binary /v2 outputs are the smallest), float32 or fewer vectors.",
+        "BLOCKGRAD_WORKER_MEMORY_BYTES", predicted, budget)
+
+
+MEMORY_BUSY_RETRY_AFTER_S = 2
+
+
+def memory_busy(predicted: int, reserved: int, budget: int) -> BlockgradError:
+    return BlockgradError(
+        "overloaded",
+        f"This worker's memory is taken by the requests it holds ({reserved // 2 ** 20} MiB of "
+        f"{budget // 2 ** 20} MiB); this one needs about {predicted // 2 ** 20} MiB: retry after the "
+        "Retry-After seconds, on any replica.",
+        {"limit": "BLOCKGRAD_WORKER_MEMORY_BYTES", "value": predicted, "reserved": reserved, "allowed": budget},
+        retry_after_s=MEMORY_BUSY_RETRY_AFTER_S)
+
+
+def uploads_busy(nbytes: int, uploading: int, allowed: int) -> BlockgradError:
+    return BlockgradError(
+        "overloaded",
+        f"This worker's bodies still arriving hold {uploading // 2 ** 20} MiB of the {allowed // 2 ** 20} MiB "
+        "they may share (BLOCKGRAD_UPLOAD_MEMORY_SHARE of BLOCKGRAD_WORKER_MEMORY_BYTES); send the body faster, "
+        "or retry after the Retry-After seconds, on any replica.",
+        {"limit": "BLOCKGRAD_UPLOAD_MEMORY_SHARE", "value": nbytes, "reserved": uploading, "allowed": allowed},
+        retry_after_s=MEMORY_BUSY_RETRY_AFTER_S)
+
+
+def upload_limit_exceeded(nbytes: int, allowed: int) -> BlockgradError:
+    return limit_exceeded(
+        f"This body takes about {nbytes // 2 ** 20} MiB while it arrives, over the {allowed // 2 ** 20} MiB "
+        "that bodies still arriving may hold (BLOCKGRAD_UPLOAD_MEMORY_SHARE of BLOCKGRAD_WORKER_MEMORY_BYTES); "
+        "send a smaller body.", "BLOCKGRAD_UPLOAD_MEMORY_SHARE", nbytes, allowed)

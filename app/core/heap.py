@@ -7,7 +7,7 @@ nor returned and the heap grows far past what the request holds. `malloc_trim(0)
 the free pages inside the heap, but costs a walk of it and the pages' faults when reused,
 so it runs only once the process's resident memory has grown by TRIM_SLACK_BYTES since the
 last mark: ordinary requests never pay for it, and the growth stays within the slack
-(app/core/memory.py counts it for requests that keep blocks). docs/benchmarks.md has the
+(app/core/admission.py counts it for requests that keep blocks). docs/benchmarks.md has the
 measurements behind the slack.
 
 `mallopt` is the one way the rest of the service sets glibc's allocator parameters (the

@@ -1,7 +1,7 @@
 """A job's computation cut into tasks of whole block tiles, and their reduction.
 
 A tile is a range of block rows x a range of block columns. Its task runs /v1's pass one
-(`executor.PassOne`: the engine's one plan, restricted to the tile, and the finiteness
+(`run.PassOne`: the engine's one plan, restricted to the tile, and the finiteness
 proof), so a task's memory is bounded by a chunk plus its partial sums, and returns the
 tile's losses and its share of the accumulated gradient: rows x D onto the tile's rows of
 V and cols x D onto its columns, (rows + cols) x D in all, never N x D.
@@ -28,8 +28,8 @@ import torch
 from .dtypes import TORCH_DTYPES
 from .engine import block_bounds
 from .errors import non_finite_accumulated, non_finite_block
-from .executor import PassOne, SerialExecutor
 from .objectives import Objective
+from .run import PassOne, SerialExecutor
 
 # Numbers (pairs x 2D) one tile task computes: large against a task's scheduling overhead,
 # small enough that a cancelled job frees its worker soon (docs/jobs.md).
@@ -139,7 +139,7 @@ def tile_spans(spec: JobSpec, tile: Tile) -> tuple[int, int, int, int]:
 
 def run_tile(vectors: np.ndarray, spec: JobSpec, tile: Tile, objective: Objective) -> TilePartial:
     """Every block of the tile: its losses and its chain-rule sums onto V's rows and columns,
-    pass one as /v1 runs it (executor.PassOne), on the tile's blocks."""
+    pass one as /v1 runs it (run.PassOne), on the tile's blocks."""
     started_at = time.time()
     torch.set_num_threads(1)  # one core per task, and the same loss bits as /v1's one thread
     v = torch.as_tensor(vectors, dtype=TORCH_DTYPES[spec.dtype])  # (N, D)

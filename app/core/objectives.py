@@ -5,18 +5,27 @@ block (k,), differentiably, each block's loss depending on its own block only
 (any max-shift or scale is taken per block). The engine differentiates the sum
 of these losses, so each block's gradient is exactly its own (app/core/engine.py).
 User input only ever selects a name from this table; nothing is evaluated.
+
+`served_objectives` is this server's table: the built-ins, then the models of
+BLOCKGRAD_MODEL_DIR (models.py). Built once per app (create_app) and passed explicitly to
+`build_request`; the request then carries the resolved objective, so `run` needs no lookup.
 """
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
+
+from .dtypes import DTYPES
+from .models import ModelObjective, load_models
+from .settings import Settings
 
 BLOCK_DIMS = (1, 2, 3)  # the dimensions of one block in a (k, h, w, 2D) stack
 
 
 class Objective(Protocol):
-    """What the engine needs of an objective. A model-backed objective may also expose
-    `bytes_per_pair` (activation memory per pair), which the engine uses to size its chunks."""
+    """What the engine needs of an objective. A model-backed objective also exposes `dim` and
+    `dtypes` (the D and dtypes it takes; a built-in takes any) and `bytes_per_pair`
+    (activation memory per pair), which the engine uses to size its chunks."""
     name: str
     description: str
 
@@ -147,3 +156,17 @@ OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (
 )}
 DEFAULT_OBJECTIVE = "sum"
 DEFAULT_OFFSET = 5.0
+def served_objectives(settings: Settings) -> dict[str, Objective]:
+    """Built-ins first, then models by name; raises ModelError for a file that cannot be served."""
+    return {**OBJECTIVES, **load_models(settings.model_dir, OBJECTIVES)}
+
+
+def describe(name: str, objective: Objective) -> dict[str, Any]:
+    """One entry of GET /v1/objectives."""
+    if isinstance(objective, ModelObjective):
+        return {"name": name, "kind": "model", "dim": objective.dim, "dtypes": list(objective.dtypes),
+                "description": objective.description, "file": objective.file.name,
+                "size_bytes": objective.size_bytes, "parameters": objective.parameter_count,
+                "bytes_per_pair": objective.bytes_per_pair}
+    return {"name": name, "kind": "builtin", "dim": None, "dtypes": list(DTYPES),
+            "description": objective.description}

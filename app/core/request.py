@@ -1,6 +1,7 @@
-"""The request type of the computation, and the one function that builds it.
+"""The request: its sizes as sent (what admission reads), and its converted form.
 
-Both front ends turn what they received into keyword values and call
+Every front end first makes `Sizes` (N, D >= 1, checked), which admission reads before
+any number is converted; then turns what it received into keyword values and calls
 `build_request`, which applies the rules that need the numbers (factor within N,
 values within dtype) and raises `validation_error` naming the fields.
 """
@@ -11,14 +12,49 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .dtypes import DEFAULT_DTYPE, DTYPES, UNKNOWN_DTYPE
-from .errors import validation_error
+from .errors import field_error, validation_error
 from .objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET, OBJECTIVES, Objective
-from .served_objectives import objective_dim, objective_dtypes
-from .vectors import fits_dtype
+from .vectors import EMPTY_ROWS, NO_ROWS, fits_dtype
 
 OUTPUTS = ("blocks", "accumulated", "losses")
 DEFAULT_OUTPUTS = ("blocks", "accumulated")
 BLOCK_CAP = 6  # default factor ceil(N / 6): blocks of about six rows
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """N, D >= 1 once made (validation_error otherwise): every front end makes one before it admits
+    a request, so no limit, cost or memory model ever reads an N or D of 0 (they divide by them).
+    A factor outside 1..N or an unknown dtype never gets here: the front ends send None
+    (`admissible_factor`) and the default dtype (`request_sizes`)."""
+    n: int
+    dim: int
+    factor: int | None  # None: not valid as sent (the request is refused when converted)
+    outputs: tuple[str, ...] | None  # the core's outputs computed, in OUTPUTS order; None: not valid as sent
+    objective: str = DEFAULT_OBJECTIVE
+    dtype: str = DEFAULT_DTYPE
+    bytes_per_pair: int | None = None  # a model objective's activations per pair; None for built-ins
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise field_error("vectors", NO_ROWS)
+        if self.dim < 1:
+            raise field_error("vectors", EMPTY_ROWS)
+
+
+def admissible_factor(factor: object, n: int) -> int | None:
+    """The factor as sent if it is one admission can read, else None (conversion refuses it)."""
+    return factor if type(factor) is int and 1 <= factor <= n else None
+
+
+def request_sizes(n: int, dim: int, factor: int | None, outputs: tuple[str, ...] | None, *, objective: object,
+                  dtype: object, objectives: Mapping[str, Objective]) -> Sizes:
+    """Sizes as sent; an objective or dtype left out, or one that conversion will refuse, is
+    predicted as the default (a refusal is near)."""
+    dtype = dtype if isinstance(dtype, str) and dtype in DTYPES else DEFAULT_DTYPE
+    objective = objective if isinstance(objective, str) and objective in objectives else DEFAULT_OBJECTIVE
+    return Sizes(n, dim, factor, outputs, objective=objective, dtype=dtype,
+                 bytes_per_pair=getattr(objectives[objective], "bytes_per_pair", None))
 
 
 def default_factor(n: int) -> int:
@@ -36,18 +72,14 @@ class GradientRequest:
     # What `objective` names among the server's objectives (build_request resolves it); left out,
     # the built-in of that name.
     objective_fn: Objective | None = field(default=None, repr=False, compare=False)
+    n: int = field(init=False, repr=False, compare=False)  # N and D of `vectors`
+    dim: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.objective_fn is None:
             object.__setattr__(self, "objective_fn", OBJECTIVES[self.objective])
-
-    @property
-    def n(self) -> int:
-        return self.vectors.shape[0]
-
-    @property
-    def dim(self) -> int:
-        return self.vectors.shape[1]
+        object.__setattr__(self, "n", self.vectors.shape[0])
+        object.__setattr__(self, "dim", self.vectors.shape[1])
 
 
 def ordered_outputs(names) -> tuple[str, ...]:
@@ -63,12 +95,13 @@ def unknown_objective(objectives: Mapping[str, Objective]) -> str:
 
 
 def objective_fit(name: str, objective: Objective, dim: int, dtype: str) -> dict[str, list[str]]:
-    """A model takes only the D and the dtype it was exported for (it is never cast)."""
+    """A model takes only the D and the dtype it was exported for (it is never cast); a
+    built-in, any D and dtype."""
     errors = {}
-    model_dim = objective_dim(objective)
+    model_dim = getattr(objective, "dim", None)
     if model_dim is not None and dim != model_dim:
         errors["vectors"] = [f"Objective {name!r} takes vectors of length D = {model_dim}; got {dim}."]
-    dtypes = objective_dtypes(objective)
+    dtypes = getattr(objective, "dtypes", DTYPES)
     if dtype in DTYPES and dtype not in dtypes:
         errors["dtype"] = [f"Objective {name!r} takes {' or '.join(dtypes)} only (the dtype it was exported "
                            f"with); got {dtype}."]
@@ -80,7 +113,7 @@ def build_request(vectors: np.ndarray, *, objectives: Mapping[str, Objective] = 
                   offset: float = DEFAULT_OFFSET, outputs=DEFAULT_OUTPUTS,
                   dtype: str = DEFAULT_DTYPE) -> GradientRequest:
     """A checked GradientRequest from values of the right types (the front ends check types);
-    `objectives`: this server's (app/core/served_objectives.py)."""
+    `objectives`: this server's (objectives.served_objectives)."""
     n = vectors.shape[0]
     errors: dict[str, list[str]] = {}
     if factor is not None and not 1 <= factor <= n:

@@ -1,12 +1,34 @@
-"""Compute slots, one per core, as the executor and the gate take them.
+"""Compute slots: the right to keep one core busy, the bounded queue in front of them,
+and a request's deadline, which bounds its wait there and its computation.
 
-`SlotSource` is what both need: a slot now if one is free and nobody waits for one
-(`try_acquire`), or a bounded wait for one (`acquire`). `ThreadSlots` are the slots of
-one process (tests, a development server); gunicorn's workers share the pod's
-(app/serving/slots.py), which satisfy the same protocol. Standard library only.
+`SlotSource` is what the gate and the executor (app/core/run.py) need: a slot now if one
+is free and nobody waits for one (`try_acquire`), or a bounded wait for one (`acquire`).
+`ThreadSlots` are the slots of one process (tests, a development server); gunicorn's
+workers share the pod's (app/serving/slots.py, flock'd files), which satisfy the same
+protocol, so a request takes a free core wherever it is.
+
+The gate: threads beyond the slots serve connections, probes and slow clients; those that
+want to compute wait in the gate, at most `queue_depth` of them per worker, first come
+first served: the first in line waits on the source (which wakes it when a slot anywhere
+is released), the others behind it. One more is refused at once (`overloaded`, 503 with
+Retry-After) instead of waiting unseen in a socket backlog. The wait counts against the
+request's deadline (`deadline_exceeded`, details.queued) and stops when the client goes
+away (`client_closed`).
+
+Memory is not the gate's: the worker's ledger (app/core/admission.py) admits it before a
+request queues. Standard library only (threading): no HTTP and no metrics here;
+`GateListener` reports depth, waits and refusals to whoever counts them.
 """
 import threading
+import time
+from collections import deque
+from collections.abc import Callable
 from typing import Protocol
+
+from .errors import client_closed, deadline_exceeded, overloaded
+from .settings import COMPUTE_SLOTS
+
+WAIT_POLL_S = 0.1  # how often a waiting request looks at its deadline and its client
 
 
 class Slot(Protocol):
@@ -75,3 +97,150 @@ class ThreadSlots:
                 return LocalSlot(self)
             finally:
                 self._waiting -= 1
+
+
+class Deadline:
+    """Past it, or once the client has gone, the request stops and frees its tensors.
+
+    `started`: time.monotonic() at the request's arrival (default now), so that time spent
+    reading the body and waiting for the compute slot counts. `cancelled`: asks whether the
+    client has gone (the HTTP layer peeks at the connection); polled at most every
+    CANCEL_POLL_S, so that tiny blocks do not each cost a system call.
+    """
+    CANCEL_POLL_S = 0.02
+
+    def __init__(self, timeout_s: float, started: float | None = None,
+                 cancelled: Callable[[], bool] | None = None):
+        self.timeout_s = timeout_s
+        self.expires = (time.monotonic() if started is None else started) + timeout_s
+        self.cancelled = cancelled
+        self.next_poll = 0.0
+
+    def remaining(self) -> float:
+        return self.expires - time.monotonic()
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now > self.expires:
+            raise deadline_exceeded(self.timeout_s)
+        if self.cancelled is not None and now >= self.next_poll:
+            self.next_poll = now + self.CANCEL_POLL_S
+            if self.cancelled():
+                raise client_closed()
+
+
+class GateListener:
+    """Hooks for metrics; the defaults do nothing."""
+
+    def waiting(self, depth: int) -> None:
+        """The number of requests waiting changed to `depth`."""
+
+    def waited(self, seconds: float) -> None:
+        """A request got the slot after waiting `seconds` (0 when it was free)."""
+
+    def shed(self) -> None:
+        """A request was refused: the queue was full."""
+
+
+class Ticket:
+    """The slot, held until `release` (idempotent: a stream's end and its close both call it)."""
+
+    def __init__(self, gate: "Gate", slot: Slot):
+        self.gate, self.slot = gate, slot
+        self.released = False
+
+    def release(self) -> None:
+        self.gate._release(self)
+
+
+class Gate:
+    def __init__(self, queue_depth: int, slots: int | SlotSource = COMPUTE_SLOTS,
+                 listener: GateListener | None = None):
+        self.queue_depth = queue_depth
+        self.source = ThreadSlots(slots) if isinstance(slots, int) else slots
+        self.listener = listener or GateListener()
+        self._lock = threading.Condition()
+        self._busy = 0
+        self._queue: deque[object] = deque()  # one token per waiting request, in arrival order
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    @property
+    def busy(self) -> int:
+        """First slots this worker's requests hold (a request's extra chunks' slots not counted)."""
+        return self._busy
+
+    def acquire(self, deadline: Deadline) -> Ticket:
+        """A slot, waiting in line up to the deadline; overloaded if the line is full."""
+        start = time.monotonic()
+        with self._lock:
+            if not self._queue:
+                slot = self.source.try_acquire()
+                if slot is not None:
+                    self._busy += 1
+                    self.listener.waited(0.0)
+                    return Ticket(self, slot)
+            if len(self._queue) >= self.queue_depth:
+                self.listener.shed()
+                raise overloaded(self.queue_depth)
+            token = object()
+            self._queue.append(token)
+            self.listener.waiting(len(self._queue))
+        ticket = self._in_line(token, deadline)
+        self.listener.waited(time.monotonic() - start)
+        return ticket
+
+    def resume(self, deadline: Deadline) -> Ticket:
+        """A slot again for a request that is already answering (a stream between the bands
+        it recomputes): never refused for a full line, and next in it, behind only the first
+        (already waiting on the slots). Not a request's wait: the listener hears nothing of it."""
+        with self._lock:
+            slot = self.source.try_acquire()
+            if slot is not None:
+                self._busy += 1
+                return Ticket(self, slot)
+            token = object()
+            self._queue.insert(1 if self._queue else 0, token)
+            self.listener.waiting(len(self._queue))
+        return self._in_line(token, deadline)
+
+    def _in_line(self, token: object, deadline: Deadline) -> Ticket:
+        """The ticket of `token`, queued under the lock: waited for, then out of the line."""
+        try:
+            slot = self._wait_in_line(token, deadline)
+        finally:
+            with self._lock:
+                self._queue.remove(token)
+                self.listener.waiting(len(self._queue))
+                self._lock.notify_all()  # the next in line may now be first
+        return Ticket(self, slot)
+
+    def _wait_in_line(self, token: object, deadline: Deadline) -> Slot:
+        """First in line: wait on the source for a slot; behind it: for the first to leave."""
+        while True:
+            remaining = deadline.remaining()
+            if remaining <= 0:
+                raise deadline_exceeded(deadline.timeout_s, queued=True)
+            with self._lock:
+                first = self._queue[0] is token
+                if not first:
+                    self._lock.wait(min(remaining, WAIT_POLL_S))
+            if first:
+                slot = self.source.acquire(timeout=min(remaining, WAIT_POLL_S))
+                if slot is not None:
+                    with self._lock:
+                        self._busy += 1
+                    return slot
+            if deadline.cancelled is not None and deadline.cancelled():
+                raise client_closed()
+
+    def _release(self, ticket: Ticket) -> None:
+        with self._lock:
+            if ticket.released:
+                return
+            ticket.released = True
+            ticket.slot.release()
+            self._busy -= 1
+            self._lock.notify_all()

@@ -9,12 +9,11 @@ from typing import Any
 from flask import Flask
 from flask_smorest import Api
 
-from ..core.executor import LocalExecutor
-from ..core.gate import Gate
-from ..core.memory import MemoryLedger
-from ..core.served_objectives import served_objectives
+from ..core.admission import MemoryLedger
+from ..core.objectives import served_objectives
+from ..core.run import LocalExecutor
 from ..core.settings import COMPUTE_SLOTS, Settings
-from ..core.slots import SlotSource, ThreadSlots
+from ..core.slots import Gate, SlotSource, ThreadSlots
 from ..extensions import Jobs, Services, install_services, services_of
 from . import request_record
 from .auth import install_auth

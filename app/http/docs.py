@@ -12,7 +12,7 @@ from flask_smorest import Api
 from marshmallow import Schema, fields
 from swagger_ui_bundle import swagger_ui_path
 
-from ..core.served_objectives import describe
+from ..core.objectives import describe
 from ..core.settings import Settings
 from ..extensions import services_of
 from .errors import DEFAULT_STYLE, ERRORS, ErrorStyle

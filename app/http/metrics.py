@@ -77,7 +77,7 @@ def exposition() -> tuple[bytes, str]:
         return generate_latest(registry), CONTENT_TYPE_PLAIN_0_0_4
     return generate_latest(REGISTRY), CONTENT_TYPE_PLAIN_0_0_4
 
-# The compute gate (app/core/gate.py): one computation per worker, a bounded queue in front.
+# The compute gate (app/core/slots.py): one computation per worker, a bounded queue in front.
 QUEUE_DEPTH = Gauge("blockgrad_queue_depth", "Requests waiting for a compute slot (summed over live workers).",
                     multiprocess_mode="livesum")
 QUEUE_WAIT = Histogram("blockgrad_queue_wait_seconds", "Time a computing request waited for its compute slot.",

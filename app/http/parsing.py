@@ -13,8 +13,8 @@ from flask_smorest import Blueprint
 from marshmallow import ValidationError
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from ..core.admission import body_parse_bytes, upload_bytes
 from ..core.errors import BlockgradError, validation_error
-from ..core.memory import body_parse_bytes, upload_bytes
 from ..extensions import services
 from .connection import ReadAlarm
 from .errors import BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, incomplete_body, read_timeout

@@ -17,14 +17,12 @@ from typing import Any, Protocol
 import torch
 from flask import Request, Response, g, request
 
-from ..core import deadline as deadline_module  # Deadline looked up per request (tests replace it)
-from ..core.admission import admit
+from ..core import slots as deadline_module  # Deadline looked up per request (tests replace it)
+from ..core.admission import AnswerCost, admit
 from ..core.device import ready_device
-from ..core.gate import Ticket
-from ..core.memory import AnswerCost
-from ..core.request import GradientRequest
+from ..core.request import GradientRequest, Sizes
 from ..core.run import Result, run
-from ..core.sizes import Sizes
+from ..core.slots import Ticket
 from ..extensions import services
 from .connection import cancel_probe
 from .memory import reserve_for_request

@@ -6,8 +6,7 @@ Probes, /metrics and the docs never come here: only computing requests wait.
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ..core.deadline import Deadline
-from ..core.gate import Gate, GateListener
+from ..core.slots import Deadline, Gate, GateListener
 from . import metrics
 
 

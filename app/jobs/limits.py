@@ -4,8 +4,8 @@ import math
 
 from ..core.admission import block_elements
 from ..core.errors import job_too_many_vectors, limit_exceeded
+from ..core.request import Sizes
 from ..core.settings import Settings
-from ..core.sizes import Sizes
 
 
 def fitting_factor(n: int, dim: int, allowed: int) -> int | None:

@@ -13,12 +13,12 @@ import torch
 from flask import Request, Response
 from marshmallow import ValidationError
 
+from ...core.admission import AnswerCost
 from ...core.dtypes import DEFAULT_DTYPE, DTYPES, WIDEST
 from ...core.errors import many_unknown, unknown_fields
-from ...core.memory import AnswerCost
-from ...core.request import DEFAULT_OUTPUTS, OUTPUTS, GradientRequest, default_factor, ordered_outputs
+from ...core.request import (DEFAULT_OUTPUTS, OUTPUTS, GradientRequest, Sizes, admissible_factor, default_factor,
+                             ordered_outputs, request_sizes)
 from ...core.run import Result
-from ...core.sizes import Sizes, admissible_factor, request_sizes
 from ...extensions import services
 from ...http.errors import wrong_content_type
 from ...http.parsing import decode_document, is_json_mimetype, schema_error

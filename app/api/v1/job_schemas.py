@@ -4,7 +4,7 @@ from marshmallow import Schema, ValidationError, fields, pre_load
 from marshmallow.validate import Length
 
 from ...core.errors import many_unknown, unknown_fields
-from ...core.sizes import Sizes, admissible_factor
+from ...core.request import Sizes, admissible_factor
 from ...extensions import services
 from ...jobs.limits import admit_job
 from .schemas import GradientRequestSchema

@@ -16,8 +16,7 @@ from ...core.admission import check_activations
 from ...core.dtypes import DTYPES
 from ...core.engine import block_bounds
 from ...core.errors import field_error, job_result_too_large, validation_error
-from ...core.request import GradientRequest, build_request
-from ...core.sizes import Sizes, admissible_factor
+from ...core.request import GradientRequest, Sizes, admissible_factor, build_request
 from ...core.vectors import MatrixError, check_matrix
 from ...http.docs import documents_errors
 from ...http.errors import HttpError, bad_request, unsupported_media_type

@@ -6,8 +6,8 @@ from dataclasses import replace
 import torch
 from flask import Request, Response
 
+from ...core.admission import AnswerCost
 from ...core.dtypes import DTYPES
-from ...core.memory import AnswerCost
 from ...core.run import Result
 from ...http.errors import unsupported_media_type
 from ...http.parsing import is_json_mimetype

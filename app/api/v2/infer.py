@@ -13,10 +13,10 @@ import torch
 from marshmallow import ValidationError
 
 from ...core.engine import block_bounds
-from ...core.errors import BlockgradError, listed_names, many_unknown
-from ...core.request import GradientRequest, build_request, default_factor, ordered_outputs
+from ...core.errors import BlockgradError, invalid_request as invalid, listed_names, many_unknown
+from ...core.request import (GradientRequest, Sizes, admissible_factor, build_request, default_factor, ordered_outputs,
+                              request_sizes)
 from ...core.run import Result
-from ...core.sizes import Sizes, admissible_factor, request_sizes
 from ...core.vectors import MatrixError, check_matrix, parse_flat, parse_matrix
 from ...extensions import services
 from ...http.parsing import decode_json
@@ -29,11 +29,6 @@ from .schemas import InferRequestSchema, ParametersSchema, RequestInputSchema, R
 INFER_REQUEST_SCHEMA, PARAMETERS_SCHEMA = InferRequestSchema(), ParametersSchema()
 ENVELOPE_FIELDS = tuple(INFER_REQUEST_SCHEMA.fields)
 INPUT_FIELDS, OUTPUT_FIELDS = tuple(RequestInputSchema().fields), tuple(RequestOutputSchema().fields)
-
-
-def invalid(message: str) -> BlockgradError:
-    """The protocol answers a bad request with 400 and {"error": message}."""
-    return BlockgradError("validation_error", message)
 
 
 @dataclass(frozen=True)
