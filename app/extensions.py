@@ -14,7 +14,7 @@ from .core.executor import Executor
 from .core.gate import Gate
 from .core.memory import MemoryLedger
 from .core.objectives import Objective
-from .core.settings import Settings
+from .http.settings import Settings
 
 KEY = "blockgrad"
 
@@ -22,6 +22,7 @@ KEY = "blockgrad"
 class Jobs(Protocol):
     """The jobs on the Dask cluster (app/jobs/store.py's JobStore), as routes and probes use them."""
 
+    settings: Any  # app/jobs/settings.py's JobSettings
     def submit(self, req: Any, idempotency_key: str | None = None) -> tuple[dict, bool]: ...
     def view(self, job_id: str) -> dict: ...
     def result(self, job_id: str, before_fetch: Callable[[dict], None] = ...) -> tuple[dict, Any]: ...
