@@ -68,8 +68,8 @@ def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
               scrape_lock: Callable[[], AbstractContextManager] = nullcontext) -> tuple[Flask, Api]:
     """The app with its glue, and the Api its front ends register their blueprints on.
     `slots`: the compute slots (the pod's under gunicorn); None: COMPUTE_SLOTS of this process's own.
-    `jobs`: makes the job store from the environment (with the overrides). `scrape_lock`: held while /metrics reads
-    the value files."""
+    `jobs`: makes the job store from the environment (the overrides included). `scrape_lock`:
+    held while /metrics reads the value files."""
     environ = environment(overrides)
     settings = Settings.from_env(environ)
     # Models are loaded and checked here, once per process (in each worker: no preload_app);

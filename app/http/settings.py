@@ -1,7 +1,5 @@
-"""The HTTP layer's settings: the core's, and the fields only app/http reads.
-
-Standard library only (app/core/settings.py reads them), like the core's.
-"""
+"""The HTTP layer's settings: the core's, and the fields only app/http reads (the app's
+`Services.settings`, app/extensions.py). Read by the core's reader, standard library only."""
 from dataclasses import dataclass
 
 from ..core import settings as core
