@@ -12,11 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from app import create_app
 from app.api import register_front_ends
 from app.core.errors import cluster_unavailable
-from app.jobs.settings import JobSettings
 from app.http.app import build_app, finish_app
 from app.jobs import store as job_store
 from app.jobs.metrics import JOBS, WORKERS, observe_workers
 from app.jobs.on_scheduler import cluster_view, snapshots
+from app.jobs.settings import JobSettings
 from app.jobs.store import JobStore
 from app.serving import metrics_archive
 

@@ -101,8 +101,8 @@ def variables_in_code() -> set[str]:
 def test_every_environment_variable_is_in_the_configuration_table():
     table = section(text(DOCS / "configuration.md"), "## Environment variables")
     documented = set().union(*(backticked(cell) for cell in first_cells(table)))
-    # Every layer's settings (the HTTP layer's include the core's).
-    read = {variable_of(item) for layer in (HttpSettings, JobSettings) for item in fields(layer)} | variables_in_code() | {
+    layers = (HttpSettings, JobSettings)  # every layer's settings (the HTTP layer's include the core's)
+    read = {variable_of(item) for layer in layers for item in fields(layer)} | variables_in_code() | {
         "BLOCKGRAD_BIND", "WEB_CONCURRENCY", "PROMETHEUS_MULTIPROC_DIR"}
     assert read - documented == set()
     stale = {name for name in documented if name.startswith("BLOCKGRAD_")} - read
