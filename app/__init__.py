@@ -13,10 +13,12 @@ def create_app(overrides: Mapping[str, Any] | None = None):
     are Flask config (e.g. TESTING)."""
     from .api import register_front_ends
     from .http.app import build_app, finish_app
+    from .jobs.settings import JobSettings
     from .jobs.store import JobStore
     from .serving import metrics_archive, slots
 
     # The pod's compute slots and the metrics directory's lock under gunicorn.
-    app, api = build_app(overrides or {}, slots.installed(), JobStore, metrics_archive.scrape_lock)
+    app, api = build_app(overrides or {}, slots.installed(), lambda environ: JobStore(JobSettings.from_env(environ)),
+                         metrics_archive.scrape_lock)
     register_front_ends(app, api)
     return finish_app(app, api)

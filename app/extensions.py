@@ -13,14 +13,16 @@ from flask import Flask, current_app
 from .core.admission import MemoryLedger
 from .core.objectives import Objective
 from .core.run import Executor
-from .core.settings import Settings
 from .core.slots import Gate
+from .http.settings import Settings
 
 KEY = "blockgrad"
 
 
 class Jobs(Protocol):
     """The jobs on the Dask cluster (app/jobs/store.py's JobStore), as routes and probes use them."""
+
+    settings: Any  # app/jobs/settings.py's JobSettings
 
     def submit(self, req: Any, idempotency_key: str | None = None) -> tuple[dict, bool]: ...
     def view(self, job_id: str) -> dict: ...

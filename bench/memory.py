@@ -1,5 +1,5 @@
 """Peak worker memory per request case, against real gunicorn, beside the admission's
-prediction (app/core/memory.py): `python -m bench.memory [CASE ...]`.
+prediction (app/core/admission.py): `python -m bench.memory [CASE ...]`.
 
 Each case runs on a fresh worker (the previous one is killed and replaced): after a tiny
 warm-up request on the same route, the worker's peak RSS is reset (/proc/<pid>/clear_refs

@@ -12,7 +12,7 @@ import pytest
 from openapi_schema_validator import OAS30Validator
 
 from app import create_app
-from app.core.settings import Settings
+from app.http.settings import Settings
 from tools.server import gunicorn_server
 
 from .test_api import assert_error, strict_json

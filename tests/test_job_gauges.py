@@ -12,11 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from app import create_app
 from app.api import register_front_ends
 from app.core.errors import cluster_unavailable
-from app.core.settings import Settings
 from app.http.app import build_app, finish_app
 from app.jobs import store as job_store
 from app.jobs.metrics import JOBS, WORKERS, observe_workers
 from app.jobs.on_scheduler import cluster_view, snapshots
+from app.jobs.settings import JobSettings
 from app.jobs.store import JobStore
 from app.serving import metrics_archive
 
@@ -77,11 +77,11 @@ def stand_in(monkeypatch):
 
 
 def store(address: str = ADDRESS) -> JobStore:
-    return JobStore(dataclasses.replace(Settings.from_env({}), dask_scheduler=address, job_ttl_s=TTL_S))
+    return JobStore(dataclasses.replace(JobSettings.from_env({}), dask_scheduler=address, job_ttl_s=TTL_S))
 
 
 def jobs_app(make_store):
-    """The app with `make_store(settings)` as its job store (past the settings' own checks)."""
+    """The app with `make_store(environ)` as its job store (past the settings' own checks)."""
     app, api = build_app({"TESTING": True}, None, make_store)
     register_front_ends(app, api)
     return finish_app(app, api)
@@ -100,7 +100,7 @@ def scraped_workers(client) -> float:
 def test_a_scrape_answers_with_a_scheduler_address_dask_refuses(caplog):
     """Not an OSError: Dask raises ValueError for an unknown scheme. The scrape still answers 200."""
     observe_workers(2)
-    client = jobs_app(lambda settings: store("http://127.0.0.1:1")).test_client()
+    client = jobs_app(lambda environ: store("http://127.0.0.1:1")).test_client()
     with caplog.at_level(logging.WARNING, "blockgrad.jobs"):
         assert scraped_workers(client) == 0
     assert "job_metrics_unread" in caplog.messages
@@ -109,17 +109,17 @@ def test_a_scrape_answers_with_a_scheduler_address_dask_refuses(caplog):
 def test_a_scrape_answers_when_the_scheduler_answers_nonsense(stand_in):
     stand_in({"a" * 32: {"record": {}, "outcome": None, "progress": {}}})  # no "submitted", no "done"
     observe_workers(2)
-    client = jobs_app(lambda settings: store()).test_client()
+    client = jobs_app(lambda environ: store()).test_client()
     assert scraped_workers(client) == 0
 
 
 def test_a_bad_scheduler_address_is_refused_at_start_naming_the_variable():
     for address in ("http://dask-scheduler:8786", "tcp://dask-scheduler", "dask-scheduler", "tcp://host:port"):
         with pytest.raises(ValueError, match="BLOCKGRAD_DASK_SCHEDULER"):
-            Settings.from_env({"BLOCKGRAD_DASK_SCHEDULER": address})
+            JobSettings.from_env({"BLOCKGRAD_DASK_SCHEDULER": address})
     for address in ("tcp://dask-scheduler:8786", "tls://10.0.0.1:8786", "127.0.0.1:8786", "off"):
-        assert Settings.from_env({"BLOCKGRAD_DASK_SCHEDULER": address}).dask_scheduler == address
-    assert Settings.from_env({"BLOCKGRAD_DASK_SCHEDULER": ""}).dask_scheduler is None
+        assert JobSettings.from_env({"BLOCKGRAD_DASK_SCHEDULER": address}).dask_scheduler == address
+    assert JobSettings.from_env({"BLOCKGRAD_DASK_SCHEDULER": ""}).dask_scheduler is None
 
 
 def test_after_a_failed_read_scrapes_leave_the_scheduler_alone_for_a_while(monkeypatch):

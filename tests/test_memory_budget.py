@@ -10,7 +10,7 @@ from app.api.v1.front_end import answer_cost as v1_answer_cost
 from app.api.v2.front_end import answer_cost as v2_answer_cost
 from app.api.v2.infer import RequestedOutput
 from app.core.admission import MemoryLedger, predict_peak_bytes
-from app.core.settings import Settings
+from app.http.settings import Settings
 from app.core.request import Sizes
 from app.extensions import services_of
 from blockgrad_client.infer import binary_infer_request, read_infer_response

@@ -12,7 +12,7 @@ blp = ApiBlueprint("metrics", __name__, description="Prometheus metrics.")
 @blp.route("/metrics", methods=["GET"])
 @blp.doc(**OPEN_ROUTE)
 @blp.response(200, {"type": "string"}, content_type="text/plain",
-              description="Prometheus text exposition format, version 0.0.4 (metric names in the README).")
+              description="Prometheus text exposition format, version 0.0.4 (metric names in docs/operations.md).")
 @documents_errors(blp, "internal_error")
 def get_metrics():
     """Request counts, latencies, in-flight requests, outputs, compute time, errors and device."""

@@ -1,15 +1,16 @@
-"""Settings: one frozen object, read once from environment variables with defaults.
+"""The core's settings, and the reader every layer's settings use: a frozen dataclass whose
+fields are read once from environment variables, with defaults. Each layer keeps its own
+fields beside its code (app/http/settings.py, app/jobs/settings.py, app/serving's).
 
 Standard library only, so that gunicorn.conf.py can import it without torch.
 The limits are sized so that a 2-core, 24 GiB machine serves every request it
-accepts (README, "Limits").
+accepts (docs/configuration.md).
 """
 import math
 import os
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
-from urllib.parse import urlsplit
 
 
 def parse_int(name: str, raw: Any, default: int) -> int:
@@ -38,7 +39,8 @@ def parse_float(name: str, raw: Any, default: float) -> float:
     return value
 
 
-# Computations at once per worker (app/core/gate.py): torch's threads already use the worker's cores.
+# Compute slots of a process outside gunicorn (tests, tools); under gunicorn every worker
+# shares the pod's, one per core (app/serving/slots.py).
 COMPUTE_SLOTS = 1
 
 
@@ -85,99 +87,16 @@ def parse_bool(name: str, raw: Any, default: bool) -> bool:
     return word in TRUE_WORDS
 
 
-# Dask's address schemes a scheduler listens on (`host:port` alone means tcp://).
-SCHEDULER_SCHEMES = ("tcp", "tls", "ws", "wss", "ucx")
-NO_CLUSTER = "off"
-
-
-def parse_scheduler(name: str, raw: Any, default: str | None) -> str | None:
-    """A Dask scheduler's address, `off`, or unset (the default); anything else raises naming
-    the variable here, not as an error at every job route and scrape."""
-    if raw is None or str(raw).strip() == "":
-        return default
-    address = str(raw).strip()
-    if address == NO_CLUSTER:
-        return address
-    parts = urlsplit(address if "://" in address else f"tcp://{address}")
-    try:
-        port = parts.port
-    except ValueError:
-        port = None
-    if parts.scheme not in SCHEDULER_SCHEMES or not parts.hostname or port is None or parts.path not in ("", "/"):
-        raise ValueError(f"{name} must be {NO_CLUSTER!r} or a scheduler address such as tcp://host:8786 "
-                         f"(scheme one of {', '.join(SCHEDULER_SCHEMES)}), got {raw!r}")
-    return address
-
-
 def default_workers() -> int:
     """One worker per core, two at most: each worker computes on the cores it owns."""
     return min(2, available_cores())
 
 
-@dataclass(frozen=True)
-class Settings:
-    device: str = "auto"
-    # A JSON number can take 2 bytes ("1,"): the body limit bounds the Python objects parsing makes.
-    max_body_bytes: int = 32 * 1024 * 1024
-    max_n: int = 8192
-    max_d: int = 4096
-    # Numbers in one answer (blocks + accumulated + losses): N=512, D=64 in full is 33.6M.
-    max_output_elements: int = 64 * 1024 * 1024
-    # Numbers in one block (rows x cols x 2D): 4M float64 is 32 MiB a tensor.
-    max_block_elements: int = 4 * 1024 * 1024
-    request_timeout_s: float = 60.0
-    # Bytes the requests one worker holds may add to it at their peak (app/core/memory.py
-    # predicts each): two workers and their idle memory fit a 4 GiB pod (docs/benchmarks.md).
-    worker_memory_bytes: int = 1280 * 1024 * 1024
-    # The part of it that bodies still arriving may hold together (app/core/memory.py): the
-    # rest stays for requests whose bodies have arrived. Above 1 counts as 1.
-    upload_memory_share: float = 0.5
-    log_level: str = "INFO"
-    # Optional bearer token for every route but the probes (app/http/auth.py); None = open.
-    api_token: str | None = None
-    # Directory of exported programs served as objectives (app/core/models.py); None = built-ins only.
-    model_dir: str | None = None
-    # A model objective's estimated peak activation memory for one block: pairs x bytes_per_pair
-    # (README, "Model objectives").
-    max_activation_bytes: int = 256 * 1024 * 1024
-    # With a token set: whether /docs and /openapi.json stay open (a browser sends no token).
-    docs_public: bool = True
-    # Serving (README, "Worker model"): idle keep-alive longer than a balancer's usual 60 s,
-    # so that the balancer, not the server, closes idle connections.
-    keepalive_s: float = 75.0
-    queue_depth: int = field(default_factory=default_queue_depth)
-    read_timeout_s: float = 30.0  # head and body must arrive within it, from the head's first byte (408)
-    # The request head must arrive within it, from accept or a kept-alive connection's first new
-    # byte (app/serving/worker.py): nothing sent -> closed silently, a partial head -> 408.
-    header_timeout_s: float = 10.0
-    # Open connections per worker. Workers x this must hold 1500 + 40 x header_timeout_s: an
-    # idle flood of that size leaves room for probes; past it the longest-idle connection
-    # without a complete head is closed (docs/connections.md).
-    max_connections: int = 1000
-    send_timeout_s: float = 30.0  # a write making no progress this long ends the request
-    # The cost model's constants (app/core/cost.py): when set, they replace its measured
-    # table for every objective and dtype (tests pin them so no verdict depends on the machine).
-    cost_per_block_s: float | None = None
-    cost_per_number_s: float | None = None
-    # gunicorn's listening address and worker count (gunicorn.conf.py). WEB_CONCURRENCY is the
-    # name gunicorn itself and platforms such as Heroku use, hence no BLOCKGRAD_ prefix.
-    bind: str = "127.0.0.1:8000"
-    workers: int = field(default_factory=default_workers, metadata={"env": "WEB_CONCURRENCY"})
-    # Jobs (docs/jobs.md): an existing Dask scheduler's address; None: gunicorn starts an
-    # embedded cluster of dask_workers single-threaded workers on 127.0.0.1.
-    dask_scheduler: str | None = field(default=None, metadata={"parse": parse_scheduler})
-    dask_workers: int = field(default_factory=available_cores)
-    max_job_n: int = 131072
-    max_job_body_bytes: int = 256 * 1024 * 1024  # .npy bodies; N = 131072 x D = 64 float64 is 64 MiB
-    max_job_block_elements: int = 16 * 1024 * 1024
-    max_jobs: int = 16  # queued + running, all workers and pods sharing the scheduler
-    job_ttl_s: float = 3600.0  # how long a finished job and its result are kept
-    max_job_results_bytes: int = 2 * 1024 * 1024 * 1024  # retained results; the oldest finished go first
-    # Compute slots one request may take at once (app/core/executor.py); None: all the pod's.
-    slots_per_request: int | None = None
+class FromEnv:
+    """Base of every layer's settings (a frozen dataclass): `from_env` reads its fields."""
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, Any] = os.environ) -> "Settings":
+    def from_env(cls, environ: Mapping[str, Any] = os.environ):
         """Each field from BLOCKGRAD_<FIELD> (upper case) or the variable its metadata's "env"
         names; a bad value raises naming the variable."""
         values: dict[str, Any] = {}
@@ -200,6 +119,58 @@ class Settings:
             elif raw:
                 values[item.name] = str(raw)
         return cls(**values)
+
+
+def environment(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The environment with the BLOCKGRAD_* keys of `overrides` over it (create_app's)."""
+    return {**os.environ, **{k: v for k, v in overrides.items() if k.startswith("BLOCKGRAD_")}}
+
+
+@dataclass(frozen=True)
+class Settings(FromEnv):
+    """The core's fields; app/http/settings.py's Settings adds the HTTP layer's."""
+    device: str = "auto"
+    max_n: int = 8192
+    max_d: int = 4096
+    # Numbers in one answer (blocks + accumulated + losses): N=512, D=64 in full is 33.6M.
+    max_output_elements: int = 64 * 1024 * 1024
+    # Numbers in one block (rows x cols x 2D): 4M float64 is 32 MiB a tensor.
+    max_block_elements: int = 4 * 1024 * 1024
+    request_timeout_s: float = 60.0
+    # Bytes the requests one worker holds may add to it at their peak (app/core/admission.py
+    # predicts each): two workers and their idle memory fit a 4 GiB pod (docs/benchmarks.md).
+    worker_memory_bytes: int = 1280 * 1024 * 1024
+    # The part of it that bodies still arriving may hold together (app/core/admission.py): the
+    # rest stays for requests whose bodies have arrived. Above 1 counts as 1.
+    upload_memory_share: float = 0.5
+    # Directory of exported programs served as objectives (app/core/models.py); None = built-ins only.
+    model_dir: str | None = None
+    # A model objective's estimated peak activation memory for one block: pairs x bytes_per_pair
+    # (docs/models.md).
+    max_activation_bytes: int = 256 * 1024 * 1024
+    # Serving (docs/serving.md): idle keep-alive longer than a balancer's usual 60 s,
+    # so that the balancer, not the server, closes idle connections.
+    keepalive_s: float = 75.0
+    queue_depth: int = field(default_factory=default_queue_depth)
+    read_timeout_s: float = 30.0  # head and body must arrive within it, from the head's first byte (408)
+    # The request head must arrive within it, from accept or a kept-alive connection's first new
+    # byte (app/serving/worker.py): nothing sent -> closed silently, a partial head -> 408.
+    header_timeout_s: float = 10.0
+    # Open connections per worker. Workers x this must hold 1500 + 40 x header_timeout_s: an
+    # idle flood of that size leaves room for probes; past it the longest-idle connection
+    # without a complete head is closed (docs/connections.md).
+    max_connections: int = 1000
+    send_timeout_s: float = 30.0  # a write making no progress this long ends the request
+    # The cost model's constants (app/core/admission.py): when set, they replace its measured
+    # table for every objective and dtype (tests pin them so no verdict depends on the machine).
+    cost_per_block_s: float | None = None
+    cost_per_number_s: float | None = None
+    # gunicorn's listening address and worker count (gunicorn.conf.py). WEB_CONCURRENCY is the
+    # name gunicorn itself and platforms such as Heroku use, hence no BLOCKGRAD_ prefix.
+    bind: str = "127.0.0.1:8000"
+    workers: int = field(default_factory=default_workers, metadata={"env": "WEB_CONCURRENCY"})
+    # Compute slots one request may take at once (app/core/run.py); None: all the pod's.
+    slots_per_request: int | None = None
 
 
 def env_name(field: str) -> str:

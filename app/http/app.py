@@ -1,6 +1,5 @@
 """The Flask app's shared HTTP glue: settings, per-worker services, hooks; the front ends are
 registered on it by the app factory (app/__init__.py), between `build_app` and `finish_app`."""
-import os
 import types
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -12,7 +11,7 @@ from flask_smorest import Api
 from ..core.admission import MemoryLedger
 from ..core.objectives import served_objectives
 from ..core.run import LocalExecutor
-from ..core.settings import COMPUTE_SLOTS, Settings
+from ..core.settings import COMPUTE_SLOTS, environment
 from ..core.slots import Gate, SlotSource, ThreadSlots
 from ..extensions import Jobs, Services, install_services, services_of
 from . import request_record
@@ -20,6 +19,7 @@ from .auth import install_auth
 from .docs import ErrorSchema, register_docs, spec_options
 from .errors import register_error_handlers
 from .request_log import configure_logging
+from .settings import Settings
 from .slot import MetricsListener
 
 FLASK_CONFIG = {
@@ -63,13 +63,14 @@ class BlockgradApi(Api):
 
 
 def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
-              jobs: Callable[[Settings], Jobs] | None = None,
+              jobs: Callable[[Mapping[str, Any]], Jobs] | None = None,
               scrape_lock: Callable[[], AbstractContextManager] = nullcontext) -> tuple[Flask, Api]:
     """The app with its glue, and the Api its front ends register their blueprints on.
     `slots`: the compute slots (the pod's under gunicorn); None: COMPUTE_SLOTS of this process's own.
-    `jobs`: makes the job store from the settings. `scrape_lock`: held while /metrics reads
-    the value files."""
-    settings = Settings.from_env({**os.environ, **{k: v for k, v in overrides.items() if k.startswith("BLOCKGRAD_")}})
+    `jobs`: makes the job store from the environment (the overrides included). `scrape_lock`:
+    held while /metrics reads the value files."""
+    environ = environment(overrides)
+    settings = Settings.from_env(environ)
     # Models are loaded and checked here, once per process (in each worker: no preload_app);
     # a file that fails raises ModelError and the service does not start.
     objectives = served_objectives(settings)
@@ -85,7 +86,7 @@ def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
     install_services(app, Services(
         settings, objectives, Gate(settings.queue_depth, slots=slots, listener=MetricsListener()),
         MemoryLedger(settings.worker_memory_bytes, settings.upload_memory_share),
-        chunk_executor(slots, settings), jobs=jobs(settings) if jobs else None, scrape_lock=scrape_lock))
+        chunk_executor(slots, settings), jobs=jobs(environ) if jobs else None, scrape_lock=scrape_lock))
     configure_logging(settings.log_level)
     request_record.init_app(app)  # first, so that its hooks see every request
 

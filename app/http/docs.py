@@ -13,9 +13,9 @@ from marshmallow import Schema, fields
 from swagger_ui_bundle import swagger_ui_path
 
 from ..core.objectives import describe
-from ..core.settings import Settings
 from ..extensions import services_of
 from .errors import DEFAULT_STYLE, ERRORS, ErrorStyle
+from .settings import Settings
 
 HEADER_DESCRIPTIONS = {
     "Allow": ("The methods this path accepts.", "string"),

@@ -22,9 +22,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .settings import JobSettings
+
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository: tasks import app.core there
 SCHEDULER_ENV = "BLOCKGRAD_DASK_SCHEDULER"
-OFF = "off"  # BLOCKGRAD_DASK_SCHEDULER=off: no cluster at all, job routes answer 503
 WORKER_NICE = 19
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10
@@ -128,11 +129,11 @@ def stop_embedded(cluster: EmbeddedCluster | None, timeout_s: float = STOP_TIMEO
         stop_processes(cluster.processes, timeout_s + 5)
 
 
-def start_for_gunicorn(workers: int) -> EmbeddedCluster | None:
+def start_for_gunicorn(settings: JobSettings) -> EmbeddedCluster | None:
     """on_starting: with BLOCKGRAD_DASK_SCHEDULER unset, start the embedded cluster and
     export its address to the workers gunicorn forks; set (or `off`), start nothing."""
-    if os.environ.get(SCHEDULER_ENV, "").strip():
+    if settings.dask_scheduler:
         return None
-    cluster = start_embedded(workers)
+    cluster = start_embedded(settings.dask_workers)
     os.environ[SCHEDULER_ENV] = cluster.address
     return cluster

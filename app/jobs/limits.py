@@ -5,7 +5,7 @@ import math
 from ..core.admission import block_elements
 from ..core.errors import job_too_many_vectors, limit_exceeded
 from ..core.request import Sizes
-from ..core.settings import Settings
+from .settings import JobSettings
 
 
 def fitting_factor(n: int, dim: int, allowed: int) -> int | None:
@@ -16,14 +16,15 @@ def fitting_factor(n: int, dim: int, allowed: int) -> int | None:
     return next((f for f in range(start, n + 1) if block_elements(n, dim, f) <= allowed), None)
 
 
-def admit_job(sizes: Sizes, settings: Settings) -> None:
-    """`sizes.factor` None: not valid as sent (the request's own validation names it)."""
+def admit_job(sizes: Sizes, max_d: int, settings: JobSettings) -> None:
+    """`sizes.factor` None: not valid as sent (the request's own validation names it). `max_d`:
+    the core's BLOCKGRAD_MAX_D, which jobs share."""
     n, dim, factor = sizes.n, sizes.dim, sizes.factor
     if n > settings.max_job_n:
         raise job_too_many_vectors(n, settings.max_job_n)
-    if dim > settings.max_d:
-        raise limit_exceeded(f"Vectors of length {dim} are over BLOCKGRAD_MAX_D = {settings.max_d}; send at most "
-                             f"{settings.max_d}.", "BLOCKGRAD_MAX_D", dim, settings.max_d)
+    if dim > max_d:
+        raise limit_exceeded(f"Vectors of length {dim} are over BLOCKGRAD_MAX_D = {max_d}; send at most "
+                             f"{max_d}.", "BLOCKGRAD_MAX_D", dim, max_d)
     if factor is None:
         return
     allowed = settings.max_job_block_elements

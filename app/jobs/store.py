@@ -17,12 +17,11 @@ from ..core.engine import elements_per_chunk
 from ..core.errors import BlockgradError, job_not_done, job_not_found, no_cluster, too_many_jobs
 from ..core.job_tasks import JobOutcome, JobSpec
 from ..core.request import GradientRequest
-from ..core.settings import Settings
 from .client import call, cluster_client, cluster_deadline, cluster_report, current_deadline
-from .cluster import OFF
 from .graph import SCATTER_BYTES_PER_S, dataset_name, plan, submit
 from .metrics import observe_event, observe_jobs, observe_workers
 from .on_scheduler import IDEMPOTENCY, JOBS, cluster_view, create_record, forget_records, snapshots, workers_count
+from .settings import OFF, JobSettings
 
 log = logging.getLogger("blockgrad.jobs")
 ID_PATTERN = re.compile(r"[0-9a-f]{32}")  # 128 random bits
@@ -120,7 +119,7 @@ def bounded(method):
 class JobStore:
     """The job routes' operations against one scheduler (this process's Client)."""
 
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: JobSettings):
         self.settings = settings
         self.address = settings.dask_scheduler
         self.metrics_read_after = 0.0  # time.monotonic() before which a scrape does not read

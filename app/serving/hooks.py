@@ -13,6 +13,7 @@ from gunicorn import systemd
 
 from app.core.settings import Settings, available_cores
 from app.jobs import cluster as dask_cluster
+from app.jobs.settings import JobSettings
 
 from . import addresses, metrics_archive, recycling, slots, tuning, warmup
 from .metrics_dir import MetricsDir, value_file_kinds
@@ -56,7 +57,7 @@ def on_starting(server):
     process.pod_slots = slots.create(available_cores(), parent=server.cfg.worker_tmp_dir)
     slots.install(process.pod_slots)
     # Before the app is imported: the workers' settings carry the embedded cluster's address.
-    process.cluster = dask_cluster.start_for_gunicorn(process.settings.dask_workers)
+    process.cluster = dask_cluster.start_for_gunicorn(JobSettings.from_env())
     if warmup.warm_start(process.settings.device):
         import wsgi  # noqa: F401 - no torch op runs here
     from app.http import metrics  # prometheus-client only: which value files a worker writes

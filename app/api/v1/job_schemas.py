@@ -35,7 +35,8 @@ class JobRequestSchema(GradientRequestSchema):
         vectors = data.get("vectors") if isinstance(data, dict) else None
         if isinstance(vectors, list) and vectors and isinstance(vectors[0], list):
             n = len(vectors)
-            admit_job(Sizes(n, len(vectors[0]), admissible_factor(data.get("factor"), n), None), services().settings)
+            admit_job(Sizes(n, len(vectors[0]), admissible_factor(data.get("factor"), n), None),
+                      services().settings.max_d, services().jobs.settings)
         return data
 
 

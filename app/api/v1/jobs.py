@@ -114,7 +114,7 @@ def query_request(vectors: np.ndarray) -> GradientRequest:
     if errors:
         raise validation_error(errors)
     (n, dim), factor = vectors.shape, values.get("factor")
-    admit_job(Sizes(n, dim, admissible_factor(factor, n), None), services().settings)
+    admit_job(Sizes(n, dim, admissible_factor(factor, n), None), services().settings.max_d, job_store().settings)
     try:
         vectors = check_matrix(vectors)
     except MatrixError as exc:
@@ -125,7 +125,7 @@ def query_request(vectors: np.ndarray) -> GradientRequest:
 def job_request() -> GradientRequest:
     mimetype = request.mimetype
     if mimetype == NPY:
-        limit = services().settings.max_job_body_bytes
+        limit = job_store().settings.max_job_body_bytes
         request.max_content_length = limit
         try:
             data = read_body(request)
