@@ -16,8 +16,8 @@ from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest
 from app.core.run import Deadline, run
 from app.core.settings import Settings
-from app.http.memory import release_held
-from app.http.streaming import to_numpy
+from app.http.body import release_held
+from app.http.sending import to_numpy
 
 NUMPY = orjson.OPT_SERIALIZE_NUMPY
 NO_DEADLINE_S = 3600.0

@@ -63,10 +63,8 @@ def test_run_itself_does_not_admit(monkeypatch):
 
 
 def test_a_refusal_from_the_sizes_converts_no_number(client, admissions, monkeypatch):
-    import app.api.v1.schemas as schemas
-
-    monkeypatch.setattr(schemas, "parse_matrix", lambda *args: pytest.fail("converted numbers"))
-    monkeypatch.setattr("app.api.v2.infer.parse_flat", lambda *args: pytest.fail("converted numbers"))
+    monkeypatch.setattr("app.core.vectors.parse_matrix", lambda *args: pytest.fail("converted numbers"))
+    monkeypatch.setattr("app.core.vectors.parse_flat", lambda *args: pytest.fail("converted numbers"))
     assert_error(client.post("/v1/gradients", json={"vectors": [[0.0]] * 9000}), 413, "limit_exceeded")
     response = client.post(INFER, json=v2_body([0.0] * 9000, shape=(9000, 1)))
     assert response.status_code == 413 and "BLOCKGRAD_MAX_N" in strict_json(response.get_data())["error"]
@@ -74,7 +72,7 @@ def test_a_refusal_from_the_sizes_converts_no_number(client, admissions, monkeyp
 
 
 def test_v2_flat_data_goes_to_one_array_without_row_lists(client, monkeypatch):
-    monkeypatch.setattr("app.api.v2.infer.parse_matrix", lambda *args: pytest.fail("built row lists"))
+    monkeypatch.setattr("app.core.vectors.parse_matrix", lambda *args: pytest.fail("built row lists"))
     flat = client.post(INFER, json=v2_body(sum(VECTORS, [])))
     monkeypatch.undo()
     nested = client.post(INFER, json=v2_body(VECTORS))

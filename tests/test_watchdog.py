@@ -4,7 +4,7 @@ requests whose bodies arrived (armed, then cancelled) leave nothing behind to wa
 import threading
 import time
 
-from app.http.connection import Watchdog
+from app.http.body import Watchdog
 
 WAIT_S = 30.0  # bound of every wait; reached only on failure
 

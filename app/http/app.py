@@ -16,12 +16,10 @@ from ..core.served_objectives import served_objectives
 from ..core.settings import COMPUTE_SLOTS, Settings
 from ..core.slots import SlotSource, ThreadSlots
 from ..extensions import Jobs, Services, install_services, services_of
-from . import request_record
+from . import record
 from .auth import install_auth
 from .docs import ErrorSchema, register_docs, spec_options
 from .errors import register_error_handlers
-from .request_log import configure_logging
-from .slot import MetricsListener
 
 FLASK_CONFIG = {
     "API_TITLE": "blockgrad",
@@ -84,11 +82,11 @@ def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
     app.config.setdefault("API_SPEC_OPTIONS", spec_options(settings, objectives))
     slots = slots or ThreadSlots(COMPUTE_SLOTS)
     install_services(app, Services(
-        settings, objectives, Gate(settings.queue_depth, slots=slots, listener=MetricsListener()),
+        settings, objectives, Gate(settings.queue_depth, slots=slots, listener=record.MetricsListener()),
         MemoryLedger(settings.worker_memory_bytes, settings.upload_memory_share),
         chunk_executor(slots, settings), jobs=jobs(settings) if jobs else None, scrape_lock=scrape_lock))
-    configure_logging(settings.log_level)
-    request_record.init_app(app)  # first, so that its hooks see every request
+    record.configure_logging(settings.log_level)
+    record.init_app(app)  # first, so that its hooks see every request
 
     install_auth(app, settings.api_token, settings.docs_public)  # one app-level hook: every route, present or future, is behind it
     return app, BlockgradApi(app)

@@ -49,19 +49,6 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
     return bytes(view[:length]), view[length:]
 
 
-def decode_tensor(buffer: memoryview, dtype: np.dtype, shape: list[int]) -> np.ndarray:
-    """A tensor's binary data -> a writable array of that shape, in native byte order."""
-    expected = prod(shape) * dtype.itemsize
-    if len(buffer) != expected:
-        raise CodecError(f"Shape {shape} of {dtype.itemsize}-byte numbers takes {expected} bytes, "
-                         f"but {len(buffer)} were sent.")
-    try:
-        # A copy (of the input, small next to the output): torch will not share read-only memory.
-        return np.frombuffer(buffer, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
-    except (ValueError, OverflowError) as exc:  # e.g. a dimension past what numpy can index
-        raise CodecError(f"Shape {shape} cannot be read as a tensor: {exc}.") from None
-
-
 @dataclass(frozen=True)
 class RowSlabs:
     """A row-major tensor made as it is written, in slabs of whole leading rows, top to bottom
