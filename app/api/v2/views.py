@@ -16,7 +16,7 @@ from ...http.errors import ErrorStyle
 from .errors import model_not_found
 from ...http.pipeline import pipeline
 from .codec import BINARY_CONTENT_TYPE
-from .infer import decode, field_messages, render
+from .infer import decode, field_messages, invalid, render
 from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, model_metadata
 from .schemas import InferRequestSchema, InferResponseSchema, ModelMetadataSchema, ProtocolErrorSchema, ServerMetadataSchema
 
@@ -25,16 +25,9 @@ log = logging.getLogger("blockgrad")
 blp = Blueprint("v2", __name__, url_prefix="/v2",
                    description="Open Inference Protocol (KServe V2) with the binary tensor data extension.")
 
-
-
-def protocol_error(error: BlockgradError) -> dict:
-    """The protocol's error body: fields refused are named as the protocol names them."""
-    fields = error.details.get("fields") if error.code == "validation_error" and error.details else None
-    return {"error": field_messages(fields) if isinstance(fields, dict) else error.message}
-
-
 # The protocol's error body, and 400 for every invalid request (a 422 on /v1).
-ERROR_STYLE = ErrorStyle(body=protocol_error, status=lambda status: 400 if status == 422 else status)
+ERROR_STYLE = ErrorStyle(body=lambda error: {"error": error.message},
+                         status=lambda status: 400 if status == 422 else status)
 
 def path_parameter(name: str, value: str, description: str) -> dict:
     # One value each: other names are valid paths that answer 404, not schema-valid requests.
@@ -139,4 +132,9 @@ def model_ready(model: str, version: str | None = None):
 def infer(model: str, version: str | None = None):
     """Per-block gradients as output tensors; JSON or binary tensor data both ways."""
     check_model(model, version)
-    return render(pipeline(decode(request)))
+    try:
+        return render(pipeline(decode(request)))
+    except BlockgradError as exc:  # fields refused: named as the protocol names them
+        if exc.code == "validation_error" and isinstance(exc.details.get("fields"), dict):
+            raise invalid(field_messages(exc.details["fields"])) from None
+        raise
