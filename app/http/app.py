@@ -1,7 +1,6 @@
 """The Flask app's shared HTTP glue: settings, per-worker services, hooks; the front ends are
 registered on it by the app factory (app/__init__.py), between `build_app` and `finish_app`."""
 import os
-import types
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -33,30 +32,6 @@ FLASK_CONFIG = {
 }
 
 
-MOST_CACHED_HANDLERS = 512  # views and hooks of the app: a few dozen
-
-
-class BlockgradFlask(Flask):
-    """Flask, asking once per function whether it is async: `ensure_sync` runs for every view
-    and hook of every request, and `inspect.iscoroutinefunction` is not free."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._made_sync: dict[Callable, Callable] = {}
-
-    def ensure_sync(self, func: Callable) -> Callable:
-        # Plain functions only: bound methods and partials may be new on every request
-        # (class-based views, after_this_request), and a cache would keep each alive.
-        if type(func) is not types.FunctionType:
-            return super().ensure_sync(func)
-        made = self._made_sync.get(func)
-        if made is None:
-            made = super().ensure_sync(func)
-            if len(self._made_sync) < MOST_CACHED_HANDLERS:
-                self._made_sync[func] = made
-        return made
-
-
 class BlockgradApi(Api):
     ERROR_SCHEMA = ErrorSchema  # the OpenAPI document shows our error object
 
@@ -72,7 +47,7 @@ def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
     # Models are loaded and checked here, once per process (in each worker: no preload_app);
     # a file that fails raises ModelError and the service does not start.
     objectives = served_objectives(settings)
-    app = BlockgradFlask("app")
+    app = Flask("app")
     # werkzeug would answer `/v2//health/live` with a 308 to an absolute URL built from the
     # Host header; without merging such paths are plain 404s.
     app.url_map.merge_slashes = False

@@ -29,7 +29,6 @@ import orjson
 from flask import Request, current_app, g
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from ..core.errors import BlockgradError
 from ..core.memory import MemoryLedger, body_parse_bytes, upload_bytes
 from ..extensions import KEY
 from .sending import client_socket

@@ -3,8 +3,8 @@
 Binary tensor data is little-endian, row-major, without padding, and follows the
 JSON header in the order its tensors appear there; the header's length is given
 by the Inference-Header-Content-Length HTTP header. Bytes become arrays with
-np.frombuffer, and arrays become bytes straight from their own memory, a chunk at
-a time: never a Python object per number. The JSON side is written a slice of
+np.frombuffer (app/core/vectors.py's decode_tensor, once the request is admitted), and arrays
+become bytes straight from their own memory, a chunk at a time: never a Python object per number. The JSON side is written a slice of
 numbers at a time too, so an all-JSON answer is streamed: the worker holds the
 output arrays (block_gradients a slab of rows at a time, `RowSlabs`) and about one
 chunk of text, never the whole document. Pure module: no Flask.
