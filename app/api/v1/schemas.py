@@ -10,7 +10,7 @@ from marshmallow.validate import Length, OneOf
 from ...core.dtypes import DEFAULT_DTYPE, DTYPES
 from ...core.objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET
 from ...core.request import DEFAULT_OUTPUTS, OUTPUTS
-from ...http.fields import FactorRange, JsonNumber, ObjectiveName
+from ..fields import FactorRange, JsonNumber, ObjectiveName
 
 
 class GradientRequestSchema(Schema):
