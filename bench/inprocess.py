@@ -18,7 +18,7 @@ from app.core.run import Deadline, run
 from app.core.settings import Settings
 from app.core.vectors import to_matrix
 from app.extensions import services_of
-from app.http.body import release_held
+from app.http.record import release_held
 from app.http.sending import to_numpy
 
 NUMPY = orjson.OPT_SERIALIZE_NUMPY

@@ -31,7 +31,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from ..core.memory import MemoryLedger, body_parse_bytes, upload_bytes
 from ..extensions import KEY
-from .sending import client_socket
+from .sending import SOCKET_KEY
 from .errors import BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, incomplete_body, read_timeout
 
 # When the request's clock started (time.monotonic(): accept, or a kept-alive connection's
@@ -58,8 +58,9 @@ def client_gone(sock: socket.socket) -> bool:
 
 
 def cancel_probe(environ: dict[str, Any]) -> Callable[[], bool] | None:
-    sock = client_socket(environ)
-    return None if sock is None else (lambda: client_gone(sock))
+    """Whether the request's client has gone, for its Deadline; None outside gunicorn."""
+    sock = environ.get(SOCKET_KEY)
+    return (lambda: client_gone(sock)) if isinstance(sock, socket.socket) else None
 
 
 class Alarm:
@@ -143,7 +144,8 @@ class ReadAlarm:
     """`with ReadAlarm(environ, seconds) as alarm:` read the body; `alarm.fired` if it took too long."""
 
     def __init__(self, environ: dict[str, Any], seconds: float):
-        self.sock = client_socket(environ)
+        sock = environ.get(SOCKET_KEY)
+        self.sock = sock if isinstance(sock, socket.socket) else None
         started = environ.get(CONN_STARTED_KEY)
         self.seconds = seconds if started is None else max(0.0, started + seconds - time.monotonic())
         self.alarm: Alarm | None = None
@@ -189,13 +191,6 @@ def reserve_for_body(ledger: MemoryLedger, nbytes: int) -> None:
         held.settle()
     reserve_for_request(ledger, nbytes)
 
-
-def release_held(state) -> None:
-    """Give back what the request whose `g` is `state` reserved, if anything (idempotent);
-    `state` may outlive the request context (a stream's end)."""
-    held = getattr(state, "memory_reservation", None)
-    if held is not None:
-        held.release()
 
 
 SLICE_BYTES = 1024 * 1024
@@ -274,8 +269,9 @@ def read_body(request: Request) -> bytes:
     limit = request.max_content_length
     served = current_app.extensions[KEY]
     ledger = served.ledger
-    if declared:  # the request's own size alone: what others hold plays no part
-        ledger.check_budget(body_parse_bytes(min(declared, limit) if limit else declared, binary=binary))
+    parse_bytes = body_parse_bytes(min(declared, limit) if limit else declared, binary=binary) if declared else None
+    if parse_bytes is not None:  # the request's own size alone: what others hold plays no part
+        ledger.check_budget(parse_bytes)
     seconds = served.settings.read_timeout_s
     with ReadAlarm(request.environ, seconds) as alarm:
         try:
@@ -292,7 +288,9 @@ def read_body(request: Request) -> bytes:
         raise RequestEntityTooLarge()
     if declared is not None and len(data) < declared:  # gunicorn hands a body cut by EOF over as it is
         raise incomplete_body(len(data), declared)
-    reserve_for_body(ledger, body_parse_bytes(len(data), binary=binary))
+    if parse_bytes is None or len(data) != declared:  # else what was checked above
+        parse_bytes = body_parse_bytes(len(data), binary=binary)
+    reserve_for_body(ledger, parse_bytes)
     return data
 
 

@@ -14,6 +14,7 @@ not admitted, and refused when converted), admits once, converts with the core (
 /v1/jobs, whose admission is its own limits'. The renderer turns what was executed into the
 Response; the request is recorded when its last byte is written (record.py).
 """
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,10 +35,8 @@ from ..core.run import Result, run
 from ..core.sizes import Sizes, admissible_factor, request_sizes
 from ..core.vectors import MatrixError, to_matrix
 from ..extensions import KEY, Services
-from .body import reserve_for_request
+from .body import cancel_probe, reserve_for_request
 from .record import RequestRecord
-from .body import client_gone
-from .sending import client_socket
 
 # marshmallow's Range message: a factor under 1 when N is not known (the vectors are refused).
 FACTOR_AT_LEAST_ONE = "Must be greater than or equal to 1."
@@ -71,7 +70,7 @@ Admit = Callable[[Sizes, Described, Services], None]
 Execute = Callable[[GradientRequest, Described, Services], Any]
 
 
-def pipeline(described: Described, execute: "Execute | None" = None, admit_sizes: "Admit | None" = None) -> Any:
+def pipeline(described: Described, execute: Execute | None = None, admit_sizes: Admit | None = None) -> Any:
     """Validate, admit once, convert, execute (default: `compute`, admitted by `admit_to_compute`)."""
     served: Services = current_app.extensions[KEY]  # the services, read once for the whole request
     sizes = validated_sizes(described, served.objectives)
@@ -95,8 +94,8 @@ def validated_sizes(described: Described, objectives: Mapping[str, Objective]) -
 def admit_to_compute(sizes: Sizes, described: Described, served: Services) -> None:
     """The core's limits and prediction; the request's memory reservation resized to it."""
     if sizes.factor is not None and sizes.outputs is not None:  # logged even when refused
-        g.work = RequestRecord.of(sizes.n, sizes.dim, sizes.factor, described.logged_outputs or sizes.outputs,
-                                  sizes.outputs)
+        g.work = RequestRecord(sizes.n, sizes.dim, sizes.factor, described.logged_outputs or sizes.outputs,
+                               sizes.outputs)
     prediction = admit(sizes, described.answer, served.settings, served.executor.most_lanes)
     if prediction is not None:
         reserve_for_request(served.ledger, prediction.bytes)
@@ -123,18 +122,19 @@ def convert(described: Described, objectives: Mapping[str, Objective]) -> Gradie
 def compute(req: GradientRequest, described: Described, served: Services) -> Computed:
     """Take a compute slot, run the engine, give the slot back: the answer is written without
     it, and each band of blocks recomputed while it is written takes one again (BandSlots)."""
-    g.work = record = RequestRecord.of(req.n, req.dim, req.factor, described.logged_outputs or req.outputs,
-                                       req.outputs)
+    n, dim = req.vectors.shape
+    g.work = record = RequestRecord(n, dim, req.factor, described.logged_outputs or req.outputs, req.outputs)
     if not req.outputs:  # nothing to compute: no slot taken
         device = ready_device(served.settings.device)
         g.device = str(device)
         return Computed(req, None, device, record.timed, described.own)
     deadline = request_deadline(served)
     ticket = compute_slot(served, deadline)  # the request's first slot; its executor may take more
+    start = time.perf_counter()
     try:
-        with record.computing():
-            result = run(req, served.settings, deadline, served.executor)
+        result = run(req, served.settings, deadline, served.executor)
     finally:
+        record.compute_s += time.perf_counter() - start
         ticket.release()
     result.band_slot = BandSlots(served.gate, deadline)
     g.device = str(result.device)
@@ -148,19 +148,18 @@ def compute_slot(served: Services, deadline: deadline_module.Deadline) -> Ticket
 
 def request_deadline(served: Services) -> deadline_module.Deadline:
     """This request's deadline, counted from its arrival; stops when its client goes away."""
-    sock = client_socket(request.environ)
     return deadline_module.Deadline(served.settings.request_timeout_s, started=g.get("arrived"),
-                                    cancelled=None if sock is None else (lambda: client_gone(sock)))
+                                    cancelled=cancel_probe(request.environ))
 
 
+@dataclass(frozen=True)
 class BandSlots:
     """`Result.band_slot` of a request: a compute slot while each band of blocks is
     recomputed, none while the band is written (`Gate.resume`: ahead of the line, never
     refused, against the request's deadline). So a client that reads slowly holds its
     thread, never a compute slot: another request computes meanwhile."""
-
-    def __init__(self, gate: Gate, deadline: deadline_module.Deadline):
-        self.gate, self.deadline = gate, deadline
+    gate: Gate
+    deadline: deadline_module.Deadline
 
     @contextmanager
     def __call__(self) -> Iterator[None]:

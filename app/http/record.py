@@ -18,12 +18,13 @@ request still in flight with it, before the worker exits.
 import logging
 import os
 import re
+import socket
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +35,7 @@ from ..core.admission import output_elements
 from ..core.gate import GateListener
 from ..extensions import KEY
 from . import metrics
-from .body import release_held
-from .sending import PIECE_BYTES, WatchedBody, start_sending
+from .sending import PIECE_BYTES, SOCKET_KEY, WatchedBody
 
 REQUEST_ID_HEADER = "X-Request-ID"
 # An incoming id is echoed into headers and logs, so only a short, plain token is kept.
@@ -145,23 +145,9 @@ class RequestRecord:
     n: int
     dim: int
     factor: int
-    outputs: tuple[str, ...]
-    output_numbers: int  # numbers in the full answer (see admission.output_elements)
+    outputs: tuple[str, ...]  # as the front end names them (logged)
+    computed: tuple[str, ...]  # the core's outputs they need (admission.output_elements counts their numbers)
     compute_s: float = 0.0
-
-    @classmethod
-    def of(cls, n: int, dim: int, factor: int, outputs: tuple[str, ...],
-           computed: tuple[str, ...] | None = None) -> "RequestRecord":
-        """`outputs` as logged; `computed` (default the same): the core's outputs they need."""
-        return cls(n, dim, factor, outputs, output_elements(n, dim, factor, outputs if computed is None else computed))
-
-    @contextmanager
-    def computing(self) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.compute_s += time.perf_counter() - start
 
     def timed(self, blocks: Iterable) -> Iterator:
         """Yield from `blocks`, adding the time spent producing each item to compute_s."""
@@ -206,7 +192,10 @@ def after_request(response: Response) -> Response:
         state.request_id = request_id_from(req.headers.get(REQUEST_ID_HEADER))
     response.headers[REQUEST_ID_HEADER] = state.request_id
     send_timeout_s = current_app.extensions[KEY].settings.send_timeout_s
-    start_sending(req.environ, send_timeout_s)
+    sock = req.environ.get(SOCKET_KEY)
+    if isinstance(sock, socket.socket):  # from here on it only writes: each write may wait this long
+        with suppress(OSError):
+            sock.settimeout(send_timeout_s)
     finish = finisher(response.status_code, state, route_of(req), req.method)
     large = response.content_length is not None and response.content_length > PIECE_BYTES
     if (response.is_streamed or large) and not response.direct_passthrough:
@@ -262,6 +251,8 @@ def finisher(status: int, state, route: str, method: str, answered: bool = True)
         state.logged = True
         UNFINISHED.pop(key, None)
         release_held(state)
+        complete = status == 200 and stream_error is None
+        numbers = output_elements(work.n, work.dim, work.factor, work.computed) if work is not None and complete else 0
         duration_s = time.perf_counter() - started
         same_thread = cpu_started is not None and cpu_started[0] == threading.get_ident()  # not worker_abort's
         cpu_s = time.thread_time() - cpu_started[1] if same_thread else None
@@ -278,10 +269,8 @@ def finisher(status: int, state, route: str, method: str, answered: bool = True)
         if cpu_s is not None:
             fields["cpu_ms"] = round(cpu_s * 1000, 3)
         if work is not None:
-            complete = status == 200 and stream_error is None
-            observe_work(work.output_numbers if complete else 0, work.compute_s)
-            fields.update(n=work.n, dim=work.dim, factor=work.factor, outputs=list(work.outputs),
-                          output_numbers=work.output_numbers if complete else 0,
+            observe_work(numbers, work.compute_s)
+            fields.update(n=work.n, dim=work.dim, factor=work.factor, outputs=list(work.outputs), output_numbers=numbers,
                           compute_ms=round(work.compute_s * 1000, 3))
         if code:
             fields["error"] = code
@@ -299,16 +288,21 @@ def init_app(app: Flask) -> None:
 
 
 class MetricsListener(GateListener):
-    """The compute gate's queue (app/core/gate.py) in the metrics."""
+    """The compute gate's queue (app/core/gate.py) in the metrics: prometheus-client's own
+    methods, called by the gate with no frame of ours between."""
 
-    def waiting(self, depth: int) -> None:
-        metrics.QUEUE_DEPTH.set(depth)
+    def __init__(self):
+        self.waiting = metrics.QUEUE_DEPTH.set  # (depth)
+        self.waited = metrics.QUEUE_WAIT.observe  # (seconds)
+        self.shed = metrics.SHED.inc  # ()
 
-    def waited(self, seconds: float) -> None:
-        metrics.QUEUE_WAIT.observe(seconds)
 
-    def shed(self) -> None:
-        metrics.SHED.inc()
+def release_held(state) -> None:
+    """Give back what the request whose `g` is `state` reserved, if anything (idempotent);
+    `state` may outlive the request context (a stream's end)."""
+    held = getattr(state, "memory_reservation", None)
+    if held is not None:
+        held.release()
 
 
 def method_label(method: str) -> str:

@@ -74,30 +74,14 @@ def gather(pieces: Iterator[bytes], chunk_bytes: int) -> Iterator[bytes]:
 PIECE_BYTES = 1024 * 1024
 
 
-def client_socket(environ: dict[str, Any]) -> socket.socket | None:
-    sock = environ.get(SOCKET_KEY)
-    return sock if isinstance(sock, socket.socket) else None
-
-
 def drop_connection(environ: dict[str, Any]) -> None:
     """Shut both directions of the client's connection, so that nothing more reaches it: the
     server's next write fails (EPIPE), which servers take as the client gone, and they close."""
-    sock = client_socket(environ)
-    if sock is not None:
+    sock = environ.get(SOCKET_KEY)
+    if isinstance(sock, socket.socket):
         try:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:  # already gone
-            pass
-
-
-
-def start_sending(environ: dict[str, Any], send_timeout_s: float) -> None:
-    """From here on the socket only writes: each write may wait up to `send_timeout_s`."""
-    sock = client_socket(environ)
-    if sock is not None:
-        try:
-            sock.settimeout(send_timeout_s)
-        except OSError:
             pass
 
 

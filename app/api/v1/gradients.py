@@ -63,9 +63,10 @@ def decode(request: Request, schema: Schema = SCHEMA) -> Described:
         raise wrong_content_type(mimetype)
     data = body.read_body(request)
     document = decode_document(data)
-    unknown = many_unknown(document, schema.fields)
-    if unknown:
-        raise unknown_fields(unknown, schema.fields)
+    if type(document) is dict and len(document) > len(schema.fields):  # else none to list
+        unknown = many_unknown(document, schema.fields)
+        if unknown:
+            raise unknown_fields(unknown, schema.fields)
     try:
         fields, errors = schema.load(document), {}
     except ValidationError as exc:
@@ -99,7 +100,8 @@ def render(computed: Computed) -> Response:
 def answer_head(result: Result) -> dict:
     """Every field of the answer but its blocks."""
     req = result.request
-    head = {"n": req.n, "dim": req.dim, "factor": req.factor, "bounds": result.bounds,
+    n, dim = req.vectors.shape
+    head = {"n": n, "dim": dim, "factor": req.factor, "bounds": result.bounds,
             "objective": req.objective, "dtype": req.dtype, "device": str(result.device)}
     if "accumulated" in req.outputs:
         head["accumulated"] = to_numpy(result.accumulated)
@@ -115,7 +117,7 @@ def render_result(result: Result, timed: Callable[[Iterable], Iterator] = iter) 
     head = answer_head(result)
     if "blocks" not in req.outputs:
         return orjson.dumps(head, option=NUMPY)
-    numbers = output_elements(req.n, req.dim, req.factor, req.outputs)
+    numbers = output_elements(*req.vectors.shape, req.factor, req.outputs)
     if result.kept is not None and numbers <= WHOLE_ANSWER_NUMBERS:
         return whole_json(head, to_numpy(result.losses), timed(result.blocks()))
     return stream_with_blocks(head, timed(result.blocks()))
