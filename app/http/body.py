@@ -2,9 +2,9 @@
 
 - the socket (environ["gunicorn.socket"]; outside gunicorn there is none and these do
   nothing): `client_gone` peeks for end-of-file, so that a computation stops when its client
-  leaves; `ReadAlarm` bounds the whole body by BLOCKGRAD_READ_TIMEOUT_S (a socket timeout
-  bounds one recv, not a body sent a byte at a time, so one watchdog thread per process shuts
-  the read side at the deadline); `drop_connection` closes without writing (client_closed);
+  leaves (`cancel_probe`, for the request's Deadline); `ReadAlarm` bounds the whole body by
+  BLOCKGRAD_READ_TIMEOUT_S (a socket timeout bounds one recv, not a body sent a byte at a time,
+  so one watchdog thread per process shuts the read side at the deadline);
 - the memory: one reservation per request in the worker's ledger, grown with its body as it
   arrives (within the uploads' share while it is still arriving), resized to the request's
   predicted peak once admitted, released when its answer has been written (record.py);
