@@ -1,8 +1,9 @@
 """Writing an answer: tensors to JSON-ready arrays, small pieces gathered into chunks, bodies
 handed to the server in pieces under a send timeout, and why a streamed body ended early.
 
-With a socket timeout on writes and no write larger than PIECE_BYTES, a write that times out
-made no progress for about BLOCKGRAD_SEND_TIMEOUT_S. Codes only the log line and the errors
+With a socket timeout on writes (set by record.after_request) and no write larger than
+PIECE_BYTES, a write that times out made no progress for about BLOCKGRAD_SEND_TIMEOUT_S;
+`drop_connection` shuts a gone client's socket instead of writing (client_closed). Codes only the log line and the errors
 metric carry (never an answer's body): `client_closed` (the client went away), `send_timeout`
 (a write made no progress for the send timeout), or the error that stopped the computation
 between two blocks.
