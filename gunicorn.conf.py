@@ -42,5 +42,5 @@ max_requests_jitter = 2000
 preload_app = False  # on CPU on_starting imports the app instead, after setting up metrics
 worker_tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None  # heartbeat off disk
 control_socket = addresses.control_socket_path()  # gunicornc's, one per instance
-accesslog = None  # the app writes one JSON line per request (app/http/request_log.py)
+accesslog = None  # the app writes one JSON line per request (app/http/record.py)
 errorlog = "-"  # stderr, like the app's log

@@ -13,11 +13,13 @@ import torch
 from app.api.v1.schemas import GradientRequestSchema
 from app.core.engine import add_to_vectors, band_blocks, block_bounds, chain_rule_sums, iter_bands
 from app.core.objectives import OBJECTIVES
-from app.core.request import GradientRequest
+from app.core.request import GradientRequest, build_request
 from app.core.run import Deadline, run
 from app.core.settings import Settings
-from app.http.memory import release_held
-from app.http.streaming import to_numpy
+from app.core.vectors import to_matrix
+from app.extensions import services_of
+from app.http.record import release_held
+from app.http.sending import to_numpy
 
 NUMPY = orjson.OPT_SERIALIZE_NUMPY
 NO_DEADLINE_S = 3600.0
@@ -75,8 +77,9 @@ _app = None
 
 
 def parse_and_validate(body: bytes) -> GradientRequest:
-    """What /v1's front end converts: orjson.loads, then the marshmallow schema (its vectors
-    field included; it reads the app's objectives, so it runs in a request context)."""
+    """What /v1's decoder and the pipeline convert: orjson.loads, the marshmallow schema (the
+    fields' types; it reads the app's objectives, so it runs in a request context), then the
+    vectors and the core's request."""
     global _app
     if _app is None:
         from app import create_app
@@ -84,6 +87,7 @@ def parse_and_validate(body: bytes) -> GradientRequest:
         _app = create_app()
     with _app.test_request_context():
         try:
-            return SCHEMA.load(orjson.loads(body))
+            fields = SCHEMA.load(orjson.loads(body))
+            return build_request(to_matrix(fields.pop("vectors")), objectives=services_of(_app).objectives, **fields)
         finally:
             release_held(flask.g)

@@ -16,8 +16,8 @@ import numpy as np
 import orjson
 import requests
 
-from app.api.v1.front_end import answer_cost as v1_answer_cost
-from app.api.v2.front_end import answer_cost as v2_answer_cost
+from app.api.v1.gradients import answer_cost as v1_answer_cost
+from app.api.v2.infer import answer_cost as v2_answer_cost
 from app.api.v2.infer import RequestedOutput
 from app.api.v2.model import OUTPUTS as V2_OUTPUTS
 from app.core.admission import predict_peak_bytes

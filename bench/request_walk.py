@@ -1,11 +1,13 @@
 """The request walk: which modules of app/ one seed-size request enters, in order.
 
-    python -m bench.request_walk            # /v1, /v2 and /v1/jobs (the job's POST, no cluster)
+    python -m bench.request_walk            # /v1, /v2 and /v1/jobs (the job's POST, to a stub store)
 
 After three warm-ups, one request through Flask's test client is traced with sys.setprofile and
 threading.setprofile; every Python call whose file is under app/ counts. `modules` is how many
 files of app/ it entered, `switches` how often a call into app/ is in another file than the call
 before it, `walk` the files in the order first entered. Calls outside app/ (Flask, torch) are not counted.
+The /v1/jobs POST is walked to the job store's submit on `StubStore` (no cluster here: the real
+store would answer 503 cluster_unavailable); the stub itself is outside app/ and not counted.
 """
 import sys
 import threading
@@ -47,10 +49,22 @@ def walk(client, path: str, body: dict) -> tuple[int, int, list[str], int]:
     return len(entered), switches, entered, status
 
 
-def main() -> None:
-    from app import create_app
+class StubStore:
+    """The job store's submit, answered at once with a queued record (nothing else is walked)."""
 
-    client = create_app({"TESTING": True}).test_client()
+    def submit(self, req, idempotency_key=None) -> tuple[dict, bool]:
+        return {"id": "0" * 32, "status": "queued", "n": req.n, "dim": req.dim, "factor": req.factor}, True
+
+
+def main() -> None:
+    from dataclasses import replace
+
+    from app import create_app
+    from app.extensions import install_services, services_of
+
+    app = create_app({"TESTING": True})
+    install_services(app, replace(services_of(app), jobs=StubStore()))
+    client = app.test_client()
     for name, (path, body) in REQUESTS.items():
         for _ in range(3):
             client.post(path, json=body)

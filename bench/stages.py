@@ -28,8 +28,7 @@ import torch  # noqa: E402
 from werkzeug.test import EnvironBuilder  # noqa: E402
 
 from app import create_app  # noqa: E402
-from app.http import metrics  # noqa: E402
-from app.http.request_log import JsonStderrHandler  # noqa: E402
+from app.http.record import JsonStderrHandler  # noqa: E402
 
 from tools.server import gunicorn_settings  # noqa: E402
 
@@ -127,26 +126,27 @@ class Stopwatch:
 
 def instrument(service: flask.Flask) -> Stopwatch:
     """The service's request path for POST /v1/gradients, stage by stage, in the order it runs."""
-    from app.api.v1 import front_end
-    from app.http import parsing, pipeline, request_record
+    from app.api.v1 import gradients
+    from app.http import body, pipeline, record
 
     watch = Stopwatch()
     watch.patch_hooks("before_request hooks (request record: ids, timing, in-flight; auth)",
                       service.before_request_funcs.setdefault(None, []))
-    watch.patch("body read (parsing.read_body: memory reservation, werkzeug stream)", parsing, "read_body")
-    watch.patch("/v1 decode (JSON decode, unknown fields, sizes)", front_end.V1, "decode")
+    watch.patch("/v1 decode (body read, JSON decode, unknown fields, field types)", gradients, "decode")
+    watch.patch("  of which the body read (body.read_body: memory reservation, werkzeug stream)", body, "read_body",
+                top_level=False)
     watch.patch("admission (core.admission.admit + reservation resize)", pipeline, "admit")
     watch.patch("admission (core.admission.admit + reservation resize)", pipeline, "reserve_for_request")
-    watch.patch("/v1 convert (marshmallow schema load, vectors conversion, build_request)", front_end.V1, "convert")
+    watch.patch("convert (core to_matrix, build_request)", pipeline, "convert")
     for attribute in ("compute_slot", "request_deadline"):
         watch.patch("compute_slot + request_deadline", pipeline, attribute)
     watch.patch("engine (core.run: pass one)", pipeline, "run")
-    watch.patch("render (V1.render: render_result, Response)", front_end.V1, "render")
+    watch.patch("render (gradients.render: render_result, Response)", gradients, "render")
     watch.patch_hooks("after_request hook (finisher, send timeout, log line, metrics)",
-                      service.after_request_funcs.setdefault(None, []), only=request_record.after_request)
-    watch.patch("  of which the request log line (log_request)", request_record, "log_request", top_level=False)
+                      service.after_request_funcs.setdefault(None, []), only=record.after_request)
+    watch.patch("  of which the request log line (log_request)", record, "log_request", top_level=False)
     for attribute in ("observe_request", "observe_work", "observe_device"):
-        watch.patch("  of which metrics (observe_request, observe_work, observe_device)", metrics, attribute,
+        watch.patch("  of which metrics (observe_request, observe_work, observe_device)", record, attribute,
                     top_level=False)
     return watch
 

@@ -6,7 +6,7 @@ In process the body reader fails on such a body; tools/server.py's gunicorn serv
 """
 import json
 
-from app.http import parsing
+from app.http import body as parsing
 from tools import server
 
 _read_body = parsing.read_body
@@ -23,7 +23,7 @@ def read_body(request):
     return body
 
 
-parsing.read_body = read_body  # looked up per request by app.http.pipeline
+parsing.read_body = read_body  # looked up per request by the front ends' decoders
 
 _command = server.gunicorn_command
 

@@ -286,7 +286,7 @@ def test_a_small_answer_goes_out_whole_and_the_same_as_streamed(client, monkeypa
                         buffered=False)
     assert whole.status_code == 200
     assert int(whole.headers["Content-Length"]) == len(whole.get_data())
-    monkeypatch.setattr("app.api.v1.render.WHOLE_ANSWER_NUMBERS", 0)
+    monkeypatch.setattr("app.api.v1.gradients.WHOLE_ANSWER_NUMBERS", 0)
     streamed = client.post("/v1/gradients", json={"vectors": vectors, "outputs": ["blocks", "accumulated", "losses"]},
                            buffered=False)
     assert "Content-Length" not in streamed.headers

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from app import create_app
-from app.api.v1.front_end import answer_cost
+from app.api.v1.gradients import answer_cost
 from app.core.admission import admit, predict_peak_bytes
 from app.core.settings import Settings
 from app.core.request import Sizes
@@ -84,7 +84,7 @@ def reserved_bytes(app, monkeypatch, body: dict) -> int:
     from app.http import pipeline
 
     held, real = [], pipeline.reserve_for_request
-    monkeypatch.setattr(pipeline, "reserve_for_request", lambda nbytes: (held.append(nbytes), real(nbytes))[1])
+    monkeypatch.setattr(pipeline, "reserve_for_request", lambda ledger, nbytes: (held.append(nbytes), real(ledger, nbytes))[1])
     assert app.test_client().post("/v1/gradients", json=body).status_code == 200
     monkeypatch.setattr(pipeline, "reserve_for_request", real)
     assert len(held) == 1

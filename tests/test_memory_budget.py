@@ -6,8 +6,8 @@ import orjson
 import pytest
 
 from app import create_app
-from app.api.v1.front_end import answer_cost as v1_answer_cost
-from app.api.v2.front_end import answer_cost as v2_answer_cost
+from app.api.v1.gradients import answer_cost as v1_answer_cost
+from app.api.v2.infer import answer_cost as v2_answer_cost
 from app.api.v2.infer import RequestedOutput
 from app.core.admission import MemoryLedger, predict_peak_bytes
 from app.http.settings import Settings

@@ -63,10 +63,8 @@ def test_run_itself_does_not_admit(monkeypatch):
 
 
 def test_a_refusal_from_the_sizes_converts_no_number(client, admissions, monkeypatch):
-    import app.api.v1.schemas as schemas
-
-    monkeypatch.setattr(schemas, "parse_matrix", lambda *args: pytest.fail("converted numbers"))
-    monkeypatch.setattr("app.api.v2.infer.parse_flat", lambda *args: pytest.fail("converted numbers"))
+    monkeypatch.setattr("app.core.vectors.parse_matrix", lambda *args: pytest.fail("converted numbers"))
+    monkeypatch.setattr("app.core.vectors.parse_flat", lambda *args: pytest.fail("converted numbers"))
     assert_error(client.post("/v1/gradients", json={"vectors": [[0.0]] * 9000}), 413, "limit_exceeded")
     response = client.post(INFER, json=v2_body([0.0] * 9000, shape=(9000, 1)))
     assert response.status_code == 413 and "BLOCKGRAD_MAX_N" in strict_json(response.get_data())["error"]
@@ -74,7 +72,7 @@ def test_a_refusal_from_the_sizes_converts_no_number(client, admissions, monkeyp
 
 
 def test_v2_flat_data_goes_to_one_array_without_row_lists(client, monkeypatch):
-    monkeypatch.setattr("app.api.v2.infer.parse_matrix", lambda *args: pytest.fail("built row lists"))
+    monkeypatch.setattr("app.core.vectors.parse_matrix", lambda *args: pytest.fail("built row lists"))
     flat = client.post(INFER, json=v2_body(sum(VECTORS, [])))
     monkeypatch.undo()
     nested = client.post(INFER, json=v2_body(VECTORS))
@@ -139,3 +137,38 @@ def test_a_refused_v2_request_logs_its_sizes_under_v2_names(caplog):
     [line] = request_lines(caplog)
     assert (line["n"], line["dim"], line["factor"], line["error"]) == (3, 2, 1, "limit_exceeded")
     assert line["outputs"] == ["block_gradients", "bounds"]
+
+
+class SubmittedJobs:
+    """The job store's submit, recorded: the pipeline's execute step for POST /v1/jobs."""
+
+    def __init__(self, settings):
+        self.settings = settings  # the job limits the admit step reads
+        self.submitted = []
+
+    def submit(self, req, idempotency_key=None):
+        self.submitted.append((req, idempotency_key))
+        return {"id": "f" * 32, "status": "queued"}, True
+
+
+def test_a_job_post_goes_through_the_one_pipeline_to_submit(monkeypatch):
+    """Admitted once by the job's own limits (BLOCKGRAD_MAX_JOB_N, not /v1's BLOCKGRAD_MAX_N),
+    converted, then handed to the store's submit with its Idempotency-Key; a job over its
+    limits is refused before any number is converted and never submitted."""
+    from dataclasses import replace
+
+    from app.extensions import install_services, services_of
+
+    app = create_app({"TESTING": True, "BLOCKGRAD_MAX_N": "2", "BLOCKGRAD_MAX_JOB_N": "3"})
+    jobs = SubmittedJobs(services_of(app).jobs.settings)
+    install_services(app, replace(services_of(app), jobs=jobs))
+    client = app.test_client()
+    response = client.post("/v1/jobs", json={"vectors": VECTORS, "factor": 3}, headers={"Idempotency-Key": "k1"})
+    assert response.status_code == 202 and response.headers["Location"] == "/v1/jobs/" + "f" * 32
+    [(req, key)] = jobs.submitted
+    assert (req.n, req.dim, req.factor, req.outputs, key) == (3, 2, 3, ("accumulated", "losses"), "k1")
+    np.testing.assert_array_equal(req.vectors, np.array(VECTORS))
+    monkeypatch.setattr("app.core.vectors.parse_matrix", lambda *args: pytest.fail("converted numbers"))
+    error = assert_error(client.post("/v1/jobs", json={"vectors": VECTORS * 2}), 413, "limit_exceeded")
+    assert error["details"]["limit"] == "BLOCKGRAD_MAX_JOB_N"
+    assert len(jobs.submitted) == 1

@@ -5,11 +5,11 @@ import orjson
 import pytest
 import torch
 
-from app.api.v1.render import answer_head, render_result, stream_with_blocks
+from app.api.v1.gradients import answer_head, render_result, stream_with_blocks
 from app.core.request import build_request
 from app.core.run import run
 from app.core.settings import Settings
-from app.http.streaming import json_array
+from app.http.sending import json_array
 
 V = np.array([[0.5, -1.0, 3.0], [2.0, 0.25, -0.125], [1.5, 3.0, 7.0], [1e-3, -2.5, 0.1], [4.0, 0.0, -1.0]])
 

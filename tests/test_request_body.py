@@ -13,7 +13,7 @@ from flask import abort
 from werkzeug import Request
 from werkzeug.test import EnvironBuilder
 
-import app.api.v1.schemas as schemas
+import app.core.vectors as vectors
 from app import create_app
 from app.core.errors import validation_error
 
@@ -183,7 +183,7 @@ def test_identity_encoding_is_served(client):
 def no_conversion(monkeypatch):
     def must_not_run(*args, **kwargs):
         raise AssertionError("a refused request had its numbers converted")
-    monkeypatch.setattr(schemas, "parse_matrix", must_not_run)
+    monkeypatch.setattr(vectors, "parse_matrix", must_not_run)
 
 
 @pytest.mark.parametrize("config,body,limit", [

@@ -6,7 +6,7 @@ import re
 import pytest
 
 from app import create_app
-from app.http.request_log import JsonFormatter
+from app.http.record import JsonFormatter
 
 # Values that appear nowhere but in the payload, to prove it is not logged.
 PAYLOAD = {"vectors": [[123.4567, 765.4321, 0.5], [31.4159, 27.1828, 1.25], [1.5, 2.5, 3.5]], "factor": 2,
@@ -150,7 +150,7 @@ def test_protocol_requests_log_their_sizes_too(client, caplog):
 
 
 def json_handler():
-    from app.http.request_log import JsonStderrHandler
+    from app.http.record import JsonStderrHandler
     [handler] = [h for h in logging.getLogger("blockgrad").handlers if isinstance(h, JsonStderrHandler)]
     return handler
 
@@ -161,7 +161,7 @@ def test_the_line_written_without_logging_is_the_line_logging_writes(client, mon
     the same values but the times."""
     import io
 
-    from app.http import request_log
+    from app.http import record as request_log
 
     handler = json_handler()
     monkeypatch.setattr(logging.root, "handlers", [])  # pytest's own capture handlers, away for this test
@@ -189,7 +189,7 @@ def test_the_line_written_without_logging_is_the_line_logging_writes(client, mon
 
 @pytest.mark.parametrize("change", ["logger filter", "handler filter", "logger level", "another handler"])
 def test_anything_else_listening_sends_the_line_through_logging(monkeypatch, change):
-    from app.http import request_log
+    from app.http import record as request_log
 
     logger, handler = request_log.request_log, json_handler()
     monkeypatch.setattr(logging.root, "handlers", [])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from app import create_app
-from app.api.v1.render import stream_with_blocks
+from app.api.v1.gradients import stream_with_blocks
 from app.core import run as executor
 from app.core.engine import band_blocks, iter_bands
 from app.core.admission import check_block_and_answer
@@ -17,7 +17,7 @@ from app.core.objectives import OBJECTIVES
 import app.core.run as compute
 from app.core.run import Deadline, load_vectors, pass_one
 from app.core.settings import Settings
-from app.http.streaming import to_numpy
+from app.http.sending import to_numpy
 
 from tools.reference import reference_accumulated, reference_blocks
 
@@ -88,7 +88,7 @@ def test_finiteness_recheck_skips_blocks_that_are_finite(monkeypatch):
 
 @pytest.mark.parametrize("chunk_bytes", [1, 200, 10 ** 9])
 def test_stream_is_one_json_document_whatever_the_chunking(monkeypatch, chunk_bytes):
-    monkeypatch.setattr("app.api.v1.render.CHUNK_BYTES", chunk_bytes)
+    monkeypatch.setattr("app.api.v1.gradients.CHUNK_BYTES", chunk_bytes)
     vectors = torch.randn(7, 2)
     blocks = [block for band in iter_bands(vectors, 3, OBJECTIVES["logsumexp"], 5.0) for block in band_blocks(band)]
     head = {"n": 7, "accumulated": to_numpy(torch.zeros(7, 2))}

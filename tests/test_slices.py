@@ -1,4 +1,4 @@
-"""Large /v1 bodies parsed a slice at a time (app/http/slices.py): the same document as one
+"""Large /v1 bodies parsed a slice at a time (app/http/body.py): the same document as one
 orjson parse, or None (the caller then parses at once) whenever the cut could be wrong."""
 import json
 
@@ -6,8 +6,8 @@ import numpy as np
 import orjson
 import pytest
 
-from app.http import slices
-from app.http.slices import loads_sliced
+from app.http import body as slices
+from app.http.body import loads_sliced
 
 ROWS = np.random.default_rng(1).standard_normal((3000, 200)).tolist()  # ~11 MiB as JSON
 PAD = "x" * (5 * 1024 * 1024)  # makes small documents large enough to be sliced
@@ -39,7 +39,7 @@ def test_anything_unusual_is_left_to_the_one_shot_parse(body):
 
 
 def test_a_large_body_through_the_api(client, monkeypatch):
-    import app.http.parsing as parsing
+    import app.http.body as parsing
 
     sliced = []
     monkeypatch.setattr(parsing, "loads_sliced", lambda body: sliced.append(loads_sliced(body)) or sliced[-1])

@@ -1,4 +1,4 @@
-"""Memory for request bodies as they arrive (app/core/admission.py, app/http/parsing.py): never
+"""Memory for request bodies as they arrive (app/core/admission.py, app/http/body.py): never
 for what a Content-Length declares; bodies still arriving share at most
 BLOCKGRAD_UPLOAD_MEMORY_SHARE of the budget, and a body that has arrived is never held back
 by them. In process (Flask's test client); tests/test_hostile_clients.py has real sockets."""
@@ -10,9 +10,9 @@ import pytest
 from app import create_app
 from app.core.errors import BlockgradError
 from app.core.admission import MemoryLedger, body_parse_bytes, upload_bytes
-from app.http import memory as http_memory
+from app.http import body as http_memory
 from app.extensions import services_of
-from app.http.parsing import BODY_PIECE_BYTES
+from app.http.body import BODY_PIECE_BYTES
 
 GOOD = {"vectors": [[float(i + j) for j in range(5)] for i in range(10)], "factor": 5}
 # Over three pieces of JSON (about 200 KiB): more than one piece, so an upload while it arrives.
@@ -62,10 +62,10 @@ def test_the_reservation_grows_with_the_body_from_nothing(monkeypatch):
     seen = []
     original = http_memory.hold_for_upload
 
-    def spy(nbytes):
+    def spy(held_in, nbytes):
         seen.append((nbytes, ledger.reserved))
-        original(nbytes)
-    monkeypatch.setattr("app.http.parsing.hold_for_upload", spy)
+        original(held_in, nbytes)
+    monkeypatch.setattr("app.http.body.hold_for_upload", spy)
     body = orjson.dumps(LARGE)
     assert len(body) > 3 * BODY_PIECE_BYTES
     response = app.test_client().post("/v1/gradients", data=body, content_type="application/json")
@@ -79,7 +79,7 @@ def test_the_reservation_grows_with_the_body_from_nothing(monkeypatch):
 
 def test_a_small_body_is_never_an_upload(monkeypatch):
     app = create_app({"TESTING": True})
-    monkeypatch.setattr("app.http.parsing.hold_for_upload", lambda nbytes: pytest.fail("held as an upload"))
+    monkeypatch.setattr("app.http.body.hold_for_upload", lambda ledger, nbytes: pytest.fail("held as an upload"))
     assert app.test_client().post("/v1/gradients", json=GOOD).status_code == 200
 
 
@@ -109,7 +109,7 @@ def test_uploads_filling_their_share_hold_back_uploads_not_small_requests(chunke
 
 def test_a_declared_body_whose_parse_cannot_fit_is_refused_before_reading(monkeypatch):
     app = create_app({"TESTING": True, "BLOCKGRAD_WORKER_MEMORY_BYTES": str(40 * 2 ** 20)})
-    monkeypatch.setattr("app.http.parsing.read_arriving", lambda request: pytest.fail("read"))
+    monkeypatch.setattr("app.http.body.read_arriving", lambda request, ledger: pytest.fail("read"))
     response = app.test_client().post("/v1/gradients", data=b" " * 2_000_000, content_type="application/json")
     assert response.status_code == 413
     assert response.get_json()["error"]["details"]["limit"] == "BLOCKGRAD_WORKER_MEMORY_BYTES"

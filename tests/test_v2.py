@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from app import create_app
-from app.http.streaming import gather
+from app.http.sending import gather
 
 from tools.reference import reference_accumulated, reference_blocks
 
@@ -630,8 +630,8 @@ def nothing_built(monkeypatch):
     """Declared shapes are refused before any row is built or any binary data decoded."""
     def must_not_run(*args, **kwargs):
         raise AssertionError("built rows or decoded data for a shape that should have been refused")
-    monkeypatch.setattr("app.api.v2.infer.data_matrix", must_not_run)
-    monkeypatch.setattr("app.api.v2.infer.decode_tensor", must_not_run)
+    monkeypatch.setattr("app.http.pipeline.to_matrix", must_not_run)
+    monkeypatch.setattr("app.core.vectors.decode_tensor", must_not_run)
     monkeypatch.setattr("app.http.pipeline.run", must_not_run)
 
 
@@ -653,9 +653,9 @@ def test_declared_shape_is_checked_before_anything_is_built(client, nothing_buil
 
 def test_huge_binary_shape_is_a_codec_error():
     """decode_tensor's own guard, should a shape numpy cannot index ever reach it."""
-    from app.api.v2.codec import CodecError, decode_tensor
+    from app.core.vectors import MatrixError, decode_tensor
 
-    with pytest.raises(CodecError, match="cannot be read"):
+    with pytest.raises(MatrixError, match="cannot be read"):
         decode_tensor(memoryview(b""), np.dtype("<f4"), [HUGE, 0])
 
 

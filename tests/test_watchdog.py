@@ -1,10 +1,10 @@
-"""The read alarm's watchdog (app/http/connection.py): an armed action runs at its time, a
+"""The read alarm's watchdog (app/http/body.py): an armed action runs at its time, a
 cancelled one never does, an earlier alarm wakes the sleeping thread, and the alarms of
 requests whose bodies arrived (armed, then cancelled) leave nothing behind to wake for."""
 import threading
 import time
 
-from app.http.connection import Watchdog
+from app.http.body import Watchdog
 
 WAIT_S = 30.0  # bound of every wait; reached only on failure
 

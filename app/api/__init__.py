@@ -6,12 +6,12 @@ from ..extensions import services_of
 from ..http.errors import register_error_style
 from . import health, metrics, objectives
 from .v1 import jobs as v1_jobs
-from .v1 import schemas as v1_schemas, views as v1_views
+from .v1 import gradients as v1_gradients, schemas as v1_schemas
 from .v2 import schemas as v2_schemas, views as v2_views
 
 
 def register_front_ends(app: Flask, api: Api) -> None:
-    api.register_blueprint(v1_views.blp)
+    api.register_blueprint(v1_gradients.blp)
     api.register_blueprint(v1_jobs.blp)
     api.register_blueprint(objectives.blp)
     api.register_blueprint(health.blp)

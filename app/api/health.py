@@ -1,13 +1,13 @@
 """Probes: /healthz (the process answers) and /readyz (torch and the device work)."""
+from flask_smorest import Blueprint
 from marshmallow import Schema, fields
 
 from ..core.device import ready_device
 from ..http.docs import OPEN_ROUTE, documents_errors
-from ..http.parsing import ApiBlueprint
 from ..extensions import services
 from flask import g
 
-blp = ApiBlueprint("health", __name__, description="Liveness and readiness probes.")
+blp = Blueprint("health", __name__, description="Liveness and readiness probes.")
 
 
 class HealthSchema(Schema):
@@ -43,5 +43,5 @@ def readyz():
     """torch is loaded and the configured device runs a small computation."""
     settings = services().settings
     device = ready_device(settings.device)  # not_ready if it cannot
-    g.device = str(device)  # for the device metric (app/http/request_record.py)
+    g.device = str(device)  # for the device metric (app/http/record.py)
     return {"status": "ready", "device": str(device), "cluster": services().jobs.cluster_report()}

@@ -1,12 +1,12 @@
 """GET /metrics: Prometheus text format, all gunicorn workers added up (app/http/metrics.py)."""
 from flask import Response
+from flask_smorest import Blueprint
 
 from ..http.docs import OPEN_ROUTE, documents_errors
 from ..extensions import services
 from ..http.metrics import SLOTS, SLOTS_BUSY, exposition
-from ..http.parsing import ApiBlueprint
 
-blp = ApiBlueprint("metrics", __name__, description="Prometheus metrics.")
+blp = Blueprint("metrics", __name__, description="Prometheus metrics.")
 
 
 @blp.route("/metrics", methods=["GET"])

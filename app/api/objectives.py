@@ -1,12 +1,12 @@
 """GET /v1/objectives: the objectives this server has, built-ins and models."""
+from flask_smorest import Blueprint
 from marshmallow import Schema, fields
 
 from ..core.objectives import describe
 from ..http.docs import documents_errors
-from ..http.parsing import ApiBlueprint
 from ..extensions import services
 
-blp = ApiBlueprint("objectives", __name__, url_prefix="/v1",
+blp = Blueprint("objectives", __name__, url_prefix="/v1",
                    description="The block objectives this server has: built-in formulas and the operator's models.")
 
 

@@ -327,7 +327,7 @@ class Result:
     kept: list[Block] | None = field(default=None, repr=False)  # every block, when they fit
     chunk_elements: int = field(default=DEFAULT_CHUNK_ELEMENTS, repr=False)  # numbers per chunk
     # Held while a band is recomputed, not while its blocks are written: a compute slot,
-    # supplied by whoever owns the slots (app/http/slot.py); nothing by default.
+    # supplied by whoever owns the slots (app/http/pipeline.py); nothing by default.
     band_slot: Callable[[], AbstractContextManager] = field(default=nullcontext, repr=False)
 
     def blocks(self) -> Iterator[Block]:

@@ -3,7 +3,9 @@
 Checks happen on whole rows or the whole matrix at C speed; only when a check
 fails do we walk the values to name the first offending row and column.
 """
+from dataclasses import dataclass
 from itertools import chain
+from math import prod
 
 import numpy as np
 
@@ -40,6 +42,49 @@ def parse_matrix(value: object) -> np.ndarray:
         i, j, _ = first_cell(value, lambda x: not np.isfinite(float_or_inf(x)))
         raise MatrixError(f"Row {i}, column {j} is too large for a 64-bit float.") from None
     return check_finite(matrix)
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """Binary tensor data as sent: row-major numbers of `dtype` (byte order included), no padding."""
+    data: memoryview
+    dtype: np.dtype
+
+
+def to_matrix(vectors: object, shape: tuple[int, int] | None = None) -> np.ndarray:
+    """A request's vectors as a checked (N, D) float array: an array decoded elsewhere (a .npy),
+    a Buffer of the declared `shape`, JSON rows, or, with `shape` declared, JSON data nested in
+    exactly that shape or flat and row-major (one array at once, never through row lists)."""
+    if isinstance(vectors, np.ndarray):
+        return check_matrix(vectors)
+    if isinstance(vectors, Buffer):
+        return check_matrix(decode_tensor(vectors.data, vectors.dtype, list(shape)))
+    if shape is None:
+        return parse_matrix(vectors)
+    n, dim = shape
+    if not isinstance(vectors, list):
+        raise MatrixError("data must be a list of numbers, flat or nested.")
+    if vectors and isinstance(vectors[0], list):
+        lengths = {len(row) if isinstance(row, list) else -1 for row in vectors}
+        if len(vectors) != n or lengths != {dim}:
+            raise MatrixError(f"nested data does not have the declared shape {list(shape)}.")
+        return parse_matrix(vectors)
+    if len(vectors) != n * dim:
+        raise MatrixError(f"shape {list(shape)} takes {n * dim} numbers, data has {len(vectors)}.")
+    return parse_flat(vectors, n, dim)
+
+
+def decode_tensor(buffer: memoryview, dtype: np.dtype, shape: list[int]) -> np.ndarray:
+    """A tensor's binary data -> a writable array of that shape, in native byte order."""
+    expected = prod(shape) * dtype.itemsize
+    if len(buffer) != expected:
+        raise MatrixError(f"Shape {shape} of {dtype.itemsize}-byte numbers takes {expected} bytes, "
+                          f"but {len(buffer)} were sent.")
+    try:
+        # A copy (of the input, small next to the output): torch will not share read-only memory.
+        return np.frombuffer(buffer, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+    except (ValueError, OverflowError) as exc:  # e.g. a dimension past what numpy can index
+        raise MatrixError(f"Shape {shape} cannot be read as a tensor: {exc}.") from None
 
 
 def check_matrix(matrix: np.ndarray) -> np.ndarray:

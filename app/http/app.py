@@ -1,6 +1,5 @@
 """The Flask app's shared HTTP glue: settings, per-worker services, hooks; the front ends are
 registered on it by the app factory (app/__init__.py), between `build_app` and `finish_app`."""
-import types
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -14,13 +13,11 @@ from ..core.run import LocalExecutor
 from ..core.settings import COMPUTE_SLOTS, environment
 from ..core.slots import Gate, SlotSource, ThreadSlots
 from ..extensions import Jobs, Services, install_services, services_of
-from . import request_record
+from . import record
 from .auth import install_auth
 from .docs import ErrorSchema, register_docs, spec_options
 from .errors import register_error_handlers
-from .request_log import configure_logging
 from .settings import Settings
-from .slot import MetricsListener
 
 FLASK_CONFIG = {
     "API_TITLE": "blockgrad",
@@ -32,30 +29,6 @@ FLASK_CONFIG = {
     "OPENAPI_SWAGGER_UI_URL": "/docs/assets/",  # served by docs.py, no CDN; absolute: /docs and /docs/ both work
     "OPENAPI_SWAGGER_UI_CONFIG": {"validatorUrl": None},  # no badge fetched from swagger.io
 }
-
-
-MOST_CACHED_HANDLERS = 512  # views and hooks of the app: a few dozen
-
-
-class BlockgradFlask(Flask):
-    """Flask, asking once per function whether it is async: `ensure_sync` runs for every view
-    and hook of every request, and `inspect.iscoroutinefunction` is not free."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._made_sync: dict[Callable, Callable] = {}
-
-    def ensure_sync(self, func: Callable) -> Callable:
-        # Plain functions only: bound methods and partials may be new on every request
-        # (class-based views, after_this_request), and a cache would keep each alive.
-        if type(func) is not types.FunctionType:
-            return super().ensure_sync(func)
-        made = self._made_sync.get(func)
-        if made is None:
-            made = super().ensure_sync(func)
-            if len(self._made_sync) < MOST_CACHED_HANDLERS:
-                self._made_sync[func] = made
-        return made
 
 
 class BlockgradApi(Api):
@@ -74,7 +47,7 @@ def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
     # Models are loaded and checked here, once per process (in each worker: no preload_app);
     # a file that fails raises ModelError and the service does not start.
     objectives = served_objectives(settings)
-    app = BlockgradFlask("app")
+    app = Flask("app")
     # werkzeug would answer `/v2//health/live` with a 308 to an absolute URL built from the
     # Host header; without merging such paths are plain 404s.
     app.url_map.merge_slashes = False
@@ -84,11 +57,11 @@ def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
     app.config.setdefault("API_SPEC_OPTIONS", spec_options(settings, objectives))
     slots = slots or ThreadSlots(COMPUTE_SLOTS)
     install_services(app, Services(
-        settings, objectives, Gate(settings.queue_depth, slots=slots, listener=MetricsListener()),
+        settings, objectives, Gate(settings.queue_depth, slots=slots, listener=record.MetricsListener()),
         MemoryLedger(settings.worker_memory_bytes, settings.upload_memory_share),
         chunk_executor(slots, settings), jobs=jobs(environ) if jobs else None, scrape_lock=scrape_lock))
-    configure_logging(settings.log_level)
-    request_record.init_app(app)  # first, so that its hooks see every request
+    record.configure_logging(settings.log_level)
+    record.init_app(app)  # first, so that its hooks see every request
 
     install_auth(app, settings.api_token, settings.docs_public)  # one app-level hook: every route, present or future, is behind it
     return app, BlockgradApi(app)

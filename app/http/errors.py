@@ -20,7 +20,7 @@ from werkzeug.exceptions import HTTPException
 from ..core import errors as core
 from ..core.errors import BlockgradError, cut_text
 from ..extensions import services_of
-from .connection import drop_connection
+from .sending import drop_connection
 
 log = logging.getLogger("blockgrad")
 
@@ -312,7 +312,7 @@ def error_response(error: BlockgradError) -> Response:
     style = style_of_request()
     status = style.status(status_of(error))
     if has_request_context():
-        g.error_code = error.code  # for the errors metric and the log line (app/http/request_record.py)
+        g.error_code = error.code  # for the errors metric and the log line (app/http/record.py)
     if error.code == "client_closed" and has_request_context():
         drop_connection(request.environ)  # no status line reaches the wire; the log line still has the code
     payload = render_error_body(style, error)

@@ -34,41 +34,6 @@ DEVICE = Gauge("blockgrad_device_info", "1 for the torch device each live worker
                ["device"], multiprocess_mode="liveall")
 
 
-def method_label(method: str) -> str:
-    return method if method in METHODS else "other"
-
-
-# (route, method label, status) -> its REQUESTS and LATENCY children: labels() validates and
-# locks on every call. The keys are as bounded as the labels.
-REQUEST_CHILDREN: dict[tuple[str, str, int], tuple] = {}
-DEVICES_SET: set[tuple[int, str]] = set()  # (pid, device): set to 1 by that process (a fork sets its own)
-
-
-def observe_request(route: str, method: str, status: int, duration_s: float) -> None:
-    key = (route, method_label(method), status)
-    children = REQUEST_CHILDREN.get(key)
-    if children is None:
-        children = REQUEST_CHILDREN[key] = (REQUESTS.labels(route, key[1], str(status)), LATENCY.labels(route))
-    children[0].inc()
-    children[1].observe(duration_s)
-
-
-def observe_work(output_numbers: int, compute_s: float) -> None:
-    OUTPUT_NUMBERS.inc(output_numbers)
-    COMPUTE_SECONDS.inc(compute_s)
-
-
-def observe_error(code: str) -> None:
-    ERRORS.labels(code).inc()
-
-
-def observe_device(device: str) -> None:
-    key = (os.getpid(), device)
-    if key not in DEVICES_SET:  # a gauge that only ever reads 1: set once per process
-        DEVICE.labels(device).set(1)
-        DEVICES_SET.add(key)
-
-
 def exposition() -> tuple[bytes, str]:
     """The text format (0.0.4, what generate_latest writes) body for a scrape and its content type."""
     if "PROMETHEUS_MULTIPROC_DIR" in os.environ:

@@ -1,104 +1,169 @@
-"""The one request path both front ends plug into, in the spirit of TorchServe's handler
+"""The one request pipeline every front end plugs into, in the spirit of TorchServe's handler
 (preprocess, inference, postprocess):
 
-read the body -> decode the document or header -> admit once from the sizes, before any
-number is converted (the body's memory reservation resized to the prediction, for the most
-compute slots the request may take) -> convert -> take a compute slot -> run (the
-executor spreads the chunks over free slots) -> render -> stream, holding a slot only while
-a band of blocks is recomputed (app/http/slot.py) -> record (request_record.py, when the
-last byte is written).
+    decode -> validate -> admit (once) -> convert -> execute -> render
 
-A front end supplies `accept`, `decode`, `convert` and `render` (`FrontEnd`), nothing else.
+A front end is a decoder and a renderer; its view reads `render(pipeline(decode(request)))`
+and nothing calls back into it in between. The decoder reads the body (body.read_body) and
+describes the request without converting a number (`Described`: the sizes and fields as
+sent, the raw vectors). The pipeline, the same for every front end, validates the sizes by
+building the core's `Sizes` (N >= 1, D >= 1; a factor outside 1..N or an unknown dtype is
+not admitted, and refused when converted), admits once, converts with the core (`to_matrix`,
+`build_request`: the fields' errors and the vectors' together, after admission) and executes:
+`compute` for /v1 and /v2 (a compute slot, then the engine), the job store's submit for
+/v1/jobs, whose admission is its own limits'. The renderer turns what was executed into the
+Response; the request is recorded when its last byte is written (record.py).
 """
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from flask import Request, Response, g, request
+from flask import current_app, g, request
 
 from ..core import slots as deadline_module  # Deadline looked up per request (tests replace it)
 from ..core.admission import AnswerCost, admit
 from ..core.device import ready_device
-from ..core.request import GradientRequest, Sizes
+from ..core.errors import validation_error
+from ..core.objectives import Objective
+from ..core.request import (GradientRequest, Sizes, admissible_factor, build_request, default_factor,
+                            factor_out_of_range, ordered_outputs, request_sizes)
 from ..core.run import Result, run
-from ..core.slots import Ticket
-from ..extensions import services
-from .connection import cancel_probe
-from .memory import reserve_for_request
-from . import parsing  # parsing.read_body looked up per request (tests replace it)
-from .request_record import RequestRecord
-from .slot import BandSlots
+from ..core.slots import Gate, Ticket
+from ..core.vectors import MatrixError, to_matrix
+from ..extensions import KEY, Services
+from .body import cancel_probe, reserve_for_request
+from .record import RequestRecord
+
+# marshmallow's Range message: a factor under 1 when N is not known (the vectors are refused).
+FACTOR_AT_LEAST_ONE = "Must be greater than or equal to 1."
 
 
 @dataclass(frozen=True)
-class Decoded:
-    """A request read and decoded, no number converted yet."""
-    sizes: Sizes | None  # None: not even N and D are known (conversion refuses the request)
-    answer: AnswerCost  # how the front end holds the input and writes the answer
-    document: Any  # the front end's own, handed to its `convert`
-    logged_outputs: tuple[str, ...] | None = None  # the outputs as the front end names them; None: sizes.outputs
+class Described:
+    """A request decoded, no number converted: what the pipeline validates, admits and converts."""
+    n: int | None  # as sent (list lengths or a declared shape); None: not even rows (refused when converted)
+    dim: int | None
+    vectors: Any  # JSON rows, flat JSON data (`declared`), or an (N, D) array; None when `errors` name it
+    fields: Mapping[str, Any]  # build_request's keyword values that are valid as sent (defaults included)
+    errors: Mapping[str, list[str]] = field(default_factory=dict)  # the fields refused: raised after admission
+    answer: AnswerCost | None = None  # how the front end holds the input and writes the answer
+    declared: bool = False  # `vectors` must have the shape (n, dim) as declared (/v2), flat or nested
+    logged_outputs: tuple[str, ...] | None = None  # the outputs as the front end names them; None: the core's
+    own: Any = None  # the decoder's, handed to its renderer
 
 
-class Job(Protocol):
-    """A converted request: the core's request and whatever the front end renders from."""
-    gradient: GradientRequest
-    logged_outputs: tuple[str, ...]  # the outputs as the front end names them, for the log line
+@dataclass(frozen=True)
+class Computed:
+    """What `compute` hands the renderer."""
+    request: GradientRequest
+    result: Result | None  # None: nothing to compute (/v2 asking only for bounds)
+    device: torch.device
+    timed: Callable[[Iterable], Iterator]  # wraps the blocks taken from the result: their time is compute time
+    own: Any
 
 
-class FrontEnd(Protocol):
-    def accept(self, request: Request) -> None:
-        """Refuse a body this front end does not read (415), before it is read."""
-
-    def decode(self, body: bytes, request: Request) -> Decoded:
-        ...
-
-    def convert(self, decoded: Decoded) -> Job:
-        ...
-
-    def render(self, job: Job, result: Result | None, device: torch.device,
-               timed: Callable[[Iterable], Iterator]) -> Response:
-        """`result` None: the job computes nothing; `timed` wraps blocks taken from the result."""
+Admit = Callable[[Sizes, Described, Services], None]
+Execute = Callable[[GradientRequest, Described, Services], Any]
 
 
-def serve(front_end: FrontEnd) -> Response:
-    served = services()  # one lookup through Flask's proxies for the whole request
-    settings = served.settings
-    front_end.accept(request)
-    decoded = front_end.decode(parsing.read_body(request), request)
-    sizes = decoded.sizes
+def pipeline(described: Described, execute: Execute | None = None, admit_sizes: Admit | None = None) -> Any:
+    """Validate, admit once, convert, execute (default: `compute`, admitted by `admit_to_compute`)."""
+    served: Services = current_app.extensions[KEY]  # the services, read once for the whole request
+    sizes = validated_sizes(described, served.objectives)
     if sizes is not None:
-        if sizes.factor is not None and sizes.outputs is not None:
-            logged = sizes.outputs if decoded.logged_outputs is None else decoded.logged_outputs
-            g.work = RequestRecord.of(sizes.n, sizes.dim, sizes.factor, logged, sizes.outputs)  # logged even when refused
-        prediction = admit(sizes, decoded.answer, settings, served.executor.most_lanes)
-        if prediction is not None:
-            reserve_for_request(prediction.bytes)  # the body's reservation, resized to the prediction
-    job = front_end.convert(decoded)
-    req = job.gradient
-    g.work = record = RequestRecord.of(req.n, req.dim, req.factor, job.logged_outputs, req.outputs)
+        (admit_sizes or admit_to_compute)(sizes, described, served)
+    req = convert(described, served.objectives)
+    return (execute or compute)(req, described, served)
+
+
+def validated_sizes(described: Described, objectives: Mapping[str, Objective]) -> Sizes | None:
+    """The core's Sizes (validation_error on N or D of 0); None when N and D are not known."""
+    n, fields, errors = described.n, described.fields, described.errors
+    if n is None:
+        return None
+    factor = fields.get("factor", default_factor(n)) if "factor" not in errors else None
+    outputs = ordered_outputs(fields["outputs"]) if "outputs" in fields and "outputs" not in errors else None
+    return request_sizes(n, described.dim, admissible_factor(factor, n), outputs,
+                         objective=fields.get("objective"), dtype=fields.get("dtype"), objectives=objectives)
+
+
+def admit_to_compute(sizes: Sizes, described: Described, served: Services) -> None:
+    """The core's limits and prediction; the request's memory reservation resized to it."""
+    if sizes.factor is not None and sizes.outputs is not None:  # logged even when refused
+        g.work = RequestRecord(sizes.n, sizes.dim, sizes.factor, described.logged_outputs or sizes.outputs,
+                               sizes.outputs)
+    prediction = admit(sizes, described.answer, served.settings, served.executor.most_lanes)
+    if prediction is not None:
+        reserve_for_request(served.ledger, prediction.bytes)
+
+
+def convert(described: Described, objectives: Mapping[str, Objective]) -> GradientRequest:
+    """The checked (N, D) matrix and the core's request; every field's refusal in one 422."""
+    errors, matrix = dict(described.errors), None
+    if "vectors" not in errors:
+        try:
+            matrix = to_matrix(described.vectors, (described.n, described.dim) if described.declared else None)
+        except MatrixError as exc:
+            errors["vectors"] = [str(exc)]
+    if errors:  # the factor's range beside the other refusals (build_request checks it otherwise)
+        factor = described.fields.get("factor")
+        if type(factor) is int and matrix is not None and not 1 <= factor <= len(matrix):
+            errors["factor"] = [factor_out_of_range(len(matrix))]
+        elif type(factor) is int and matrix is None and factor < 1:
+            errors["factor"] = [FACTOR_AT_LEAST_ONE]
+        raise validation_error(errors)
+    return build_request(matrix, objectives=objectives, **described.fields)
+
+
+def compute(req: GradientRequest, described: Described, served: Services) -> Computed:
+    """Take a compute slot, run the engine, give the slot back: the answer is written without
+    it, and each band of blocks recomputed while it is written takes one again (BandSlots)."""
+    n, dim = req.vectors.shape
+    g.work = record = RequestRecord(n, dim, req.factor, described.logged_outputs or req.outputs, req.outputs)
     if not req.outputs:  # nothing to compute: no slot taken
-        device = ready_device(settings.device)
+        device = ready_device(served.settings.device)
         g.device = str(device)
-        return front_end.render(job, None, device, record.timed)
-    deadline = request_deadline()
-    ticket = compute_slot(deadline)  # the request's first slot; its executor may take more
+        return Computed(req, None, device, record.timed, described.own)
+    deadline = request_deadline(served)
+    ticket = compute_slot(served, deadline)  # the request's first slot; its executor may take more
+    start = time.perf_counter()
     try:
-        with record.computing():
-            result = run(req, settings, deadline, served.executor)
-        result.band_slot = BandSlots(served.gate, deadline)  # blocks recomputed as written
-        g.device = str(result.device)
-        return front_end.render(job, result, result.device, record.timed)
+        result = run(req, served.settings, deadline, served.executor)
     finally:
-        ticket.release()  # the answer is written without it; recomputed bands take one each
+        record.compute_s += time.perf_counter() - start
+        ticket.release()
+    result.band_slot = BandSlots(served.gate, deadline)
+    g.device = str(result.device)
+    return Computed(req, result, result.device, record.timed, described.own)
 
 
-def compute_slot(deadline: deadline_module.Deadline) -> Ticket:
+def compute_slot(served: Services, deadline: deadline_module.Deadline) -> Ticket:
     """Wait for a compute slot (overloaded / deadline_exceeded / client_closed)."""
-    return services().gate.acquire(deadline)
+    return served.gate.acquire(deadline)
 
 
-def request_deadline() -> deadline_module.Deadline:
+def request_deadline(served: Services) -> deadline_module.Deadline:
     """This request's deadline, counted from its arrival; stops when its client goes away."""
-    return deadline_module.Deadline(services().settings.request_timeout_s, started=g.get("arrived"),
+    return deadline_module.Deadline(served.settings.request_timeout_s, started=g.get("arrived"),
                                     cancelled=cancel_probe(request.environ))
+
+
+@dataclass(frozen=True)
+class BandSlots:
+    """`Result.band_slot` of a request: a compute slot while each band of blocks is
+    recomputed, none while the band is written (`Gate.resume`: ahead of the line, never
+    refused, against the request's deadline). So a client that reads slowly holds its
+    thread, never a compute slot: another request computes meanwhile."""
+    gate: Gate
+    deadline: deadline_module.Deadline
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        ticket = self.gate.resume(self.deadline)
+        try:
+            yield
+        finally:
+            ticket.release()  # before the band's blocks go to the socket

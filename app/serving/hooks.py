@@ -106,10 +106,10 @@ def worker_abort(worker):
     it exits): log each request it still held as worker_timeout, not as the client_closed its
     body's close would otherwise report."""
     try:
-        from app.http import request_record
+        from app.http import record
     except Exception:  # the app never loaded in this worker: nothing in flight to log
         return
-    request_record.abort_in_flight(request_record.WORKER_TIMEOUT)
+    record.abort_in_flight(record.WORKER_TIMEOUT)
 
 
 def child_exit(server, worker):

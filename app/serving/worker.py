@@ -41,7 +41,7 @@ from gunicorn.workers import gthread
 from app.core.settings import Settings
 from app.serving import slots
 
-# The instant (time.monotonic()) the request's clock started, read by app/http/connection.py.
+# The instant (time.monotonic()) the request's clock started, read by app/http/body.py.
 CONN_STARTED_KEY = "blockgrad.conn_started"
 
 RECV_BYTES = 64 * 1024

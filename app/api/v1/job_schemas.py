@@ -1,12 +1,8 @@
 """/v1/jobs' request and response shapes: the body of /v1/gradients, with a job's outputs
 and a job's limits instead of the synchronous ones."""
-from marshmallow import Schema, ValidationError, fields, pre_load
+from marshmallow import Schema, ValidationError, fields
 from marshmallow.validate import Length
 
-from ...core.errors import many_unknown, unknown_fields
-from ...core.request import Sizes, admissible_factor
-from ...extensions import services
-from ...jobs.limits import admit_job
 from .schemas import GradientRequestSchema
 
 JOB_OUTPUTS = ("accumulated", "losses")
@@ -26,18 +22,6 @@ class JobRequestSchema(GradientRequestSchema):
                           metadata={"description": "Which results the job keeps: a non-empty subset of "
                                                    "accumulated, losses (default both; repeats are ignored). "
                                                    "blocks is refused (422): N x N x 2D numbers."})
-
-    @pre_load
-    def admit_sizes(self, data, **kwargs):
-        unknown = many_unknown(data, self.fields)
-        if unknown:
-            raise unknown_fields(unknown, self.fields)
-        vectors = data.get("vectors") if isinstance(data, dict) else None
-        if isinstance(vectors, list) and vectors and isinstance(vectors[0], list):
-            n = len(vectors)
-            admit_job(Sizes(n, len(vectors[0]), admissible_factor(data.get("factor"), n), None),
-                      services().settings.max_d, services().jobs.settings)
-        return data
 
 
 JobRequestSchema.error_messages = {

@@ -8,7 +8,8 @@ import io
 
 import numpy as np
 import orjson
-from flask import Response, request
+from flask import Request, Response, request
+from flask_smorest import Blueprint
 from marshmallow import ValidationError
 from werkzeug.exceptions import RequestEntityTooLarge
 
@@ -16,18 +17,18 @@ from ...core.admission import check_activations
 from ...core.dtypes import DTYPES
 from ...core.engine import block_bounds
 from ...core.errors import field_error, job_result_too_large, validation_error
-from ...core.request import GradientRequest, Sizes, admissible_factor, build_request
-from ...core.vectors import MatrixError, check_matrix
+from ...core.request import GradientRequest, Sizes
+from ...extensions import Jobs, Services, services
+from ...http.body import is_json_mimetype, read_body, reserve_for_request
 from ...http.docs import documents_errors
 from ...http.errors import HttpError, bad_request, unsupported_media_type
-from ...http.parsing import ApiBlueprint, decode_json, is_json_mimetype, read_body
-from ...extensions import Jobs, services
-from ...http.memory import reserve_for_request
-from ...http.streaming import NUMPY
+from ...http.pipeline import Described, pipeline
+from ...http.sending import NUMPY
 from ...jobs.limits import admit_job
+from .gradients import decode
 from .job_schemas import JOB_OUTPUTS, JobRequestSchema, JobResultSchema, JobSchema, job_output
 
-blp = ApiBlueprint("jobs", __name__, url_prefix="/v1",
+blp = Blueprint("jobs", __name__, url_prefix="/v1",
                    description="Jobs: gradients of any size up to BLOCKGRAD_MAX_JOB_N, computed on the Dask cluster.")
 
 NPY = "application/x-npy"
@@ -80,9 +81,9 @@ def load_npy(data: bytes) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=f"=f{array.dtype.itemsize}")  # native byte order
 
 
-def query_request(vectors: np.ndarray) -> GradientRequest:
-    """The other fields from the query string, with the same rules as the JSON body."""
-    args = request.args
+def query_fields(args, vectors: np.ndarray) -> tuple[dict, dict]:
+    """A .npy job's other fields from the query string, with the JSON body's rules: (the valid
+    ones, the errors)."""
     unknown = sorted(set(args) - set(QUERY_FIELDS))
     if unknown:
         raise validation_error({name: ["Unknown query parameter."] for name in unknown},
@@ -92,6 +93,7 @@ def query_request(vectors: np.ndarray) -> GradientRequest:
     values["dtype"] = args.get("dtype", file_dtype)
     if values["dtype"] != file_dtype:
         errors["dtype"] = [f"The .npy holds {file_dtype}: a .npy job's dtype is its file's; leave dtype out."]
+        del values["dtype"]
     for name, parse in (("factor", int), ("offset", float)):
         if name in args:
             try:
@@ -100,6 +102,7 @@ def query_request(vectors: np.ndarray) -> GradientRequest:
                 errors[name] = [f"Not a valid {'integer' if parse is int else 'number'}."]
     if "offset" in values and not np.isfinite(values["offset"]):
         errors["offset"] = ["Must be a finite number."]
+        del values["offset"]
     if "objective" in args:
         values["objective"] = args["objective"]
     outputs = [name for name in args.get("outputs", ",".join(JOB_OUTPUTS)).split(",") if name]
@@ -110,41 +113,41 @@ def query_request(vectors: np.ndarray) -> GradientRequest:
             errors.setdefault("outputs", []).extend(exc.messages)
     if not outputs:
         errors["outputs"] = ["Name at least one of: accumulated, losses."]
-    values["outputs"] = outputs
-    if errors:
-        raise validation_error(errors)
-    (n, dim), factor = vectors.shape, values.get("factor")
-    admit_job(Sizes(n, dim, admissible_factor(factor, n), None), services().settings.max_d, job_store().settings)
-    try:
-        vectors = check_matrix(vectors)
-    except MatrixError as exc:
-        raise field_error("vectors", str(exc)) from None
-    return build_request(vectors, objectives=services().objectives, **values)
+    if "outputs" not in errors:
+        values["outputs"] = outputs
+    return values, errors
 
 
-def job_request() -> GradientRequest:
+def decode_job(request: Request) -> Described:
+    """/v1/gradients' JSON body (job_schemas.py's fields), or a .npy and the query string."""
     mimetype = request.mimetype
-    if mimetype == NPY:
-        limit = job_store().settings.max_job_body_bytes
-        request.max_content_length = limit
-        try:
-            data = read_body(request)
-        except RequestEntityTooLarge:
-            raise job_body_too_large(limit) from None
-        req = query_request(load_npy(data))
-    elif not mimetype or is_json_mimetype(mimetype):  # no Content-Type: JSON, as on /v1/gradients
-        try:
-            req = JOB_SCHEMA.load(decode_json(read_body(request)))
-        except ValidationError as exc:
-            messages = exc.messages if isinstance(exc.messages, dict) else {"_schema": exc.messages}
-            raise validation_error(messages) from None
-    else:
+    if not mimetype or is_json_mimetype(mimetype):  # no Content-Type: JSON, as on /v1/gradients
+        return decode(request, JOB_SCHEMA)
+    if mimetype != NPY:
         raise unsupported_media_type(f"Send the body as Content-Type: application/json or {NPY} "
                                      f"(got {mimetype or 'none'!r}).")
-    per_pair = getattr(req.objective_fn, "bytes_per_pair", None)  # a model's: its largest block must fit
-    check_activations(Sizes(req.n, req.dim, req.factor, tuple(req.outputs), req.objective, req.dtype, per_pair),
-                      services().settings)
-    return req
+    limit = request.max_content_length = services().jobs.settings.max_job_body_bytes
+    try:
+        data = read_body(request)
+    except RequestEntityTooLarge:
+        raise job_body_too_large(limit) from None
+    vectors = load_npy(data)
+    fields, errors = query_fields(request.args, vectors)
+    return Described(*vectors.shape, vectors, fields, errors)
+
+
+def admit_job_sizes(sizes: Sizes, described: Described, served: Services) -> None:
+    """A job's own limits (app/jobs/limits.py), and a model's activations for its largest block."""
+    admit_job(sizes, served.settings.max_d, served.jobs.settings)
+    if sizes.factor is not None:
+        check_activations(sizes, served.settings)
+
+
+def submit(key: str | None):
+    """The pipeline's execute step for a job: the job store's submit (idempotent with `key`)."""
+    def execute(req: GradientRequest, described: Described, served: Services) -> tuple[dict, bool]:
+        return served.jobs.submit(req, key)
+    return execute
 
 
 @blp.route("/jobs", methods=["POST"])
@@ -160,9 +163,7 @@ def job_request() -> GradientRequest:
                   "internal_error")
 def post_job():
     """Submit a job: answered at once (202) with its record; the job is visible from every worker by then."""
-    req = job_request()
-    key = request.headers.get("Idempotency-Key") or None
-    record, _ = job_store().submit(req, key)
+    record, _ = pipeline(decode_job(request), submit(request.headers.get("Idempotency-Key") or None), admit_job_sizes)
     return json_response(record, 202, {"Location": f"/v1/jobs/{record['id']}"})
 
 
@@ -220,4 +221,4 @@ def reserve_result(record: dict, binary: bool) -> None:
     budget = services().ledger.budget
     if nbytes > budget:
         raise job_result_too_large(nbytes, budget, binary)
-    reserve_for_request(nbytes)
+    reserve_for_request(services().ledger, nbytes)

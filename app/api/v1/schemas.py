@@ -1,36 +1,21 @@
 """/v1's request and response shapes.
 
-The same schemas validate requests and produce the OpenAPI document. Loading a
-request (after the pipeline has admitted its sizes) checks the JSON types field by
-field and gives the core's typed `GradientRequest` (post_load, through
-`build_request`), never a dict.
+The same schemas check a request's JSON types field by field (the decoder, before
+admission: every field but `vectors`, whose rows the pipeline converts after it) and
+produce the OpenAPI document.
 """
-import math
-
-import numpy as np
-from marshmallow import Schema, ValidationError, fields, post_load, validates_schema
-from marshmallow.validate import Length, OneOf, Range
+from marshmallow import Schema, fields
+from marshmallow.validate import Length, OneOf
 
 from ...core.dtypes import DEFAULT_DTYPE, DTYPES
 from ...core.objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET
-from ...core.request import DEFAULT_OUTPUTS, OUTPUTS, GradientRequest, build_request, factor_out_of_range
-from ...core.vectors import MatrixError, parse_matrix
-from ...extensions import services
-from ...http.fields import FactorRange, JsonNumber, ObjectiveName
-
-
-class Vectors(fields.Field):
-    """A list of N rows of D JSON numbers, loaded as one (N, D) float64 array."""
-
-    def _deserialize(self, value, attr, data, **kwargs) -> np.ndarray:
-        try:
-            return parse_matrix(value)
-        except MatrixError as exc:
-            raise ValidationError(str(exc)) from None
+from ...core.request import DEFAULT_OUTPUTS, OUTPUTS
+from ..fields import FactorRange, JsonNumber, ObjectiveName
 
 
 class GradientRequestSchema(Schema):
-    vectors = Vectors(required=True, metadata={
+    # Passed on as sent: the pipeline converts the rows once the sizes are admitted.
+    vectors = fields.Raw(required=True, metadata={
         "type": "array", "minItems": 1, "items": {"type": "array", "minItems": 1, "items": {"type": "number"}},
         "description": "N rows of D finite numbers (V, shape (N, D)); all rows the same length, no strings, "
                        "booleans, nulls, NaN or infinities, every value within `dtype`'s range. "
@@ -60,54 +45,6 @@ class GradientRequestSchema(Schema):
     dtype = fields.String(load_default=DEFAULT_DTYPE, validate=OneOf(DTYPES), metadata={
         "description": "Precision of all arithmetic and of every output number (written with the shortest "
                        "digits that round-trip in it)."})
-
-    @validates_schema(skip_on_field_errors=False)
-    def check_factor(self, data, **kwargs):
-        """A factor under 1 gets the message of one over N, when the vectors (and so N) are valid;
-        a factor over N is refused by build_request, which knows N."""
-        factor, vectors = data.get("factor"), data.get("vectors")
-        if factor is not None and factor < 1:
-            at_least_one = Range(min=1).message_min.format(min=1)  # N unknown: marshmallow's own message
-            raise ValidationError(at_least_one if vectors is None else factor_out_of_range(len(vectors)), "factor")
-
-    @post_load
-    def make_request(self, data, **kwargs) -> GradientRequest:
-        # the core's rules that need the numbers, against this server's objectives; validation_error
-        return build_request(**data, objectives=services().objectives)
-
-
-# Integers the schema's Float (offset) turns into the same float without rounding.
-EXACT_INT = 2 ** 53
-
-
-def load_plain(document: object, objectives) -> GradientRequest | None:
-    """What GradientRequestSchema().load(document) returns, without marshmallow, for a document
-    whose every field is of a type and value the schema takes as sent (vectors a valid matrix,
-    factor an int in 1..N, names among the allowed ones, offset a finite number); None for any
-    other document, which the schema then loads (and refuses with its own messages). Rules
-    that need the numbers are build_request's on both paths."""
-    if type(document) is not dict or not document.keys() <= GradientRequestSchema._declared_fields.keys():
-        return None
-    factor = document.get("factor")
-    objective = document.get("objective", DEFAULT_OBJECTIVE)
-    offset = document.get("offset", DEFAULT_OFFSET)
-    outputs = document.get("outputs", DEFAULT_OUTPUTS)
-    dtype = document.get("dtype", DEFAULT_DTYPE)
-    if not ((factor is None and "factor" not in document) or type(factor) is int) \
-            or type(objective) is not str or objective not in objectives \
-            or type(dtype) is not str or dtype not in DTYPES \
-            or not ((type(offset) is float and math.isfinite(offset)) or (type(offset) is int and -EXACT_INT <= offset <= EXACT_INT)) \
-            or not (outputs is DEFAULT_OUTPUTS or (type(outputs) is list and outputs
-                                                   and all(type(name) is str and name in OUTPUTS for name in outputs))):
-        return None
-    try:
-        vectors = parse_matrix(document.get("vectors"))
-    except MatrixError:
-        return None
-    if factor is not None and not 1 <= factor <= len(vectors):
-        return None
-    return build_request(vectors, factor=factor, objective=objective, offset=float(offset), outputs=outputs,
-                         dtype=dtype, objectives=objectives)
 
 
 # A misspelt field gets the valid names, not just "Unknown field.".

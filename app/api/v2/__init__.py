@@ -2,7 +2,7 @@
 
 model.py names the model and its tensors, schemas.py is the shape of the JSON
 documents, codec.py the binary tensor data extension (bytes <-> arrays), infer.py
-turns a request into the shared GradientRequest and results into output tensors,
-front_end.py is /v2's part of the request pipeline, errors.py its own error, views.py
+describes a request to the pipeline and renders its results as output tensors, errors.py
+its own error, views.py
 the routes. Validation and limits are the core's, as for /v1.
 """

@@ -3,8 +3,8 @@
 Binary tensor data is little-endian, row-major, without padding, and follows the
 JSON header in the order its tensors appear there; the header's length is given
 by the Inference-Header-Content-Length HTTP header. Bytes become arrays with
-np.frombuffer, and arrays become bytes straight from their own memory, a chunk at
-a time: never a Python object per number. The JSON side is written a slice of
+np.frombuffer (app/core/vectors.py's decode_tensor, once the request is admitted), and arrays
+become bytes straight from their own memory, a chunk at a time: never a Python object per number. The JSON side is written a slice of
 numbers at a time too, so an all-JSON answer is streamed: the worker holds the
 output arrays (block_gradients a slab of rows at a time, `RowSlabs`) and about one
 chunk of text, never the whole document. Pure module: no Flask.
@@ -47,19 +47,6 @@ def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvie
         raise CodecError(f"{HEADER_LENGTH} is {length} but the body has only {len(body)} bytes.")
     view = memoryview(body)
     return bytes(view[:length]), view[length:]
-
-
-def decode_tensor(buffer: memoryview, dtype: np.dtype, shape: list[int]) -> np.ndarray:
-    """A tensor's binary data -> a writable array of that shape, in native byte order."""
-    expected = prod(shape) * dtype.itemsize
-    if len(buffer) != expected:
-        raise CodecError(f"Shape {shape} of {dtype.itemsize}-byte numbers takes {expected} bytes, "
-                         f"but {len(buffer)} were sent.")
-    try:
-        # A copy (of the input, small next to the output): torch will not share read-only memory.
-        return np.frombuffer(buffer, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
-    except (ValueError, OverflowError) as exc:  # e.g. a dimension past what numpy can index
-        raise CodecError(f"Shape {shape} cannot be read as a tensor: {exc}.") from None
 
 
 @dataclass(frozen=True)

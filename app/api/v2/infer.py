@@ -1,30 +1,38 @@
 """One inference request: protocol document -> the core's GradientRequest -> output tensors.
 
 `decode_infer_request` reads the envelope (inputs, outputs, parameters) and the input's
-declared shape without converting a number; the pipeline admits those sizes; then
-`convert_infer_request` turns the data into the core's request through `build_request`,
-so the rules, defaults and limits are the core's, as for /v1.
+declared shape without converting a number, and describes the request to the pipeline
+(app/http/pipeline.py), which admits those sizes and then converts the data (JSON, or binary
+tensor data) through the core, so the rules, defaults and limits are the core's, as for /v1.
+`output_tensors` turns the core's result into the protocol's output tensors.
 """
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+from flask import Request, Response
 from marshmallow import ValidationError
 
+from ...core.dtypes import DTYPES
 from ...core.engine import block_bounds
 from ...core.errors import BlockgradError, invalid_request as invalid, listed_names, many_unknown
-from ...core.request import (GradientRequest, Sizes, admissible_factor, build_request, default_factor, ordered_outputs,
-                              request_sizes)
+from ...core.admission import AnswerCost
+from ...core.request import GradientRequest, ordered_outputs
 from ...core.run import Result
-from ...core.vectors import MatrixError, check_matrix, parse_flat, parse_matrix
-from ...extensions import services
-from ...http.parsing import decode_json
-from ...http.streaming import to_numpy
-from .codec import CodecError, OutputTensor, RowSlabs, decode_tensor, split_body
+from ...core.vectors import Buffer
+from ...http import body  # body.read_body looked up per request (tests replace it)
+from ...http.body import decode_json, is_json_mimetype
+from ...http.errors import unsupported_media_type
+from ...http.pipeline import Computed, Described
+from ...http.sending import gather, to_numpy
+from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, CodecError, OutputTensor, RowSlabs, body_length,
+                    encode_response, has_binary, iter_body, iter_json, split_body)
 from .model import DATATYPE_OF_DTYPE, FLOAT_DATATYPES, GRADIENT_PARAMETERS, INPUT_NAME, MODEL_NAME, MODEL_VERSION, OUTPUTS
 from .schemas import InferRequestSchema, ParametersSchema, RequestInputSchema, RequestOutputSchema
 
+BINARY_INPUT_BYTES_PER_NUMBER = 16  # the decoded array and its native-order copy, float64 at most
+JSON_SLICE_BYTES = 2 * CHUNK_BYTES  # a slice of text and orjson's buffer for it
 # One instance each, as /v1's view holds (marshmallow deep-copies the fields per instance).
 INFER_REQUEST_SCHEMA, PARAMETERS_SCHEMA = InferRequestSchema(), ParametersSchema()
 ENVELOPE_FIELDS = tuple(INFER_REQUEST_SCHEMA.fields)
@@ -57,20 +65,31 @@ class DeclaredInput:
     binary: memoryview
 
 
-@dataclass(frozen=True)
-class DecodedInfer:
-    declared: DeclaredInput
-    parameters: dict | None  # the model's parameters, JSON types checked; None: refused by `error`
-    error: BlockgradError | None  # a parameter error, raised in convert (after the shape is admitted)
-    outputs: tuple[RequestedOutput, ...]
-    id: str | None
-
-    @property
-    def dtype(self) -> str:
-        return FLOAT_DATATYPES[self.declared.datatype][1]
+def decode(request: Request) -> Described:
+    """/v2's decoder: a JSON document, or one with binary tensor data after it."""
+    mimetype = request.mimetype
+    if mimetype and not is_json_mimetype(mimetype) and mimetype != BINARY_CONTENT_TYPE:
+        raise unsupported_media_type(f"Send the body as application/json or {BINARY_CONTENT_TYPE} (got {mimetype!r}).")
+    return decode_infer_request(body.read_body(request), request.headers.get(HEADER_LENGTH))
 
 
-def decode_infer_request(body: bytes, header_length: str | None) -> DecodedInfer:
+def render(computed: Computed) -> Response:
+    """JSON only: streamed (the worker holds the output arrays, a block row of block_gradients
+    and about one chunk of text). With binary outputs, the JSON header's length is sent first:
+    counted, then streamed."""
+    head, tensors = output_tensors(InferRequest(computed.request, *computed.own), computed.result, computed.device,
+                                   timed=computed.timed)
+    if not has_binary(tensors):
+        return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")
+    header_length, payload = encode_response(head, tensors)
+    response = Response(iter_body(gather(iter_json(head, tensors), CHUNK_BYTES), payload),
+                        content_type=BINARY_CONTENT_TYPE)
+    response.headers[HEADER_LENGTH] = str(header_length)
+    response.content_length = body_length(header_length, payload)
+    return response
+
+
+def decode_infer_request(body: bytes, header_length: str | None) -> Described:
     """The protocol document, read up to the numbers: nothing is converted here."""
     try:
         header, binary = split_body(body, header_length)
@@ -93,36 +112,28 @@ def decode_infer_request(body: bytes, header_length: str | None) -> DecodedInfer
                       "and binary_data_output.")
     outputs = requested_outputs(envelope.get("outputs"), binary_output)
     try:
-        typed, error = PARAMETERS_SCHEMA.load(parameters), None  # JSON types, as /v1 checks its fields
+        typed, errors = PARAMETERS_SCHEMA.load(parameters), {}  # JSON types, as /v1 checks its fields
     except ValidationError as exc:
-        typed, error = None, invalid(field_messages(exc.messages))
-    return DecodedInfer(declared, typed, error, outputs, envelope.get("id"))
+        typed, errors = exc.valid_data, exc.messages
+    numbers, dtype = FLOAT_DATATYPES[declared.datatype]
+    fields = {**typed, "dtype": dtype, "outputs": ordered_outputs({OUTPUTS[o.name] for o in outputs} - {None})}
+    vectors = declared.data if declared.data is not None else Buffer(declared.binary, numbers)
+    cost = answer_cost(dtype, outputs, len(body), binary_input=header_length is not None)
+    return Described(*declared.shape, vectors, fields, errors, cost, declared=True,
+                     logged_outputs=tuple(output.name for output in outputs), own=(outputs, envelope.get("id")))
 
 
-def infer_sizes(decoded: DecodedInfer) -> Sizes:
-    """What admission reads: the declared shape and the parameters as sent."""
-    (n, dim), typed = decoded.declared.shape, decoded.parameters
-    factor = typed.get("factor", default_factor(n)) if typed is not None else None
-    computed = ordered_outputs({OUTPUTS[output.name] for output in decoded.outputs} - {None})
-    return request_sizes(n, dim, admissible_factor(factor, n), computed,
-                         objective=(typed or {}).get("objective"), dtype=decoded.dtype,
-                         objectives=services().objectives)
-
-
-def convert_infer_request(decoded: DecodedInfer) -> InferRequest:
-    """The input's numbers converted and the core's request built (validation_error as 400)."""
-    if decoded.error is not None:
-        raise decoded.error
-    declared = decoded.declared
-    matrix = input_matrix(declared)
-    try:
-        gradient = build_request(matrix, objectives=services().objectives, dtype=decoded.dtype, **decoded.parameters,
-                                 outputs=ordered_outputs({OUTPUTS[output.name] for output in decoded.outputs}))
-    except BlockgradError as exc:
-        if exc.code != "validation_error":
-            raise
-        raise invalid(field_messages(exc.details["fields"])) from None
-    return InferRequest(gradient, decoded.outputs, decoded.id)
+def answer_cost(dtype: str, outputs: tuple[RequestedOutput, ...], body_bytes: int, binary_input: bool) -> AnswerCost:
+    """The grid is made a block row at a time, except as JSON beside binary outputs (its header
+    is counted first, so it is held whole); JSON outputs are written a slice at a time."""
+    item = DTYPES[dtype].item_bytes
+    names = {output.name for output in outputs}
+    json_names = {output.name for output in outputs if not output.binary}
+    grid_held = "block_gradients" in json_names and len(json_names) < len(names)
+    cost = AnswerCost(body_bytes=body_bytes, block_row_per_number=item if "block_gradients" in names else 0,
+                      grid_per_number=item if grid_held else 0,
+                      head_per_number=2 * item if json_names else 0, head_fixed=JSON_SLICE_BYTES if json_names else 0)
+    return replace(cost, input_per_number=BINARY_INPUT_BYTES_PER_NUMBER) if binary_input else cost
 
 
 def refuse_many_unknown(mapping: object, known, where: str) -> None:
@@ -192,40 +203,6 @@ def declared_input(inputs: list[dict], binary: memoryview) -> DeclaredInput:
         raise invalid(f"binary_data_size of input '{INPUT_NAME}' is {size} but {len(binary)} bytes "
                       "follow the JSON header.")
     return DeclaredInput(datatype, (n, d), None, binary)
-
-
-def input_matrix(declared: DeclaredInput) -> np.ndarray:
-    """The `vectors` input as a checked (N, D) array."""
-    if declared.data is not None:
-        return checked_matrix(data_matrix, declared.data, declared.shape)
-    try:
-        matrix = decode_tensor(declared.binary, FLOAT_DATATYPES[declared.datatype][0], list(declared.shape))
-    except CodecError as exc:
-        raise invalid(f"Input '{INPUT_NAME}': {exc}") from None
-    return checked_matrix(check_matrix, matrix)
-
-
-def checked_matrix(check, *args) -> np.ndarray:
-    try:
-        return check(*args)
-    except MatrixError as exc:
-        raise invalid(f"{field_label('vectors')}: {exc}") from None
-
-
-def data_matrix(data: object, shape: tuple[int, int]) -> np.ndarray:
-    """Tensor data, nested [[...], ...] or flat [...], as an (N, D) array; flat data goes to
-    one array at once, never through row lists."""
-    n, d = shape
-    if not isinstance(data, list):
-        raise MatrixError("data must be a list of numbers, flat or nested.")
-    if data and isinstance(data[0], list):  # nested: must be exactly the declared shape
-        lengths = {len(row) if isinstance(row, list) else -1 for row in data}
-        if len(data) != n or lengths != {d}:
-            raise MatrixError(f"nested data does not have the declared shape {list(shape)}.")
-        return parse_matrix(data)
-    if len(data) != n * d:
-        raise MatrixError(f"shape {list(shape)} takes {n * d} numbers, data has {len(data)}.")
-    return parse_flat(data, n, d)
 
 
 def requested_outputs(outputs: list[dict] | None, binary_default: bool) -> tuple[RequestedOutput, ...]:

@@ -7,7 +7,7 @@ rules that need the numbers. The response schemas document the routes.
 from marshmallow import Schema, fields
 from marshmallow.validate import Length, Range
 
-from ...http.fields import FactorRange, JsonNumber, ObjectiveName
+from ..fields import FactorRange, JsonNumber, ObjectiveName
 
 Parameters = fields.Dict  # $parameters: {name: $string | $number | $boolean}
 

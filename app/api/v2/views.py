@@ -5,7 +5,8 @@ are the protocol's {"error": "<message>"} (ERROR_STYLE, registered for /v2).
 """
 import logging
 
-from flask import Response, current_app, g
+from flask import Response, current_app, g, request
+from flask_smorest import Blueprint
 
 from ...core.device import ready_device
 from ...core.errors import BlockgradError
@@ -13,16 +14,15 @@ from ...extensions import services
 from ...http.docs import OPEN_ROUTE, documents_errors
 from ...http.errors import ErrorStyle
 from .errors import model_not_found
-from ...http.parsing import ApiBlueprint
-from ...http.pipeline import serve
+from ...http.pipeline import pipeline
 from .codec import BINARY_CONTENT_TYPE
-from .front_end import FRONT_END
+from .infer import decode, field_messages, invalid, render
 from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, model_metadata
 from .schemas import InferRequestSchema, InferResponseSchema, ModelMetadataSchema, ProtocolErrorSchema, ServerMetadataSchema
 
 log = logging.getLogger("blockgrad")
 
-blp = ApiBlueprint("v2", __name__, url_prefix="/v2",
+blp = Blueprint("v2", __name__, url_prefix="/v2",
                    description="Open Inference Protocol (KServe V2) with the binary tensor data extension.")
 
 # The protocol's error body, and 400 for every invalid request (a 422 on /v1).
@@ -132,4 +132,9 @@ def model_ready(model: str, version: str | None = None):
 def infer(model: str, version: str | None = None):
     """Per-block gradients as output tensors; JSON or binary tensor data both ways."""
     check_model(model, version)
-    return serve(FRONT_END)
+    try:
+        return render(pipeline(decode(request)))
+    except BlockgradError as exc:  # fields refused: named as the protocol names them
+        if exc.code == "validation_error" and isinstance(exc.details.get("fields"), dict):
+            raise invalid(field_messages(exc.details["fields"])) from None
+        raise
