@@ -273,6 +273,10 @@ class ConnectionWorker(gthread.ThreadWorker):
         if pod is not None:
             pod.mark_ready(False)  # first: a worker seen not polling its listener is surely not ready
         self.set_accept_enabled(False)
+        # The master closed its copy first: with every worker's closed, a new connect is
+        # refused at once (clients and balancers go elsewhere) instead of waiting in the backlog.
+        for listener in self.sockets:
+            listener.close()
         self.deferred_until = None
         now = time.monotonic()
         linger = now + gthread.STOP_KEEPALIVE_LINGER
