@@ -8,13 +8,15 @@ import os
 
 from app.core.settings import Settings, available_cores
 from app.serving import addresses, tuning
+from app.serving.settings import ServingSettings
 from app.serving.hooks import (child_exit, on_exit, on_starting, post_fork,  # noqa: F401
                                post_worker_init, pre_request, worker_abort, worker_exit)
 
 settings = Settings.from_env()  # raises at start-up, naming the variable, on a bad value
+serving = ServingSettings.from_env()
 
-bind = settings.bind  # BLOCKGRAD_BIND
-workers = settings.workers  # WEB_CONCURRENCY
+bind = serving.bind  # BLOCKGRAD_BIND
+workers = serving.workers  # WEB_CONCURRENCY
 torch_threads = tuning.TORCH_THREADS  # 1: each compute slot is one core (docs/cores.md)
 cores = available_cores()  # the pod's compute slots, shared by its workers (app/serving/slots.py)
 
@@ -26,8 +28,8 @@ worker_class = "app.serving.worker.ConnectionWorker"  # gthread, connections wai
 SPARE_THREADS = 24
 threads = cores + settings.queue_depth + SPARE_THREADS  # a worker's requests may hold every slot of the pod
 # Idle connections kept past a balancer's usual 60 s idle timeout: the balancer closes them.
-keepalive = math.ceil(settings.keepalive_s)
-worker_connections = settings.max_connections  # per worker (the worker class reads the setting)
+keepalive = math.ceil(serving.keepalive_s)
+worker_connections = serving.max_connections  # per worker (the worker class reads the setting)
 
 # gthread's timeout watches only the worker's main loop, never a request thread: the request
 # deadline and the read and send timeouts end stuck requests instead.

@@ -8,6 +8,7 @@ import pytest
 
 from app.core.settings import Settings, available_cores
 from app.serving.recycling import enforce_floor
+from app.serving.settings import ServingSettings
 from app.serving.warmup import warm_start
 
 CONF = Path(__file__).resolve().parent.parent / "gunicorn.conf.py"
@@ -52,9 +53,9 @@ def test_bind_is_honoured(monkeypatch):
 
 
 def test_settings_read_bind_and_workers_under_their_names():
-    settings = Settings.from_env({"BLOCKGRAD_BIND": "[::1]:9000", "WEB_CONCURRENCY": "3", "BLOCKGRAD_WORKERS": "7"})
+    settings = ServingSettings.from_env({"BLOCKGRAD_BIND": "[::1]:9000", "WEB_CONCURRENCY": "3", "BLOCKGRAD_WORKERS": "7"})
     assert (settings.bind, settings.workers) == ("[::1]:9000", 3)
-    assert Settings.from_env({}).workers == min(2, available_cores())
+    assert ServingSettings.from_env({}).workers == min(2, available_cores())
 
 
 def test_the_config_reads_no_environment_variable_itself():

@@ -17,6 +17,7 @@ import torch
 
 from app import create_app
 from app.core.settings import Settings, variable_of
+from app.serving.settings import ServingSettings
 from tools.reference import reference_accumulated, reference_blocks
 from tools.server import gunicorn_server
 
@@ -99,7 +100,7 @@ def variables_in_code() -> set[str]:
 def test_every_environment_variable_is_in_the_configuration_table():
     table = section(text(DOCS / "configuration.md"), "## Environment variables")
     documented = set().union(*(backticked(cell) for cell in first_cells(table)))
-    read = {variable_of(item) for item in fields(Settings)} | variables_in_code() | {
+    read = {variable_of(item) for item in fields(Settings) + fields(ServingSettings)} | variables_in_code() | {
         "BLOCKGRAD_BIND", "WEB_CONCURRENCY", "PROMETHEUS_MULTIPROC_DIR"}
     assert read - documented == set()
     stale = {name for name in documented if name.startswith("BLOCKGRAD_")} - read

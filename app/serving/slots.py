@@ -71,21 +71,6 @@ def remove(slots: "PodSlots") -> None:
     shutil.rmtree(slots.path, ignore_errors=True)
 
 
-_installed: "PodSlots | None" = None
-
-
-def install(slots: "PodSlots | None") -> None:
-    """The master's slots, for the app its workers build (inherited across fork)."""
-    global _installed
-    _installed = slots
-
-
-def installed() -> "PodSlots | None":
-    """The pod's slots when served by the master that made them; None elsewhere (tests, a
-    development server), where the app uses slots of its own process."""
-    return _installed
-
-
 @dataclass(frozen=True)
 class PodState:
     busy: int  # slots held in the pod
