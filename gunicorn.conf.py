@@ -35,9 +35,9 @@ worker_connections = serving.max_connections  # per worker (the worker class rea
 # deadline and the read and send timeouts end stuck requests instead.
 timeout = max(120, math.ceil(2 * settings.request_timeout_s))
 graceful_timeout = math.ceil(settings.request_timeout_s) + 10  # SIGTERM: a whole deadline, then margin
-# Recycled, one worker at a time (app/serving/recycling.py), as a backstop against a leak (an
-# operator's model): a worker's memory does not grow with requests (docs/serving.md), and each
-# restart costs its clients throughput, so rarely.
+# Recycled by gunicorn, apart thanks to the jitter, as a backstop against a leak (an operator's
+# model): a worker's memory does not grow with requests (docs/serving.md), and each restart
+# costs its clients throughput, so rarely.
 max_requests = 20000
 max_requests_jitter = 2000
 

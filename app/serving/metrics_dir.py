@@ -42,9 +42,6 @@ class MetricsDir:
         directory.empty()
         return directory
 
-    def file(self, name: str) -> str:
-        return os.path.join(self.path, name)
-
     def empty(self) -> None:
         for pattern in STALE_PATTERNS:
             for stale in glob.glob(os.path.join(self.path, pattern)):
@@ -58,7 +55,7 @@ class MetricsDir:
         from prometheus_client.mmap_dict import MmapedDict
 
         for kind in kinds:
-            final = self.file(f"{kind}_{pid}.db")
+            final = os.path.join(self.path, f"{kind}_{pid}.db")
             staging = final + ".tmp"
             MmapedDict(staging).close()
             try:

@@ -8,17 +8,13 @@ from dataclasses import dataclass, field
 from app.core.settings import Settings, available_cores
 
 
-def default_workers() -> int:
-    """One worker per core, two at most: each worker computes on the cores it owns."""
-    return min(2, available_cores())
-
-
 @dataclass(frozen=True)
 class ServingSettings:
-    # gunicorn's listening address and worker count. WEB_CONCURRENCY is the name gunicorn
-    # itself and platforms such as Heroku use, hence no BLOCKGRAD_ prefix.
+    # gunicorn's listening address and worker count: one per core, two at most (each computes
+    # on the pod's slots). WEB_CONCURRENCY is the name gunicorn itself and platforms such as
+    # Heroku use, hence no BLOCKGRAD_ prefix.
     bind: str = "127.0.0.1:8000"
-    workers: int = field(default_factory=default_workers, metadata={"env": "WEB_CONCURRENCY"})
+    workers: int = field(default_factory=lambda: min(2, available_cores()), metadata={"env": "WEB_CONCURRENCY"})
     # Idle keep-alive longer than a balancer's usual 60 s: the balancer closes idle connections.
     keepalive_s: float = 75.0
     # The request head must arrive within it, from accept or a kept-alive connection's first new
@@ -37,13 +33,10 @@ class ServingSettings:
 def is_local(address) -> bool:
     """Whether a parsed gunicorn bind address is reachable from this machine only: a unix
     socket or an inherited descriptor (a string, an int), localhost, 127.0.0.0/8 or ::1."""
-    if not isinstance(address, tuple):
-        return True
-    host = address[0].strip("[]")
-    if host == "localhost":
+    if not isinstance(address, tuple) or address[0] == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(address[0].strip("[]")).is_loopback
     except ValueError:  # a host name: it may resolve to any interface
         return False
 

@@ -231,11 +231,6 @@ class PodSlots:
         return PodState(len(held), dict(Counter(held.values())), len(marked.get(WAITING_NAME, ())),
                         frozenset(marked.get(SERVING_NAME, ())), frozenset(marked.get(READY_NAME, ())), connections)
 
-    def close(self) -> None:
-        """This process's descriptors (and so any slot it still holds)."""
-        with self._lock:
-            self._close()
-
     # --- inside -----------------------------------------------------------------------
     def _open(self) -> None:
         """This process's own descriptors, opened on first use in each process."""

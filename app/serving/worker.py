@@ -168,11 +168,6 @@ class ConnectionWorker(gthread.ThreadWorker):
                         "flood the service is sized for (docs/connections.md): raise it to %d",
                         cfg.workers, settings.max_connections, needed, math.ceil(needed / cfg.workers))
 
-    def serving(self) -> bool:
-        """Whether a connection is accepted and not yet answered (new, part of a head, or in a
-        pool thread); idle kept-alive and closing ones do not count."""
-        return self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0
-
     def leave_to_sibling(self) -> bool:
         """Asked when a new connection waits on the listener: leave it to a ready sibling
         ranking before this worker by (serving, slots held, connections held)
@@ -189,7 +184,8 @@ class ConnectionWorker(gthread.ThreadWorker):
     def publish_state(self) -> None:
         pod = host.slots
         if pod is not None:
-            pod.mark_serving(self.serving())
+            # Serving: a connection accepted and not yet answered (idle and closing ones do not count).
+            pod.mark_serving(self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0)
             pod.mark_connections(self.nr_conns - self.counts[CLOSING])
 
     def init_process(self):
