@@ -41,7 +41,7 @@ graceful_timeout = math.ceil(settings.request_timeout_s) + 10  # SIGTERM: a whol
 max_requests = 20000
 max_requests_jitter = 2000
 
-preload_app = False  # on CPU on_starting imports the app instead, after setting up metrics
+preload_app = False  # on CPU on_starting has gunicorn load wsgi:app, after the metrics directory and the slots exist
 worker_tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None  # heartbeat off disk
 control_socket = addresses.control_socket_path()  # gunicornc's, one per instance
 accesslog = None  # the app writes one JSON line per request (app/http/request_log.py)
