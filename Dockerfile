@@ -15,6 +15,8 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 # The writable places are all under /tmp (an emptyDir on Kubernetes): the metrics files, and
 # gunicorn's control socket, which otherwise goes to $HOME/.gunicorn and fails to start.
+# A bind beyond loopback: the start refuses without BLOCKGRAD_API_TOKEN (pass it at run time,
+# from a Kubernetes Secret in deploy/; never baked in) unless BLOCKGRAD_AUTH=off.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \

@@ -8,13 +8,15 @@ import os
 
 from app.core.settings import Settings, available_cores
 from app.serving import addresses, tuning
+from app.serving.settings import ServingSettings
 from app.serving.hooks import (child_exit, on_exit, on_starting, post_fork,  # noqa: F401
                                post_worker_init, pre_request, worker_abort, worker_exit)
 
 settings = Settings.from_env()  # raises at start-up, naming the variable, on a bad value
+serving = ServingSettings.from_env()
 
-bind = settings.bind  # BLOCKGRAD_BIND
-workers = settings.workers  # WEB_CONCURRENCY
+bind = serving.bind  # BLOCKGRAD_BIND
+workers = serving.workers  # WEB_CONCURRENCY
 torch_threads = tuning.TORCH_THREADS  # 1: each compute slot is one core (docs/cores.md)
 cores = available_cores()  # the pod's compute slots, shared by its workers (app/serving/slots.py)
 
@@ -26,20 +28,20 @@ worker_class = "app.serving.worker.ConnectionWorker"  # gthread, connections wai
 SPARE_THREADS = 24
 threads = cores + settings.queue_depth + SPARE_THREADS  # a worker's requests may hold every slot of the pod
 # Idle connections kept past a balancer's usual 60 s idle timeout: the balancer closes them.
-keepalive = math.ceil(settings.keepalive_s)
-worker_connections = settings.max_connections  # per worker (the worker class reads the setting)
+keepalive = math.ceil(serving.keepalive_s)
+worker_connections = serving.max_connections  # per worker (the worker class reads the setting)
 
 # gthread's timeout watches only the worker's main loop, never a request thread: the request
 # deadline and the read and send timeouts end stuck requests instead.
 timeout = max(120, math.ceil(2 * settings.request_timeout_s))
 graceful_timeout = math.ceil(settings.request_timeout_s) + 10  # SIGTERM: a whole deadline, then margin
-# Recycled, one worker at a time (app/serving/recycling.py), as a backstop against a leak (an
-# operator's model): a worker's memory does not grow with requests (docs/serving.md), and each
-# restart costs its clients throughput, so rarely.
+# Recycled by gunicorn, apart thanks to the jitter, as a backstop against a leak (an operator's
+# model): a worker's memory does not grow with requests (docs/serving.md), and each restart
+# costs its clients throughput, so rarely.
 max_requests = 20000
 max_requests_jitter = 2000
 
-preload_app = False  # on CPU on_starting imports the app instead, after setting up metrics
+preload_app = False  # on CPU on_starting has gunicorn load wsgi:app, after the metrics directory and the slots exist
 worker_tmp_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None  # heartbeat off disk
 control_socket = addresses.control_socket_path()  # gunicornc's, one per instance
 accesslog = None  # the app writes one JSON line per request (app/http/record.py)

@@ -12,13 +12,15 @@ def create_app(overrides: Mapping[str, Any] | None = None):
     """The Flask app. `overrides`: BLOCKGRAD_* values over the environment (tests), other keys
     are Flask config (e.g. TESTING)."""
     from .api import register_front_ends
+    from .core import host
+    from .http import record
     from .http.app import build_app, finish_app
     from .jobs.settings import JobSettings
     from .jobs.store import JobStore
-    from .serving import metrics_archive, slots
 
-    # The pod's compute slots and the metrics directory's lock under gunicorn.
-    app, api = build_app(overrides or {}, slots.installed(), lambda environ: JobStore(JobSettings.from_env(environ)),
-                         metrics_archive.scrape_lock)
+    # The pod's compute slots and the metrics directory's lock, when a server set them (app/core/host.py).
+    app, api = build_app(overrides or {}, host.slots, lambda environ: JobStore(JobSettings.from_env(environ)),
+                         host.scrape_lock)
+    host.on_abort = lambda: record.abort_in_flight(record.WORKER_TIMEOUT)
     register_front_ends(app, api)
     return finish_app(app, api)

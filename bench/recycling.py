@@ -75,7 +75,7 @@ def metrics_recycling_row(bench=None, requests_total: int = REQUESTS) -> list[Re
         final = ok_requests(requests.get(server.url + "/metrics", timeout=60).text)
         lines = [json.loads(line) for line in server.log().splitlines() if line.startswith('{"ts"')]
         scrape_s = [line["duration_ms"] / 1e3 for line in lines if line.get("route") == "/metrics"]
-        recycles = server.log().count("recycles after")
+        recycles = server.log().count("Autorestarting worker")
     monotonic = all(a <= b for a, b in zip(totals, totals[1:]))
     median_s = statistics.median(scrape_s[-20:])  # the last scrapes: after all the recycling
     exact = final == requests_total and failed == 0 and monotonic

@@ -325,7 +325,7 @@ def serving_small_requests(bench: Bench) -> list[Result]:
     with gunicorn_server(workers=None, device=None, ready_path="/readyz",
                          env={"GUNICORN_CMD_ARGS": RECYCLE_ARGS}) as server:
         recycled_rate, recycled, _ = load(server, "/v1/gradients", body)
-        restarts = server.log().count("recycles after")
+        restarts = server.log().count("Autorestarting worker")
     p99 = float(np.percentile(probes, 99)) if probes else float("nan")
     (loaded_ms, loaded_cpu_ms), (alone_ms, alone_cpu_ms) = medians_ms(loaded), medians_ms(alone)
     return [

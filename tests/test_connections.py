@@ -289,10 +289,10 @@ def test_head_and_body_must_arrive_within_the_read_timeout_of_the_connection(bou
 def test_the_default_bound_holds_the_flood_the_service_is_sized_for(monkeypatch):
     """Workers x BLOCKGRAD_MAX_CONNECTIONS >= 1500 + 40 x BLOCKGRAD_HEADER_TIMEOUT_S at make
     serve's 2 workers; below it, gunicorn's start-up log says what to raise it to."""
-    from app.core.settings import Settings
+    from app.serving.settings import ServingSettings
     from app.serving.worker import ConnectionWorker
 
-    settings = Settings.from_env({})
+    settings = ServingSettings.from_env({})
     assert 2 * settings.max_connections >= 1500 + 40 * settings.header_timeout_s
 
     class Cfg:

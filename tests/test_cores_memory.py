@@ -8,12 +8,12 @@ import torch
 
 from app import create_app
 from app.api.v1.gradients import answer_cost
+from app.core import host
 from app.core.admission import admit, predict_peak_bytes
 from app.core.settings import Settings
 from app.core.request import Sizes
 from app.core.slots import ThreadSlots
 from app.extensions import services_of
-from app.serving import slots as pod_slots
 from tools.reference import reference_accumulated
 
 from .test_api import assert_error
@@ -27,7 +27,7 @@ SIZES = Sizes(256, 16, 16, ("accumulated",), "sum", "float32")
 @pytest.fixture
 def eight_slots(monkeypatch):
     """The app built as a gunicorn worker builds it, on a pod of LANES slots (threads here)."""
-    monkeypatch.setattr(pod_slots, "_installed", ThreadSlots(LANES))
+    monkeypatch.setattr(host, "slots", ThreadSlots(LANES))
 
 
 def test_more_lanes_reserve_more_memory_and_the_same_time():

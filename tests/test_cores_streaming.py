@@ -15,12 +15,12 @@ import requests
 import torch
 
 from app import create_app
+from app.core import host
 from app.core import run as run_module
 from app.core.slots import Deadline, Gate, ThreadSlots
 from app.core.engine import elements_per_chunk, plan_bands
 from app.core.objectives import OBJECTIVES
 from app.extensions import services_of
-from app.serving import slots as pod_slots
 from tools.reference import reference_blocks
 from tools.server import gunicorn_server, wait_until
 
@@ -55,7 +55,7 @@ class CountingSlots(ThreadSlots):
 def one_slot(monkeypatch):
     """The app built as a gunicorn worker builds it, on a pod of one slot (threads here)."""
     slots = CountingSlots(1)
-    monkeypatch.setattr(pod_slots, "_installed", slots)
+    monkeypatch.setattr(host, "slots", slots)
     return slots
 
 

@@ -86,7 +86,7 @@ def container(deployment: dict) -> dict:
 
 
 def env_of(deployment: dict) -> dict[str, str]:
-    return {item["name"]: item["value"] for item in container(deployment)["env"]}
+    return {item["name"]: item["value"] for item in container(deployment)["env"] if "value" in item}
 
 
 def deployment_named(name: str) -> dict:

@@ -1,5 +1,5 @@
-"""gunicorn.conf.py: the settings the docs describe, read as gunicorn reads them; the recycling
-floor and the warm start it relies on (app/serving)."""
+"""gunicorn.conf.py: the settings the docs describe, read as gunicorn reads them, and the warm
+start it relies on (app/serving)."""
 import os
 import runpy
 from pathlib import Path
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from app.core.settings import Settings, available_cores
-from app.serving.recycling import enforce_floor
+from app.serving.settings import ServingSettings
 from app.serving.warmup import warm_start
 
 CONF = Path(__file__).resolve().parent.parent / "gunicorn.conf.py"
@@ -52,9 +52,9 @@ def test_bind_is_honoured(monkeypatch):
 
 
 def test_settings_read_bind_and_workers_under_their_names():
-    settings = Settings.from_env({"BLOCKGRAD_BIND": "[::1]:9000", "WEB_CONCURRENCY": "3", "BLOCKGRAD_WORKERS": "7"})
+    settings = ServingSettings.from_env({"BLOCKGRAD_BIND": "[::1]:9000", "WEB_CONCURRENCY": "3", "BLOCKGRAD_WORKERS": "7"})
     assert (settings.bind, settings.workers) == ("[::1]:9000", 3)
-    assert Settings.from_env({}).workers == min(2, available_cores())
+    assert ServingSettings.from_env({}).workers == min(2, available_cores())
 
 
 def test_the_config_reads_no_environment_variable_itself():
@@ -105,32 +105,6 @@ def test_worker_model(monkeypatch):
     assert conf["threads"] == available_cores() + 5 + conf["SPARE_THREADS"] and conf["SPARE_THREADS"] >= 16 + 4
     assert conf["keepalive"] == 80
     assert conf["max_requests"] >= 100 and conf["max_requests_jitter"] >= conf["max_requests"] // 10
-
-
-class FakeConfig:
-    def __init__(self, max_requests, jitter):
-        self.max_requests, self.max_requests_jitter = max_requests, jitter
-
-    def set(self, name, value):
-        setattr(self, name, value)
-
-
-class FakeLog:
-    def __init__(self):
-        self.warnings = []
-
-    def warning(self, message, *args):
-        self.warnings.append(message % args)
-
-
-@pytest.mark.parametrize("given,expected", [((20, 0), (100, 10)), ((1000, 50), (1000, 100)),
-                                            ((500, 100), (500, 100)), ((0, 0), (0, 0))])
-def test_recycling_floor_applies_to_any_source(given, expected):
-    """What GUNICORN_CMD_ARGS or the command line set reaches on_starting as server.cfg."""
-    cfg, log = FakeConfig(*given), FakeLog()
-    enforce_floor(cfg, log)
-    assert (cfg.max_requests, cfg.max_requests_jitter) == expected
-    assert bool(log.warnings) == (given != expected)
 
 
 @pytest.mark.parametrize("device,warm", [("cpu", True), ("cuda", False), ("cuda:1", False)])

@@ -131,7 +131,7 @@ def test_recycled_workers_keep_their_counts_and_leave_no_files(tmp_path):
             stop.set()
             watcher.join(WAIT_S)
         assert statuses == [200] * RECYCLED_REQUESTS
-        recycles = srv.log().count("recycles after")
+        recycles = srv.log().count("Autorestarting worker")
         assert recycles >= 5 and not first & set(srv.worker_pids())
         errors = [line for line in srv.log().splitlines() if "Traceback" in line or "Error" in line]
         assert len(scraped) > 10 and all(isinstance(total, (int, float)) for total in scraped), (scraped, errors[-20:])

@@ -164,7 +164,9 @@ def test_a_sweep_counts_only_the_jobs_it_kept(stand_in):
 def test_only_the_read_of_the_value_files_holds_the_scrape_lock(tmp_path, monkeypatch):
     """The master's fold (hooks.child_exit) waits for the lock: the job gauges' read of the
     scheduler (up to METRICS_READ_S) must run outside it, the files' read inside."""
-    monkeypatch.setattr(metrics_archive, "_scrape_dir", str(tmp_path))
+    from app.core import host
+
+    monkeypatch.setattr(host, "scrape_lock", metrics_archive.scrape_lock(str(tmp_path)))
     folds_possible = {}
 
     def fold_possible() -> bool:

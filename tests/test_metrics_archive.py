@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from app.serving.metrics_archive import ScrapeLock, fold_dead_workers
-from app.serving.metrics_dir import MetricsDir, value_file_kinds
+from app.serving.metrics_archive import fold_dead_workers, scrape_lock
+from app.serving.metrics_dir import WORKER_KINDS, MetricsDir
 
 WORKERS = 6
 COPIES = 150
@@ -106,13 +106,11 @@ def test_a_scrape_during_folds_sees_every_total_once(metrics_dir):
 
     def scrape():
         for _ in range(100_000):  # bounded; ends when the folds are done
-            lock = ScrapeLock(str(path))
-            try:
-                seen.append(totals(path)[("t_requests_total", (("route", "/a"),))])
-            except Exception as exc:  # noqa: BLE001 - reported below
-                failures.append(exc)
-            finally:
-                lock.release()
+            with scrape_lock(str(path))():
+                try:
+                    seen.append(totals(path)[("t_requests_total", (("route", "/a"),))])
+                except Exception as exc:  # noqa: BLE001 - reported below
+                    failures.append(exc)
             if done.is_set():
                 return
 
@@ -132,12 +130,9 @@ def test_a_scrape_during_folds_sees_every_total_once(metrics_dir):
 
 def test_a_fold_waits_for_scrapes_and_gives_up_after_its_bound(metrics_dir):
     path, pids = metrics_dir
-    lock = ScrapeLock(str(path))
-    try:
+    with scrape_lock(str(path))():
         assert fold_dead_workers(str(path), live_pids=set(), wait_s=0.05) == set()  # left for the next one
         assert len(list(path.glob("*.db"))) == 4 * WORKERS
-    finally:
-        lock.release()
     assert fold_dead_workers(str(path), live_pids=set(), wait_s=0.05) == set(pids)
     assert counted(path) == pytest.approx(EXPECTED)
 
@@ -168,6 +163,23 @@ def test_an_existing_file_keeps_its_counts(metrics_dir):
     path, pids = metrics_dir
     MetricsDir(str(path), created=False).prepare_worker_files(pids[0], {"counter", "histogram", "summary"})
     assert counted(path) == EXPECTED
+
+
+def value_file_kinds(metrics_module) -> set[str]:
+    """The value files the module's metrics write in multiprocess mode, named as
+    prometheus-client names them: the metric type, or gauge_<mode> for a gauge."""
+    from prometheus_client.metrics import MetricWrapperBase
+
+    return {f"gauge_{metric._multiprocess_mode}" if metric._type == "gauge" else metric._type
+            for metric in vars(metrics_module).values() if isinstance(metric, MetricWrapperBase)}
+
+
+def test_the_workers_files_made_before_fork_are_every_kind_the_app_writes():
+    from app.http import metrics
+    from app.jobs import metrics as job_metrics
+    from app.serving import connection_metrics
+
+    assert set().union(*map(value_file_kinds, (metrics, job_metrics, connection_metrics))) <= WORKER_KINDS
 
 
 def test_value_file_kinds_are_named_as_prometheus_client_names_them():

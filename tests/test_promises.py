@@ -665,6 +665,17 @@ def check_no_cluster(server, servers):
              "cluster_unavailable")
 
 
+def check_auth(server, servers):
+    """The row's server binds loopback: no token needed. One beyond it without a token never
+    starts (it would have to come up first: no worker boots)."""
+    env = {**os.environ, "BLOCKGRAD_BIND": "0.0.0.0:0", "BLOCKGRAD_DASK_SCHEDULER": "off"}
+    env.pop("BLOCKGRAD_API_TOKEN", None)
+    env.pop("BLOCKGRAD_AUTH", None)
+    done = subprocess.run(gunicorn_command(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode != 0 and "without BLOCKGRAD_API_TOKEN" in done.stdout + done.stderr
+    assert requests.get(f"{server.url}/healthz", timeout=WAIT_S).status_code == 200
+
+
 VARIABLES = [
     Var("BLOCKGRAD_BIND", "(127.0.0.1:<free port>, set by tools/server.py)", "limits",
         "the server listens and answers there", check_bind),
@@ -693,6 +704,8 @@ VARIABLES = [
     Var("BLOCKGRAD_COST_PER_BLOCK_S", "1", "cost", "predicted_s = 64 blocks x 1 s + ...", check_cost_per_block),
     Var("BLOCKGRAD_COST_PER_NUMBER_S", "1e-4", "cost", "predicted_s = 1 + 160800 x 1e-4", check_cost_per_number),
     Var("BLOCKGRAD_API_TOKEN", TOKEN, "limits", "401 without the token, probes open", check_token),
+    Var("BLOCKGRAD_AUTH", "(on, the default)", "cost", "a bind beyond loopback without a token: no start",
+        check_auth),
     Var("BLOCKGRAD_DOCS_PUBLIC", "false", "limits", "/docs and /openapi.json need the token", check_docs_private),
     Var("BLOCKGRAD_MODEL_DIR", "{tmp}/models", "limits", "its model is an objective", check_model_dir),
     Var("BLOCKGRAD_DASK_SCHEDULER", "", "jobs", "blank: an embedded cluster runs jobs", check_embedded_cluster),
@@ -739,7 +752,7 @@ def test_every_documented_variable_has_a_row():
 
 @pytest.mark.parametrize("variable,bad", [
     ("BLOCKGRAD_MAX_N", "0"), ("BLOCKGRAD_HEADER_TIMEOUT_S", "-1"), ("BLOCKGRAD_DOCS_PUBLIC", "maybe"),
-    ("BLOCKGRAD_DASK_SCHEDULER", "http://scheduler:8786"), ("WEB_CONCURRENCY", "two"),
+    ("BLOCKGRAD_DASK_SCHEDULER", "http://scheduler:8786"), ("WEB_CONCURRENCY", "two"), ("BLOCKGRAD_AUTH", "maybe"),
 ])
 def test_a_bad_value_stops_the_start_naming_the_variable(variable, bad):
     env = {**os.environ, "BLOCKGRAD_BIND": "127.0.0.1:1", "BLOCKGRAD_DASK_SCHEDULER": "off", variable: bad}

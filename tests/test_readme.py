@@ -19,6 +19,7 @@ from app import create_app
 from app.core.settings import variable_of
 from app.http.settings import Settings as HttpSettings
 from app.jobs.settings import JobSettings
+from app.serving.settings import ServingSettings
 from tools.reference import reference_accumulated, reference_blocks
 from tools.server import gunicorn_server
 
@@ -101,7 +102,7 @@ def variables_in_code() -> set[str]:
 def test_every_environment_variable_is_in_the_configuration_table():
     table = section(text(DOCS / "configuration.md"), "## Environment variables")
     documented = set().union(*(backticked(cell) for cell in first_cells(table)))
-    layers = (HttpSettings, JobSettings)  # every layer's settings (the HTTP layer's include the core's)
+    layers = (HttpSettings, JobSettings, ServingSettings)  # every layer's settings (the HTTP layer's include the core's)
     read = {variable_of(item) for layer in layers for item in fields(layer)} | variables_in_code() | {
         "BLOCKGRAD_BIND", "WEB_CONCURRENCY", "PROMETHEUS_MULTIPROC_DIR"}
     assert read - documented == set()

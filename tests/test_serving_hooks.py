@@ -1,4 +1,4 @@
-"""app/serving: what the master may import, the recycle permit, and a taken BLOCKGRAD_BIND
+"""app/serving: what the master may import, and a taken BLOCKGRAD_BIND
 (against a real gunicorn, which must exit at once with one line naming the variable)."""
 import os
 import socket
@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from app.serving import addresses
-from app.serving.recycling import POSTPONE_REQUESTS, RecyclePermit, WorkerRecycling
 from tools.server import ROOT, free_port, gunicorn_command
 
 SERVING = ROOT / "app" / "serving"
@@ -38,49 +37,6 @@ def test_the_config_file_loads_no_prometheus_client():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
-
-
-def test_one_permit_at_a_time(tmp_path):
-    """Each worker opens the lock file itself: two opens of it exclude each other like two workers."""
-    path = str(tmp_path / "recycle.lock")
-    first, second = RecyclePermit(path), RecyclePermit(path)
-    assert first.take() and first.take()  # taking one's own again holds it
-    assert not second.take() and not second.held
-    first.give_back()
-    assert second.take() and not first.take()
-
-
-class FakeLog:
-    def __init__(self):
-        self.lines = []
-
-    def info(self, message, *args):
-        self.lines.append(message % args)
-
-
-class FakeWorker:
-    def __init__(self, nr, max_requests):
-        self.nr, self.max_requests, self.pid, self.log = nr, max_requests, 4321, FakeLog()
-
-
-def test_a_worker_loads_holding_the_permit_and_drains_only_with_it(tmp_path):
-    path = str(tmp_path / "recycle.lock")
-    loading = WorkerRecycling.loading(path)
-    sibling = WorkerRecycling(RecyclePermit(path))
-    last = FakeWorker(nr=99, max_requests=100)
-    sibling.before_request(last)  # its last request while the other still loads: postponed
-    assert not sibling.draining and last.max_requests == 100 + POSTPONE_REQUESTS
-    loading.loaded()
-    early = FakeWorker(nr=50, max_requests=last.max_requests)
-    sibling.before_request(early)
-    assert not sibling.draining and not sibling.permit.held  # not its last request yet
-    last.nr = last.max_requests - 1
-    sibling.before_request(last)
-    assert sibling.draining and sibling.permit.held
-    assert last.log.lines == [f"worker 4321 recycles after {last.max_requests} requests"]
-    assert not loading.permit.take()  # held until the draining worker exits
-    sibling.loaded()  # a draining worker keeps it
-    assert sibling.permit.held
 
 
 def test_a_taken_address_is_found_a_free_one_is_not():

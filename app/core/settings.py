@@ -87,11 +87,6 @@ def parse_bool(name: str, raw: Any, default: bool) -> bool:
     return word in TRUE_WORDS
 
 
-def default_workers() -> int:
-    """One worker per core, two at most: each worker computes on the cores it owns."""
-    return min(2, available_cores())
-
-
 class FromEnv:
     """Base of every layer's settings (a frozen dataclass): `from_env` reads its fields."""
 
@@ -148,27 +143,11 @@ class Settings(FromEnv):
     # A model objective's estimated peak activation memory for one block: pairs x bytes_per_pair
     # (docs/models.md).
     max_activation_bytes: int = 256 * 1024 * 1024
-    # Serving (docs/serving.md): idle keep-alive longer than a balancer's usual 60 s,
-    # so that the balancer, not the server, closes idle connections.
-    keepalive_s: float = 75.0
     queue_depth: int = field(default_factory=default_queue_depth)
-    read_timeout_s: float = 30.0  # head and body must arrive within it, from the head's first byte (408)
-    # The request head must arrive within it, from accept or a kept-alive connection's first new
-    # byte (app/serving/worker.py): nothing sent -> closed silently, a partial head -> 408.
-    header_timeout_s: float = 10.0
-    # Open connections per worker. Workers x this must hold 1500 + 40 x header_timeout_s: an
-    # idle flood of that size leaves room for probes; past it the longest-idle connection
-    # without a complete head is closed (docs/connections.md).
-    max_connections: int = 1000
-    send_timeout_s: float = 30.0  # a write making no progress this long ends the request
     # The cost model's constants (app/core/admission.py): when set, they replace its measured
     # table for every objective and dtype (tests pin them so no verdict depends on the machine).
     cost_per_block_s: float | None = None
     cost_per_number_s: float | None = None
-    # gunicorn's listening address and worker count (gunicorn.conf.py). WEB_CONCURRENCY is the
-    # name gunicorn itself and platforms such as Heroku use, hence no BLOCKGRAD_ prefix.
-    bind: str = "127.0.0.1:8000"
-    workers: int = field(default_factory=default_workers, metadata={"env": "WEB_CONCURRENCY"})
     # Compute slots one request may take at once (app/core/run.py); None: all the pod's.
     slots_per_request: int | None = None
 

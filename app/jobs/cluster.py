@@ -118,8 +118,12 @@ def start_embedded(workers: int, memory_limit: str = "auto") -> EmbeddedCluster:
     workers; returns at once (workers join within seconds; a job route before that sees a
     cluster with no workers yet)."""
     port = free_port()
+    # A session of its own: a signal to the server's process group (Ctrl-C) reaches only the
+    # supervisor's parent, and the supervisor stops the cluster in order (a nanny's worker
+    # killed by the group's signal instead leaks its semaphores).
     supervisor = subprocess.Popen([sys.executable, "-m", "app.jobs.supervisor", str(port), str(workers), memory_limit],
-                                  env=cluster_env(), cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent())
+                                  env=cluster_env(), cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(),
+                                  start_new_session=True)
     return EmbeddedCluster(f"tcp://127.0.0.1:{port}", [supervisor])
 
 

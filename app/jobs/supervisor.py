@@ -68,8 +68,10 @@ def supervise(port: int, workers: int, memory_limit: str) -> None:
             for member in members:
                 member.check(now)
             time.sleep(POLL_S)
-    finally:
-        stop_processes([m.process for m in members if m.process is not None], STOP_TIMEOUT_S)
+    finally:  # the workers first, then their scheduler: a worker that loses it mid-close logs tracebacks
+        scheduler, *workers = [m.process for m in members]
+        stop_processes([p for p in workers if p is not None], STOP_TIMEOUT_S)
+        stop_processes([scheduler] if scheduler is not None else [], STOP_TIMEOUT_S)
 
 
 if __name__ == "__main__":

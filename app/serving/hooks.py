@@ -7,17 +7,18 @@ after on_starting has set PROMETHEUS_MULTIPROC_DIR).
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gunicorn import systemd
 
+from app.core import host
 from app.core.settings import Settings, available_cores
 from app.jobs import cluster as dask_cluster
 from app.jobs.settings import JobSettings
 
-from . import addresses, metrics_archive, recycling, slots, tuning, warmup
-from .metrics_dir import MetricsDir, value_file_kinds
-from .recycling import WorkerRecycling
+from . import addresses, metrics_archive, slots, tuning, warmup
+from .metrics_dir import MetricsDir
+from .settings import ServingSettings, check_auth
 
 # A kept-alive connection stays with the worker that accepted it: after a recycle, one worker
 # can end up with every busy connection. Closing each after this many requests (as nginx's
@@ -28,14 +29,10 @@ ARCHIVE_WAIT_S = 1.0  # the master's longest wait for scrapes to finish before a
 
 @dataclass
 class Process:
-    """What the hooks keep. on_starting fills settings, the metrics directory and the pod's
-    compute slots in the master, and every worker inherits them at fork; recycling is each
-    worker's own."""
+    """What the hooks keep. on_starting fills it in the master; every worker inherits it at fork."""
     settings: Settings | None = None
     metrics: MetricsDir | None = None
     pod_slots: slots.PodSlots | None = None
-    metric_kinds: set[str] = field(default_factory=set)
-    recycling: WorkerRecycling | None = None
     cluster: dask_cluster.EmbeddedCluster | None = None  # the embedded Dask cluster (docs/jobs.md)
 
 
@@ -43,57 +40,49 @@ process = Process()
 
 
 def on_starting(server):
-    """Before any worker exists: refuse a taken address, prepare the metrics directory, set
-    the recycling floor, create the pod's compute slots, and on CPU import the app (workers
-    find it in sys.modules)."""
+    """Before any worker exists: refuse a public bind without a token and a taken address,
+    prepare the metrics directory, create the pod's compute slots,
+    and on CPU load the app (gunicorn's own load of wsgi:app, kept for the workers)."""
+    check_auth(server.cfg.address, ServingSettings.from_env(), os.environ.get("BLOCKGRAD_API_TOKEN"), server.log)
     inherited = server.LISTENERS or server.master_pid or systemd.listen_fds(unset_environment=False)
     if not inherited:  # a re-exec'd master's or systemd's sockets are ours already
         addresses.refuse_if_taken(server.cfg.address, server.cfg.reuse_port)
     process.settings = Settings.from_env()
     process.metrics = MetricsDir.prepare(server.cfg.worker_tmp_dir)
-    metrics_archive.install_scrape_dir(process.metrics.path)  # the app's scrapes lock it against folds
-    recycling.enforce_floor(server.cfg, server.log)
+    host.scrape_lock = metrics_archive.scrape_lock(process.metrics.path)  # scrapes lock it against folds
     # Before the app is built (below, or in each worker after fork): every worker shares them.
-    process.pod_slots = slots.create(available_cores(), parent=server.cfg.worker_tmp_dir)
-    slots.install(process.pod_slots)
-    # Before the app is imported: the workers' settings carry the embedded cluster's address.
+    process.pod_slots = host.slots = slots.create(available_cores(), parent=server.cfg.worker_tmp_dir)
+    # Before the app is built: the workers' settings carry the embedded cluster's address.
     process.cluster = dask_cluster.start_for_gunicorn(JobSettings.from_env())
     if warmup.warm_start(process.settings.device):
-        import wsgi  # noqa: F401 - no torch op runs here
-    from app.http import metrics  # prometheus-client only: which value files a worker writes
-    from app.jobs import metrics as job_metrics
-
-    process.metric_kinds = value_file_kinds(metrics) | value_file_kinds(job_metrics)
+        server.app.wsgi()  # no torch op runs here
     process.metrics.empty()  # the master's own (empty) value files: it never serves
 
 
 def post_fork(server, worker):
-    process.metrics.prepare_worker_files(worker.pid, process.metric_kinds)  # before any value is written
+    process.metrics.prepare_worker_files(worker.pid)  # before any value is written
     tuning.tune_worker()
-    process.recycling = WorkerRecycling.loading(process.metrics.file(recycling.LOCK_NAME))
 
 
 def post_worker_init(worker):
-    """Loaded: warm the engine up before accepting (still holding the recycle permit, so that
-    no sibling starts draining meanwhile), then let siblings recycle."""
+    """Loaded: warm the engine up before accepting."""
     failed = warmup.warm_up(process.settings)
     if failed is not None:
         worker.log.warning("warm-up computation failed (the worker starts; /readyz reports the device): %s", failed)
-    process.recycling.loaded()
 
 
 def pre_request(worker, req):
     if KEEPALIVE_REQUESTS and getattr(req, "req_number", 0) >= KEEPALIVE_REQUESTS:
         req.must_close = True  # gunicorn then answers "Connection: close"
-    process.recycling.before_request(worker)
 
 
 def worker_exit(server, worker):
-    """A recycled worker has served its last request: leave at once. The interpreter's own
-    shutdown with torch loaded takes hundreds of ms, all before the master can fork the
-    replacement. Nothing needs it: the request log is flushed here, metric values live in
-    shared files, no request is in flight. Any other exit takes the ordinary path."""
-    if process.recycling is None or not process.recycling.draining:
+    """A worker recycled at max_requests (gunicorn's own) has answered its last request:
+    leave at once. The interpreter's own shutdown with torch loaded takes hundreds of ms, all
+    before the master can fork the replacement. Nothing needs it: the request log is flushed
+    here, metric values live in shared files, no request is in flight. Any other exit (a
+    stop, a signal) takes the ordinary path."""
+    if not 0 < worker.max_requests <= worker.nr:
         return
     logging.shutdown()
     sys.stdout.flush()
@@ -105,11 +94,7 @@ def worker_abort(worker):
     """gunicorn killed this worker past `timeout` (SIGABRT, handled in the worker just before
     it exits): log each request it still held as worker_timeout, not as the client_closed its
     body's close would otherwise report."""
-    try:
-        from app.http import record
-    except Exception:  # the app never loaded in this worker: nothing in flight to log
-        return
-    record.abort_in_flight(record.WORKER_TIMEOUT)
+    host.on_abort()
 
 
 def child_exit(server, worker):

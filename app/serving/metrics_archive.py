@@ -24,7 +24,7 @@ import glob
 import os
 import time
 from collections import defaultdict
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 FOLDED_TYPES = ("counter", "histogram", "summary")  # a histogram's file holds per-bucket counts: they add up
 ARCHIVE = "archive"  # in place of a pid: <type>_archive.db, read by every scrape like any worker's file
@@ -110,41 +110,12 @@ def fold_dead_workers(path: str, live_pids: set[int], wait_s: float = 1.0) -> se
     return dead
 
 
-class ScrapeLock:
-    """A shared lock on the directory for one scrape (its own open file: threads of one worker
-    scrape independently)."""
-
-    def __init__(self, path: str):
-        self._file = open(os.path.join(path, LOCK_NAME), "a+")
-        try:
-            fcntl.flock(self._file, fcntl.LOCK_SH)
-        except BaseException:
-            self._file.close()
-            raise
-
-    def release(self) -> None:
-        self._file.close()  # closing the file drops its lock
-
-
-_scrape_dir: str | None = None
-
-
-def install_scrape_dir(path: str | None) -> None:
-    """The master's metrics directory (inherited across fork): scrapes then lock it."""
-    global _scrape_dir
-    _scrape_dir = path
-
-
-@contextmanager
-def locked_scrape(path: str):
-    lock = ScrapeLock(path)
-    try:
-        yield
-    finally:
-        lock.release()
-
-
-def scrape_lock():
-    """A context manager held while a scrape reads the value files: the shared lock under
-    gunicorn (the directory installed), nothing elsewhere (tests, a development server)."""
-    return nullcontext() if _scrape_dir is None else locked_scrape(_scrape_dir)
+def scrape_lock(path: str):
+    """What the app holds while a scrape reads the value files (app/core/host.py): a shared
+    lock on the directory, on an open file of its own (threads of one worker scrape independently)."""
+    @contextmanager
+    def locked():
+        with open(os.path.join(path, LOCK_NAME), "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_SH)
+            yield  # closing the file drops its lock
+    return locked

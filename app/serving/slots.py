@@ -16,12 +16,13 @@ then finds its slot. A semaphore as the slots themselves would not be SIGKILL-sa
 would a shared multiprocessing.Condition (a holder killed inside it leaves it locked);
 docs/cores.md says why this mechanism.
 
-`pod_state()` reads /proc/locks: which processes hold how many slots and how many
-wait, without touching the locks (a probe would make a concurrent try fail), and what
-each worker says of itself with shared flocks on marker files: ready (`ready`, taken once
-booted), serving (`serving`), and how many connections it holds (`conns-1` to
-`conns-<CONN_LEVELS>`, one per connection). By these a worker leaves a new connection to a
-sibling (`sibling_should_take`). A dead worker's marks go with its process.
+`pod_state()` reads /proc/locks (Linux; elsewhere a process sees only itself): which
+processes hold how many slots and how many wait, without touching the locks (a probe would
+make a concurrent try fail), and what each worker says of itself with shared flocks on
+marker files: ready (`ready`, taken once booted), serving (`serving`), and how many
+connections it holds (`conns-1` to `conns-<CONN_LEVELS>`, one per connection). By these a
+worker leaves a new connection to a sibling (`sibling_should_take`). A dead worker's marks
+go with its process.
 
 Standard library only: the master imports this, never torch or Flask.
 """
@@ -33,6 +34,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 
 POLL_S = 0.05  # longest a waiter sleeps without a wake-up (a killed holder posts none)
@@ -42,6 +44,7 @@ SERVING_NAME = "serving"  # a shared flock on it: this worker has connections be
 READY_NAME = "ready"  # a shared flock on it: this worker has booted and takes connections
 CONNS_PREFIX = "conns-"  # conns-k: a shared flock on it while this worker holds at least k connections
 CONN_LEVELS = 8  # connections counted per worker at most: past it, workers are even
+MARKERS = (SERVING_NAME, READY_NAME, *(f"{CONNS_PREFIX}{level}" for level in range(1, CONN_LEVELS + 1)))
 PROC_LOCKS = "/proc/locks"
 
 
@@ -51,13 +54,8 @@ def create(count: int, parent: str | None = None) -> "PodSlots":
     if count < 1:
         raise ValueError("a pod needs at least one compute slot")
     path = tempfile.mkdtemp(prefix="blockgrad-slots-", dir=parent)
-    for index in range(count):
-        open(os.path.join(path, f"{SLOT_PREFIX}{index}"), "w").close()
-    open(os.path.join(path, WAITING_NAME), "w").close()
-    open(os.path.join(path, SERVING_NAME), "w").close()
-    open(os.path.join(path, READY_NAME), "w").close()
-    for level in range(1, CONN_LEVELS + 1):
-        open(os.path.join(path, f"{CONNS_PREFIX}{level}"), "w").close()
+    for name in [f"{SLOT_PREFIX}{index}" for index in range(count)] + [WAITING_NAME, *MARKERS]:
+        open(os.path.join(path, name), "w").close()
     # Starts at 0; bounded by count, so releases nobody waited for leave at most count
     # stale posts. The fork context unlinks its name at once: nothing to clean up.
     wake = multiprocessing.get_context("fork").BoundedSemaphore(count)
@@ -71,19 +69,10 @@ def remove(slots: "PodSlots") -> None:
     shutil.rmtree(slots.path, ignore_errors=True)
 
 
-_installed: "PodSlots | None" = None
-
-
-def install(slots: "PodSlots | None") -> None:
-    """The master's slots, for the app its workers build (inherited across fork)."""
-    global _installed
-    _installed = slots
-
-
-def installed() -> "PodSlots | None":
-    """The pod's slots when served by the master that made them; None elsewhere (tests, a
-    development server), where the app uses slots of its own process."""
-    return _installed
+def lock_key(path: str) -> tuple[int, int, int]:
+    """A file as /proc/locks names it: (major, minor, inode)."""
+    st = os.stat(path)
+    return os.major(st.st_dev), os.minor(st.st_dev), st.st_ino
 
 
 @dataclass(frozen=True)
@@ -106,12 +95,6 @@ class PodSlot:
     def release(self) -> None:
         self.owner._release(self)
 
-    def __enter__(self) -> "PodSlot":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
 
 class PodSlots:
     """The pod's slots as one process sees them. Safe to share between its threads and to
@@ -125,23 +108,14 @@ class PodSlots:
         if self.count < 1:
             raise ValueError(f"no slot files in {path}")
         self._wake = wake  # None (attached from another process tree): poll only
-        keys = [os.stat(p) for p in self.paths] + [os.stat(os.path.join(path, WAITING_NAME))]
-        self._slot_keys = {(os.major(s.st_dev), os.minor(s.st_dev), s.st_ino): i for i, s in enumerate(keys[:-1])}
-        waiting = keys[-1]
-        self._waiting_key = (os.major(waiting.st_dev), os.minor(waiting.st_dev), waiting.st_ino)
-        self._serving_key = self._marker_key(SERVING_NAME)
-        self._ready_key = self._marker_key(READY_NAME)
-        self._conns_keys = {self._marker_key(f"{CONNS_PREFIX}{level}"): level for level in range(1, CONN_LEVELS + 1)}
+        self._slot_keys = {lock_key(p): index for index, p in enumerate(self.paths)}
+        self._marker_keys = {}
+        for name in (WAITING_NAME, *MARKERS):
+            open(os.path.join(path, name), "a").close()  # a directory made before the marker existed
+            self._marker_keys[lock_key(os.path.join(path, name))] = name
         self._lock = threading.Lock()
-        self._pid: int | None = None  # the process that opened the descriptors below
-        self._files: list = []
-        self._wait_file = self._probe_file = self._serving_file = self._ready_file = None
-        self._serving = False  # whether this process holds its shared lock on the serving file
-        self._ready = False  # whether it holds its shared lock on the ready file
-        self._conns_files: list = []
-        self._conns = 0  # conns-k files this process holds a shared lock on (k = 1.._conns)
-        self._held: set[int] = set()
-        self._waiting = 0  # this process's waiting threads
+        self._opened: list = []
+        self._close()
         _INSTANCES.add(self)
 
     # --- taking and giving back -------------------------------------------------------
@@ -186,37 +160,23 @@ class PodSlots:
     def busy(self) -> int:  # SlotSource's name for it
         return self.busy_slots()
 
+    # --- what a worker says of itself, as shared flocks on marker files (the kernel drops a
+    # dead process's): serving connections now, booted and taking them, how many it holds ---
     def mark_serving(self, serving: bool) -> None:
-        """Say (in /proc/locks, as a shared flock) whether this worker is serving connections
-        now; the kernel drops the mark of a process that dies. The worker's main loop calls it."""
         with self._lock:
-            self._open()
-            if serving != self._serving:
-                fcntl.flock(self._serving_file, fcntl.LOCK_SH if serving else fcntl.LOCK_UN)
-                self._serving = serving
+            self._mark(SERVING_NAME, serving)
 
     def mark_ready(self, ready: bool) -> None:
-        """Say whether this worker takes new connections: set once it has booted, cleared when
-        it stops; the kernel drops it when the process dies. Only ready siblings are left a
-        connection (`sibling_should_take`): a booting or dead one would never accept it."""
+        """Set once booted, cleared when it stops: only ready siblings are left a connection
+        (`sibling_should_take`), a booting or dead one would never accept it."""
         with self._lock:
-            self._open()
-            if ready != self._ready:
-                fcntl.flock(self._ready_file, fcntl.LOCK_SH if ready else fcntl.LOCK_UN)
-                self._ready = ready
+            self._mark(READY_NAME, ready)
 
     def mark_connections(self, count: int) -> None:
-        """Say how many connections this worker holds (up to CONN_LEVELS); a flock per
-        connection opened or closed, none per request. One thread calls it."""
+        """Up to CONN_LEVELS; a flock per connection opened or closed, none per request."""
         with self._lock:
-            self._open()
-            count = max(0, min(count, CONN_LEVELS))
-            while self._conns < count:
-                fcntl.flock(self._conns_files[self._conns], fcntl.LOCK_SH)
-                self._conns += 1
-            while self._conns > count:
-                self._conns -= 1
-                fcntl.flock(self._conns_files[self._conns], fcntl.LOCK_UN)
+            for level in range(1, CONN_LEVELS + 1):
+                self._mark(f"{CONNS_PREFIX}{level}", level <= count)
 
     def sibling_should_take(self) -> bool:
         """Whether a new connection is better left to a ready sibling than taken here: one
@@ -235,17 +195,21 @@ class PodSlots:
 
         def rank(pid: int) -> tuple[bool, int, int]:
             return pid in state.serving, state.holders.get(pid, 0), state.connections.get(pid, 0)
-        mine = (self._serving, len(self._held), self._conns) if self._pid == me else rank(me)
+        mine = rank(me)
+        if self._pid == me:  # its own marks as it knows them, not as last read
+            conns = sum(name.startswith(CONNS_PREFIX) for name in self._marked)
+            mine = (SERVING_NAME in self._marked, len(self._held), conns)
         return any(rank(pid) < mine for pid in siblings)
 
     def pod_state(self) -> PodState:
         try:
             with open(PROC_LOCKS) as f:
                 text = f.read()
-        except OSError:
-            return self._probed_state()
+        except OSError:  # no /proc: what this process knows of itself
+            here = self.held_here()
+            return PodState(here, {os.getpid(): here} if here else {}, int(self._waiting > 0))
         held: dict[int, int] = {}  # slot index -> pid
-        waiting, serving, ready = set(), set(), set()
+        marked: dict[str, set[int]] = {}  # marker -> pids holding a lock on it
         connections: dict[int, int] = {}
         for line in text.splitlines():
             parts = line.split()
@@ -259,57 +223,40 @@ class PodSlots:
                 continue
             if key in self._slot_keys:
                 held[self._slot_keys[key]] = pid
-            elif key == self._waiting_key:
-                waiting.add(pid)
-            elif key == self._serving_key:
-                serving.add(pid)
-            elif key == self._ready_key:
-                ready.add(pid)
-            elif key in self._conns_keys:
-                connections[pid] = max(connections.get(pid, 0), self._conns_keys[key])
-        holders: dict[int, int] = {}
-        for pid in held.values():
-            holders[pid] = holders.get(pid, 0) + 1
-        return PodState(len(held), holders, len(waiting), frozenset(serving), frozenset(ready), connections)
-
-    def close(self) -> None:
-        """This process's descriptors (and so any slot it still holds)."""
-        with self._lock:
-            self._close()
+            elif key in self._marker_keys:
+                name = self._marker_keys[key]
+                marked.setdefault(name, set()).add(pid)
+                if name.startswith(CONNS_PREFIX):
+                    connections[pid] = max(connections.get(pid, 0), int(name[len(CONNS_PREFIX):]))
+        return PodState(len(held), dict(Counter(held.values())), len(marked.get(WAITING_NAME, ())),
+                        frozenset(marked.get(SERVING_NAME, ())), frozenset(marked.get(READY_NAME, ())), connections)
 
     # --- inside -----------------------------------------------------------------------
-    def _marker_key(self, name: str) -> tuple[int, int, int]:
-        marker = os.path.join(self.path, name)
-        open(marker, "a").close()  # a directory made before the marker existed
-        st = os.stat(marker)
-        return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
-
     def _open(self) -> None:
         """This process's own descriptors, opened on first use in each process."""
         if self._pid == os.getpid():
             return
         self._files = [open(p, "r") for p in self.paths]
-        self._wait_file = open(os.path.join(self.path, WAITING_NAME), "r")
+        self._markers = {name: open(os.path.join(self.path, name), "r") for name in (WAITING_NAME, *MARKERS)}
         self._probe_file = open(os.path.join(self.path, WAITING_NAME), "r")  # a description of its own
-        self._serving_file = open(os.path.join(self.path, SERVING_NAME), "r")
-        self._ready_file = open(os.path.join(self.path, READY_NAME), "r")
-        self._conns_files = [open(os.path.join(self.path, f"{CONNS_PREFIX}{level}"), "r")
-                             for level in range(1, CONN_LEVELS + 1)]
-        self._held, self._waiting, self._serving, self._ready, self._conns = set(), 0, False, False, 0
+        self._opened = [*self._files, *self._markers.values(), self._probe_file]
+        self._held, self._waiting, self._marked = set(), 0, set()
         self._pid = os.getpid()
 
     def _close(self) -> None:
-        for f in self._files + self._conns_files + [self._wait_file, self._probe_file, self._serving_file,
-                                                     self._ready_file]:
-            if f is not None:
-                f.close()
-        self._files, self._conns_files = [], []
-        self._wait_file = self._probe_file = self._serving_file = self._ready_file = None
-        self._held, self._waiting, self._pid, self._serving, self._ready, self._conns = set(), 0, None, False, False, 0
+        for f in self._opened:
+            f.close()
+        self._opened, self._held, self._waiting, self._marked, self._pid = [], set(), 0, set(), None
 
     def _after_fork_in_child(self) -> None:
         self._lock = threading.Lock()  # the parent's may have been held by another thread
         self._close()  # the parent's descriptors: holding them would keep its locks alive
+
+    def _mark(self, name: str, on: bool) -> None:
+        self._open()
+        if on != (name in self._marked):
+            fcntl.flock(self._markers[name], fcntl.LOCK_SH if on else fcntl.LOCK_UN)
+            (self._marked.add if on else self._marked.discard)(name)
 
     def _take(self) -> PodSlot | None:
         self._open()
@@ -356,7 +303,7 @@ class PodSlots:
             self._open()
             self._waiting += 1
             if self._waiting == 1:
-                fcntl.flock(self._wait_file, fcntl.LOCK_SH)  # waits only out another's probe
+                fcntl.flock(self._markers[WAITING_NAME], fcntl.LOCK_SH)  # waits only out another's probe
 
     def _leave_waiting(self) -> None:
         with self._lock:
@@ -364,24 +311,7 @@ class PodSlots:
                 return
             self._waiting -= 1
             if self._waiting == 0:
-                fcntl.flock(self._wait_file, fcntl.LOCK_UN)
-
-    def _probed_state(self) -> PodState:
-        """Without /proc/locks: each slot not held here tried with a shared lock and let go."""
-        with self._lock:
-            self._open()
-            busy = len(self._held)
-            for index, f in enumerate(self._files):
-                if index in self._held:
-                    continue
-                try:
-                    fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    busy += 1
-                    continue
-                fcntl.flock(f, fcntl.LOCK_UN)
-            here = len(self._held)
-        return PodState(busy, {os.getpid(): here} if here else {}, int(self._waiting > 0))
+                fcntl.flock(self._markers[WAITING_NAME], fcntl.LOCK_UN)
 
 
 _INSTANCES: "weakref.WeakSet[PodSlots]" = weakref.WeakSet()

@@ -38,8 +38,8 @@ from gunicorn.http.errors import LimitRequestHeaders
 from gunicorn.http.message import DEFAULT_MAX_HEADERFIELD_SIZE, MAX_HEADERS, MAX_REQUEST_LINE
 from gunicorn.workers import gthread
 
-from app.core.settings import Settings
-from app.serving import slots
+from app.core import host
+from app.serving.settings import ServingSettings
 
 # The instant (time.monotonic()) the request's clock started, read by app/http/body.py.
 CONN_STARTED_KEY = "blockgrad.conn_started"
@@ -138,8 +138,7 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        settings = Settings.from_env()
-        self.header_timeout_s = min(settings.header_timeout_s, settings.read_timeout_s)
+        self.header_timeout_s = ServingSettings.from_env().header_timeout_s
         self.max_connections = self.cfg.worker_connections  # BLOCKGRAD_MAX_CONNECTIONS (gunicorn.conf.py)
         # gthread answers "Connection: close" once this many are kept alive; here the bound
         # closes the longest-idle instead, so that keep-alive never stops for a flood.
@@ -160,7 +159,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         if cfg.is_ssl or "h2" in getattr(cfg, "http_protocols", ()):
             raise RuntimeError("app.serving.worker.ConnectionWorker reads plain HTTP/1.1 heads itself: "
                                "TLS and HTTP/2 need gunicorn's gthread worker")
-        settings = Settings.from_env()
+        settings = ServingSettings.from_env()
         # The flood the service is sized for: 1500 idle connections at once, plus 40 new ones a
         # second, each kept until the header timeout closes it.
         needed = math.ceil(1500 + 40 * settings.header_timeout_s)
@@ -169,11 +168,6 @@ class ConnectionWorker(gthread.ThreadWorker):
                         "flood the service is sized for (docs/connections.md): raise it to %d",
                         cfg.workers, settings.max_connections, needed, math.ceil(needed / cfg.workers))
 
-    def serving(self) -> bool:
-        """Whether a connection is accepted and not yet answered (new, part of a head, or in a
-        pool thread); idle kept-alive and closing ones do not count."""
-        return self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0
-
     def leave_to_sibling(self) -> bool:
         """Asked when a new connection waits on the listener: leave it to a ready sibling
         ranking before this worker by (serving, slots held, connections held)
@@ -181,16 +175,17 @@ class ConnectionWorker(gthread.ThreadWorker):
         workers instead of whichever wins the accept race, and kept-alive clients spread
         evenly (docs/cores.md). Kept-alive connections stay where they are. The pod is read
         only here."""
-        pod = slots.installed()
+        pod = host.slots
         if pod is None or self.cfg.workers <= 1:
             return False
         self.publish_state()
         return pod.sibling_should_take()
 
     def publish_state(self) -> None:
-        pod = slots.installed()
+        pod = host.slots
         if pod is not None:
-            pod.mark_serving(self.serving())
+            # Serving: a connection accepted and not yet answered (idle and closing ones do not count).
+            pod.mark_serving(self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0)
             pod.mark_connections(self.nr_conns - self.counts[CLOSING])
 
     def init_process(self):
@@ -240,7 +235,7 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def run(self):
         self.poller.register(self.method_queue.fileno(), selectors.EVENT_READ, self.method_queue.run_callbacks)
-        pod = slots.installed()
+        pod = host.slots
         if pod is not None:
             pod.mark_ready(True)  # booted: siblings may leave connections to this worker
         while self.alive:
@@ -269,10 +264,14 @@ class ConnectionWorker(gthread.ThreadWorker):
         """Graceful shutdown: no new connections; connections without a byte of a request get
         gthread's short linger (a request arriving meanwhile is answered with Connection:
         close), the rest finish within graceful_timeout."""
-        pod = slots.installed()
+        pod = host.slots
         if pod is not None:
             pod.mark_ready(False)  # first: a worker seen not polling its listener is surely not ready
         self.set_accept_enabled(False)
+        # The master closed its copy first: with every worker's closed, a new connect is
+        # refused at once (clients and balancers go elsewhere) instead of waiting in the backlog.
+        for listener in self.sockets:
+            listener.close()
         self.deferred_until = None
         now = time.monotonic()
         linger = now + gthread.STOP_KEEPALIVE_LINGER

@@ -1,0 +1,16 @@
+"""Where the app and the server hosting it meet without importing each other (core sits below
+both). gunicorn's hooks (app/serving/hooks.py) set the pod's compute slots and the metrics
+scrape lock before the app is built; the app factory (app/__init__.py) reads them and sets
+what the server calls when gunicorn aborts a worker. Left unset (tests, a development
+server): the app's own slots, no lock, nothing to call. Standard library only."""
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+from .slots import SlotSource
+
+slots: SlotSource | None = None  # the pod's, shared by every worker
+scrape_lock: Callable[[], AbstractContextManager] = nullcontext  # held while /metrics reads the value files
+
+
+def on_abort() -> None:
+    """Replaced by the app factory: log the requests still in flight of a worker gunicorn aborts."""
