@@ -52,6 +52,9 @@ def walk(client, path: str, body: dict) -> tuple[int, int, list[str], int]:
 class StubStore:
     """The job store's submit, answered at once with a queued record (nothing else is walked)."""
 
+    def __init__(self, settings):
+        self.settings = settings  # the job limits the pipeline's admit step reads
+
     def submit(self, req, idempotency_key=None) -> tuple[dict, bool]:
         return {"id": "0" * 32, "status": "queued", "n": req.n, "dim": req.dim, "factor": req.factor}, True
 
@@ -63,7 +66,7 @@ def main() -> None:
     from app.extensions import install_services, services_of
 
     app = create_app({"TESTING": True})
-    install_services(app, replace(services_of(app), jobs=StubStore()))
+    install_services(app, replace(services_of(app), jobs=StubStore(services_of(app).jobs.settings)))
     client = app.test_client()
     for name, (path, body) in REQUESTS.items():
         for _ in range(3):
