@@ -664,3 +664,16 @@ def test_closing_pass_one_closes_the_executors_iterator():
     assert not executor.closed
     computed.close()
     assert executor.closed
+
+
+def test_run_sizes_chunks_for_an_objectives_activations():
+    """An objective declaring 48 bytes of activations per pair (a model's): with D = 1 in
+    float64 a pair is 16 bytes, so a chunk holds 16 / (16 + 48) of the default 1 Mi numbers."""
+    class Activations:
+        name, description, bytes_per_pair = "sum", "sum with 48 bytes of activations per pair", 48
+
+        def losses(self, blocks, offset):
+            return OBJECTIVES["sum"].losses(blocks, offset)
+
+    req = GradientRequest(np.ones((4, 1)), 2, "sum", 0.0, ("accumulated",), "float64", objective_fn=Activations())
+    assert run(req, Settings(**ON_CPU)).chunk_elements == 256 * 1024
