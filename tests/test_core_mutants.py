@@ -677,3 +677,30 @@ def test_run_sizes_chunks_for_an_objectives_activations():
 
     req = GradientRequest(np.ones((4, 1)), 2, "sum", 0.0, ("accumulated",), "float64", objective_fn=Activations())
     assert run(req, Settings(**ON_CPU)).chunk_elements == 256 * 1024
+
+
+def test_a_non_finite_result_names_the_requests_dtype():
+    """The block's message names float32 and suggests float64 (docs/errors.md's advice)."""
+    req, vectors = overflowing(4, 4, row=2)
+    with pytest.raises(BlockgradError) as info:
+        pass_one(req, torch.device("cpu"), vectors, Deadline(60.0), 0)
+    assert info.value.message == ("Block (row 0, col 2) has a loss or gradient that is not finite in float32; "
+                                  "send smaller values, another objective, or dtype float64.")
+
+
+def test_an_accumulated_gradient_that_overflows_with_every_block_finite():
+    """loss = 1e38 x sum(B): every block's loss and gradient (1e38) is finite in float32, but
+    each entry of dL/dV adds 2 x N = 4 of them: 4e38, over float32's 3.4e38."""
+    class Steep:
+        name, description = "steep", "1e38 x sum(B)"
+
+        def losses(self, blocks, offset):
+            return (blocks * 1e38).sum(dim=(1, 2, 3))
+
+    vectors = np.full((2, 1), 1e-6, dtype=np.float32)
+    req = GradientRequest(vectors, 2, "sum", 0.0, ("accumulated",), "float32", objective_fn=Steep())
+    with pytest.raises(BlockgradError) as info:
+        pass_one(req, torch.device("cpu"), torch.as_tensor(vectors), Deadline(60.0), 0)
+    assert (info.value.code, info.value.details) == ("non_finite_result", {"output": "accumulated"})
+    assert info.value.message == ("The accumulated gradient is not finite in float32; "
+                                  "send smaller values, another objective, or dtype float64.")
