@@ -127,6 +127,7 @@ class Stopwatch:
 def instrument(service: flask.Flask) -> Stopwatch:
     """The service's request path for POST /v1/gradients, stage by stage, in the order it runs."""
     from app.api.v1 import gradients
+    from app.core import slots
     from app.http import body, pipeline, record
 
     watch = Stopwatch()
@@ -138,8 +139,8 @@ def instrument(service: flask.Flask) -> Stopwatch:
     watch.patch("admission (core.admission.admit + reservation resize)", pipeline, "admit")
     watch.patch("admission (core.admission.admit + reservation resize)", pipeline, "reserve_for_request")
     watch.patch("convert (core to_matrix, build_request)", pipeline, "convert")
-    for attribute in ("compute_slot", "request_deadline"):
-        watch.patch("compute_slot + request_deadline", pipeline, attribute)
+    watch.patch("compute slot + request_deadline", pipeline, "request_deadline")
+    watch.patch("compute slot + request_deadline", slots.Gate, "acquire")
     watch.patch("engine (core.run: pass one)", pipeline, "run")
     watch.patch("render (gradients.render: render_result, Response)", gradients, "render")
     watch.patch_hooks("after_request hook (finisher, send timeout, log line, metrics)",

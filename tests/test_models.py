@@ -249,7 +249,7 @@ def test_a_block_whose_activations_are_over_the_budget_is_refused(tmp_path, libr
     """At once: the refusal never queues for the compute slot."""
     def must_not_queue(*args, **kwargs):
         raise AssertionError("a request over a limit queued for the compute slot")
-    monkeypatch.setattr("app.http.pipeline.compute_slot", must_not_queue)
+    monkeypatch.setattr("app.core.slots.Gate.acquire", must_not_queue)
     directory = model_dir(tmp_path, library, "pairmlp")
     app = create_app({"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(directory), "BLOCKGRAD_MAX_ACTIVATION_BYTES": "1"})
     response = app.test_client().post("/v1/gradients", json={"vectors": [[1.0, 2.0, 3.0]] * 4, "objective": "pairmlp",

@@ -762,7 +762,7 @@ def test_limits_are_refused_before_queueing_for_the_slot(monkeypatch, config, do
     """A request over a limit is 413 at once, never after waiting behind another computation."""
     def must_not_queue(*args, **kwargs):
         raise AssertionError("a request over a limit queued for the compute slot")
-    monkeypatch.setattr("app.http.pipeline.compute_slot", must_not_queue)
+    monkeypatch.setattr("app.core.slots.Gate.acquire", must_not_queue)
     client = create_app(config).test_client()
     assert limit in assert_protocol_error(client.post(INFER, json=document), 413)
 

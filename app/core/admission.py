@@ -55,7 +55,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from .dtypes import DTYPES, WIDEST
-from .engine import (DEFAULT_CHUNK_ELEMENTS, PARALLEL_CHUNK_ELEMENTS, elements_per_chunk, largest_block_side,
+from .engine import (DEFAULT_CHUNK_ELEMENTS, PARALLEL_CHUNK_ELEMENTS, elements_per_chunk,
                      plan_bands, shape_groups)
 from .errors import limit_exceeded, memory_busy, memory_limit_exceeded, upload_limit_exceeded, uploads_busy
 from .heap import TRIM_SLACK_BYTES, untrimmed_growth
@@ -246,6 +246,12 @@ def admit(sizes: Sizes, answer: AnswerCost, settings: Settings, lanes: int = 1) 
 def output_elements(n: int, dim: int, factor: int, outputs: tuple[str, ...]) -> int:
     sizes = {"blocks": n * n * 2 * dim, "accumulated": n * dim, "losses": factor * factor}
     return sum(sizes[name] for name in outputs)
+
+
+def largest_block_side(n: int, factor: int) -> int:
+    """Rows (= columns) of the largest block: the last row-block takes the remainder."""
+    base = n // factor
+    return max(base, n - (factor - 1) * base)
 
 
 def block_elements(n: int, dim: int, factor: int) -> int:

@@ -60,11 +60,6 @@ def block_bounds(n: int, factor: int) -> list[int]:
     return [k * base for k in range(factor)] + [n]
 
 
-def largest_block_side(n: int, factor: int) -> int:
-    base = n // factor
-    return max(base, n - (factor - 1) * base)
-
-
 @dataclass(frozen=True)
 class Block:
     r: int  # row-block index, 0..F-1

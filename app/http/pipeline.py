@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from flask import current_app, g, request
 
-from ..core import slots as deadline_module  # Deadline looked up per request (tests replace it)
+from ..core import slots  # slots.Deadline looked up per request (tests replace it)
 from ..core.admission import AnswerCost, admit
 from ..core.device import ready_device
 from ..core.errors import validation_error
@@ -31,7 +31,7 @@ from ..core.objectives import Objective
 from ..core.request import (GradientRequest, Sizes, admissible_factor, build_request, default_factor,
                             factor_out_of_range, ordered_outputs, request_sizes)
 from ..core.run import Result, run
-from ..core.slots import Gate, Ticket
+from ..core.slots import Gate
 from ..core.vectors import MatrixError, to_matrix
 from ..extensions import KEY, Services
 from .body import cancel_probe, reserve_for_request
@@ -128,7 +128,8 @@ def compute(req: GradientRequest, described: Described, served: Services) -> Com
         g.device = str(device)
         return Computed(req, None, device, record.timed, described.own)
     deadline = request_deadline(served)
-    ticket = compute_slot(served, deadline)  # the request's first slot; its executor may take more
+    # The request's first slot (overloaded / deadline_exceeded / client_closed); its executor may take more.
+    ticket = served.gate.acquire(deadline)
     start = time.perf_counter()
     try:
         result = run(req, served.settings, deadline, served.executor)
@@ -140,14 +141,9 @@ def compute(req: GradientRequest, described: Described, served: Services) -> Com
     return Computed(req, result, result.device, record.timed, described.own)
 
 
-def compute_slot(served: Services, deadline: deadline_module.Deadline) -> Ticket:
-    """Wait for a compute slot (overloaded / deadline_exceeded / client_closed)."""
-    return served.gate.acquire(deadline)
-
-
-def request_deadline(served: Services) -> deadline_module.Deadline:
+def request_deadline(served: Services) -> slots.Deadline:
     """This request's deadline, counted from its arrival; stops when its client goes away."""
-    return deadline_module.Deadline(served.settings.request_timeout_s, started=g.get("arrived"),
+    return slots.Deadline(served.settings.request_timeout_s, started=g.get("arrived"),
                                     cancelled=cancel_probe(request.environ))
 
 
@@ -158,7 +154,7 @@ class BandSlots:
     refused, against the request's deadline). So a client that reads slowly holds its
     thread, never a compute slot: another request computes meanwhile."""
     gate: Gate
-    deadline: deadline_module.Deadline
+    deadline: slots.Deadline
 
     @contextmanager
     def __call__(self) -> Iterator[None]:
