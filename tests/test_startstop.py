@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 import requests
@@ -78,9 +79,23 @@ class Started:
             self.process = start(env, bind, log)
 
     def finish(self) -> tuple[int, str]:
-        """Its exit status (waited for) and whole output."""
+        """Its exit status (waited for) and whole output: read once no process (the embedded
+        cluster's, in a session of their own, included) still holds the log open."""
         self.process.wait(WAIT_S)
+        assert wait_until(lambda: not holders(self.log), WAIT_S), ("still writing the log", holders(self.log))
         return self.process.returncode, self.log.read_text()
+
+
+def holders(path) -> list[str]:
+    """Processes with `path` open (Linux: their /proc/<pid>/fd links)."""
+    found = []
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) == str(path):
+                found.append(fd.parts[2])
+        except OSError:  # gone, or not ours to read
+            pass
+    return found
 
 
 def start(env: dict[str, str], bind: str, log) -> subprocess.Popen:

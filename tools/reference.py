@@ -1,7 +1,7 @@
 """An independent, literal implementation of the seed's loops, for comparison.
 
 concat_matrix and batch_matrix are the seed's code. The objectives are written
-in a different form from app/objectives.py on purpose.
+in a different form from app/core/objectives.py on purpose.
 """
 import torch
 
