@@ -84,14 +84,17 @@ def test_gunicorn_runs_jobs_on_its_embedded_cluster_which_dies_with_the_master(t
             assert "127.0.0.1" in line and (" -m dask " not in line or "--no-dashboard" in line), line
         worker = next(pid for pid in dask if dask_role(cmdline(pid)) == "worker")  # the nanny
         assert nice(worker) == 19
-        assert os.getpgid(worker) == os.getpgid(server.pid)  # in the master's process group
+        # The cluster in a session of its own (the supervisor's): a signal to the server's process
+        # group reaches only the master, which stops it in order; PDEATHSIG ties it to the master.
+        assert os.getsid(supervisor) == supervisor != os.getsid(server.pid)
+        assert os.getpgid(worker) == os.getpgid(supervisor)
         def spawned():  # the worker process the nanny runs (and restarts), beside multiprocessing's tracker
             return [pid for pid in all_children(worker)
                     if "spawn_main" in cmdline(pid) or dask_role(cmdline(pid)) == "worker"]
         assert wait_until(spawned, JOB_S, 0.5)
         inner = all_children(worker)
         assert "torch" not in Path(f"/proc/{worker}/maps").read_text()  # only the worker process loads it
-        assert all(nice(pid) == 19 and os.getpgid(pid) == os.getpgid(server.pid) for pid in inner)
+        assert all(nice(pid) == 19 and os.getpgid(pid) == os.getpgid(supervisor) for pid in inner)
         dask += inner + [supervisor]  # they die with the master too
         for pid in dask:  # Dask's processes serve HTTP (health, metrics) even without a dashboard
             assert listening_hosts(pid) <= {"127.0.0.1"}, (cmdline(pid), listening_hosts(pid))

@@ -3,8 +3,9 @@
 Standard library only: gunicorn's master calls `start_embedded` from on_starting and
 `stop_embedded` from on_exit, and must create no Dask object and no thread (it forks
 workers at every recycle), so the cluster is plain subprocesses under one supervisor
-process (app/jobs/supervisor.py) that starts again whichever of them exits. They stay in the
-master's process group and get SIGKILL from the kernel when their parent dies, SIGKILL
+process (app/jobs/supervisor.py) that starts again whichever of them exits. They run in a
+session of their own (a signal to the server's process group does not reach them; the
+supervisor stops them in order) and get SIGKILL from the kernel when their parent dies, SIGKILL
 included (PR_SET_PDEATHSIG): a niced worker's graceful shutdown can take long on a busy
 machine, and a dead master's jobs are gone anyway. Each `dask worker` is a nanny that
 restarts its worker process when it dies (the worker process exits when its nanny does).
