@@ -14,7 +14,7 @@ from itertools import islice
 from typing import Any
 
 import orjson
-from flask import Flask, Response, current_app, g, has_request_context, request
+from flask import Flask, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
 from ..core import errors as core
@@ -238,14 +238,10 @@ def register_error_style(app: Flask, url_prefix: str, style: ErrorStyle) -> None
 
 
 def style_of_request() -> ErrorStyle:
-    if not has_request_context():
-        return DEFAULT_STYLE
-    styles = services_of(current_app).error_styles
+    """The style registered for the request's path prefix, else the default (always in a request)."""
     path = request.path
-    for prefix, style in styles.items():
-        if path == prefix or path.startswith(prefix + "/"):
-            return style
-    return DEFAULT_STYLE
+    return next((style for prefix, style in services_of(current_app).error_styles.items()
+                 if path == prefix or path.startswith(prefix + "/")), DEFAULT_STYLE)
 
 
 def status_of(error: BlockgradError) -> int:
@@ -309,14 +305,13 @@ def render_error_body(style: "ErrorStyle", error: BlockgradError) -> bytes:
 
 
 def error_response(error: BlockgradError) -> Response:
+    """Called by the error handlers only, so always in a request."""
     style = style_of_request()
     status = style.status(status_of(error))
-    if has_request_context():
-        g.error_code = error.code  # for the errors metric and the log line (app/http/record.py)
-    if error.code == "client_closed" and has_request_context():
+    g.error_code = error.code  # for the errors metric and the log line (app/http/record.py)
+    if error.code == "client_closed":
         drop_connection(request.environ)  # no status line reaches the wire; the log line still has the code
-    payload = render_error_body(style, error)
-    response = Response(payload, status=status, mimetype="application/json")
+    response = Response(render_error_body(style, error), status=status, mimetype="application/json")
     response.headers.update(error_headers(error))
     return response
 
@@ -333,14 +328,12 @@ def service_routes(app: Flask) -> list[str]:
 
 def from_http_exception(exc: HTTPException) -> BlockgradError:
     status = exc.code or 500
-    path = request.path if has_request_context() else "this path"
     if status == 404:
-        return not_found(path, service_routes(current_app) if has_request_context() else [])
+        return not_found(request.path, service_routes(current_app))
     if status == 405:
-        method = request.method if has_request_context() else "this method"
-        return method_not_allowed(method, path, sorted(getattr(exc, "valid_methods", None) or []))
+        return method_not_allowed(request.method, request.path, sorted(getattr(exc, "valid_methods", None) or []))
     if status == 413:
-        return too_large(current_app.config["MAX_CONTENT_LENGTH"] if has_request_context() else 0)
+        return too_large(current_app.config["MAX_CONTENT_LENGTH"])
     if status == 500:  # e.g. an error handler that failed: werkzeug's text says nothing more
         return internal_error()
     if status == 400:
@@ -351,13 +344,8 @@ def from_http_exception(exc: HTTPException) -> BlockgradError:
 
 
 def register_error_handlers(app: Flask) -> None:
-    @app.errorhandler(BlockgradError)
-    def handle_error(exc: BlockgradError):
-        return error_response(exc)
-
-    @app.errorhandler(HTTPException)
-    def handle_http_exception(exc: HTTPException):
-        return error_response(from_http_exception(exc))
+    app.register_error_handler(BlockgradError, error_response)
+    app.register_error_handler(HTTPException, lambda exc: error_response(from_http_exception(exc)))
 
     @app.errorhandler(Exception)
     def handle_unexpected(exc: Exception):
