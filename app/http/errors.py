@@ -9,7 +9,7 @@ carries its code in the X-Blockgrad-Error-Code header.
 """
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
@@ -85,6 +85,11 @@ def not_found(path: str, routes: list[str]) -> HttpError:
                                   "(documented at /docs and /openapi.json).", {"routes": routes})
 
 
+def model_not_found(message: str) -> HttpError:
+    """/v2: no such model or version."""
+    return HttpError("model_not_found", message)
+
+
 def method_not_allowed(method: str, path: str, methods: list[str]) -> HttpError:
     """`methods`: what the route takes (the Allow header lists them all, HEAD and OPTIONS included)."""
     named = [m for m in methods if m not in ("HEAD", "OPTIONS")] or methods
@@ -124,9 +129,7 @@ def internal_error() -> HttpError:
 class ErrorCode:
     status: int
     when: str
-    # The constructor that raises it, with example arguments; None until the front end that
-    # raises it supplies one (`supply_example`).
-    example: Callable[[], BlockgradError] | None
+    example: Callable[[], BlockgradError]  # the constructor that raises it, with example arguments
     headers: tuple[str, ...] = ()  # response headers this code carries (documented in OpenAPI)
 
 
@@ -147,7 +150,8 @@ ERRORS: dict[str, ErrorCode] = {
     "not_found": ErrorCode(404, "no such route (any path not in this document); the message and "
                                 "`details.routes` list the routes", lambda: not_found("/v1/gradient", [
                                     "POST /v1/gradients", "GET /healthz", "GET /docs"])),
-    "model_not_found": ErrorCode(404, "/v2: no such model or version", None),  # app/api/v2/errors.py
+    "model_not_found": ErrorCode(404, "/v2: no such model or version",
+                                lambda: model_not_found("Unknown model 'other'; this server serves 'blockgrad'.")),
     "method_not_allowed": ErrorCode(405, "the path exists but not with this method; the message, "
                                          "`details.allowed` and the Allow header list the right ones",
                                     lambda: method_not_allowed("POST", "/healthz", ["GET", "HEAD", "OPTIONS"]),
@@ -203,11 +207,6 @@ ERRORS: dict[str, ErrorCode] = {
                                     "without a byte more (logged and counted under this code)",
                                core.client_closed),
 }
-
-
-def supply_example(code: str, example: Callable[[], BlockgradError]) -> None:
-    """A front end's constructor for a code of the table that only it raises."""
-    ERRORS[code] = replace(ERRORS[code], example=example)
 
 
 def error_body(error: BlockgradError) -> dict[str, Any]:

@@ -45,26 +45,6 @@ class RequestedOutput:
     binary: bool
 
 
-@dataclass(frozen=True)
-class InferRequest:
-    gradient: GradientRequest  # outputs: only what the requested tensors need computed
-    outputs: tuple[RequestedOutput, ...]  # in the order they are answered
-    id: str | None
-
-    @property
-    def logged_outputs(self) -> tuple[str, ...]:
-        return tuple(output.name for output in self.outputs)
-
-
-@dataclass(frozen=True)
-class DeclaredInput:
-    """The `vectors` input as declared: its datatype and shape, and its data not yet converted."""
-    datatype: str
-    shape: tuple[int, int]
-    data: object | None  # the JSON `data`, or None when binary
-    binary: memoryview
-
-
 def decode(request: Request) -> Described:
     """/v2's decoder: a JSON document, or one with binary tensor data after it."""
     mimetype = request.mimetype
@@ -77,8 +57,7 @@ def render(computed: Computed) -> Response:
     """JSON only: streamed (the worker holds the output arrays, a block row of block_gradients
     and about one chunk of text). With binary outputs, the JSON header's length is sent first:
     counted, then streamed."""
-    head, tensors = output_tensors(InferRequest(computed.request, *computed.own), computed.result, computed.device,
-                                   timed=computed.timed)
+    head, tensors = output_tensors(computed.request, *computed.own, computed.result, computed.device, computed.timed)
     if not has_binary(tensors):
         return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")
     header_length, payload = encode_response(head, tensors)
@@ -101,7 +80,7 @@ def decode_infer_request(body: bytes, header_length: str | None) -> Described:
         envelope = INFER_REQUEST_SCHEMA.load(document)
     except ValidationError as exc:
         raise invalid(f"The inference request is not valid: {flatten(exc.messages)}") from None
-    declared = declared_input(envelope["inputs"], binary)
+    datatype, n, d, data = declared_input(envelope["inputs"], binary)
     parameters = dict(envelope["parameters"])
     binary_output = parameters.pop("binary_data_output", False)
     if not isinstance(binary_output, bool):
@@ -115,11 +94,11 @@ def decode_infer_request(body: bytes, header_length: str | None) -> Described:
         typed, errors = PARAMETERS_SCHEMA.load(parameters), {}  # JSON types, as /v1 checks its fields
     except ValidationError as exc:
         typed, errors = exc.valid_data, exc.messages
-    numbers, dtype = FLOAT_DATATYPES[declared.datatype]
+    numbers, dtype = FLOAT_DATATYPES[datatype]
     fields = {**typed, "dtype": dtype, "outputs": ordered_outputs({OUTPUTS[o.name] for o in outputs} - {None})}
-    vectors = declared.data if declared.data is not None else Buffer(declared.binary, numbers)
+    vectors = data if data is not None else Buffer(binary, numbers)
     cost = answer_cost(dtype, outputs, len(body), binary_input=header_length is not None)
-    return Described(*declared.shape, vectors, fields, errors, cost, declared=True,
+    return Described(n, d, vectors, fields, errors, cost, declared=True,
                      logged_outputs=tuple(output.name for output in outputs), own=(outputs, envelope.get("id")))
 
 
@@ -167,8 +146,9 @@ def field_messages(fields: dict) -> str:
                     for name, messages in sorted(fields.items()))
 
 
-def declared_input(inputs: list[dict], binary: memoryview) -> DeclaredInput:
-    """The `vectors` input's datatype, shape and data, checked without reading a number."""
+def declared_input(inputs: list[dict], binary: memoryview) -> tuple[str, int, int, object | None]:
+    """The `vectors` input's datatype, N, D and data (the JSON `data`, or None when binary: the
+    bytes after the header), checked without reading a number."""
     names = [tensor["name"] for tensor in inputs]
     if names != [INPUT_NAME]:
         raise invalid(f"The model takes exactly one input, '{INPUT_NAME}'; got {names}.")
@@ -194,7 +174,7 @@ def declared_input(inputs: list[dict], binary: memoryview) -> DeclaredInput:
             raise invalid(f"Input '{INPUT_NAME}' has neither data nor binary_data_size.")
         if len(binary):
             raise invalid(f"{len(binary)} bytes follow the JSON header but no input has binary_data_size.")
-        return DeclaredInput(datatype, (n, d), tensor["data"], binary)
+        return datatype, n, d, tensor["data"]
     if "data" in tensor:
         raise invalid(f"Input '{INPUT_NAME}' has both data and binary_data_size; send one.")
     if type(size) is not int or size < 0:
@@ -202,7 +182,7 @@ def declared_input(inputs: list[dict], binary: memoryview) -> DeclaredInput:
     if size != len(binary):
         raise invalid(f"binary_data_size of input '{INPUT_NAME}' is {size} but {len(binary)} bytes "
                       "follow the JSON header.")
-    return DeclaredInput(datatype, (n, d), None, binary)
+    return datatype, n, d, None
 
 
 def requested_outputs(outputs: list[dict] | None, binary_default: bool) -> tuple[RequestedOutput, ...]:
@@ -224,17 +204,17 @@ def requested_outputs(outputs: list[dict] | None, binary_default: bool) -> tuple
     return tuple(chosen)
 
 
-def output_tensors(request: InferRequest, result: Result | None, device=None,
-                   timed: Callable[[Iterator], Iterator] = iter) -> tuple[dict, list[OutputTensor]]:
-    """The response head and its output tensors, from the core's result (None when only
+def output_tensors(req: GradientRequest, outputs: tuple[RequestedOutput, ...], request_id: str | None,
+                   result: Result | None, device, timed: Callable[[Iterator], Iterator]) -> tuple[dict, list[OutputTensor]]:
+    """The response head and its output tensors (`outputs` in the order they are answered;
+    `req.outputs` only what they need computed), from the core's result (None when only
     `bounds` was asked for: nothing was computed; `device` is then the one named).
 
     block_gradients is made as it is written, a block row at a time (`timed` wraps the blocks,
     e.g. to count compute time), except as JSON beside binary outputs: that header is
     serialised twice (its length goes first), so the grid is made once and held."""
-    req = request.gradient
     datatype = DATATYPE_OF_DTYPE[req.dtype]
-    any_binary = any(output.binary for output in request.outputs)
+    any_binary = any(output.binary for output in outputs)
 
     def output_array(output: RequestedOutput) -> np.ndarray | RowSlabs:
         if output.name == "block_gradients":
@@ -246,10 +226,10 @@ def output_tensors(request: InferRequest, result: Result | None, device=None,
         return to_numpy(result.accumulated if output.name == "accumulated" else result.losses)
 
     tensors = [OutputTensor(output.name, "INT64" if output.name == "bounds" else datatype,
-                            output_array(output), output.binary) for output in request.outputs]
+                            output_array(output), output.binary) for output in outputs]
     head = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION}
-    if request.id is not None:
-        head["id"] = request.id
+    if request_id is not None:
+        head["id"] = request_id
     head["parameters"] = {"factor": req.factor, "objective": req.objective, "offset": req.offset,
                           "device": str(result.device if result is not None else device)}
     return head, tensors
