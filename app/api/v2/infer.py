@@ -26,8 +26,8 @@ from ...http.body import decode_json, is_json_mimetype
 from ...http.errors import unsupported_media_type
 from ...http.pipeline import Computed, Described
 from ...http.sending import gather, to_numpy
-from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, CodecError, OutputTensor, RowSlabs, body_length,
-                    encode_response, has_binary, iter_body, iter_json, split_body)
+from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, CodecError, OutputTensor, RowSlabs, iter_body,
+                    iter_json, split_body)
 from .model import DATATYPE_OF_DTYPE, FLOAT_DATATYPES, GRADIENT_PARAMETERS, INPUT_NAME, MODEL_NAME, MODEL_VERSION, OUTPUTS
 from .schemas import InferRequestSchema, ParametersSchema, RequestInputSchema, RequestOutputSchema
 
@@ -58,13 +58,16 @@ def render(computed: Computed) -> Response:
     and about one chunk of text). With binary outputs, the JSON header's length is sent first:
     counted, then streamed."""
     head, tensors = output_tensors(computed.request, *computed.own, computed.result, computed.device, computed.timed)
-    if not has_binary(tensors):
+    payload = [tensor.array for tensor in tensors if tensor.binary]  # the bytes after the header, in order
+    if not payload:
         return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")
-    header_length, payload = encode_response(head, tensors)
+    # The header's length goes first, so it is counted first: serialised twice, a piece at a
+    # time, never held whole (slabs in it are made twice).
+    header_length = sum(len(piece) for piece in iter_json(head, tensors))
     response = Response(iter_body(gather(iter_json(head, tensors), CHUNK_BYTES), payload),
                         content_type=BINARY_CONTENT_TYPE)
     response.headers[HEADER_LENGTH] = str(header_length)
-    response.content_length = body_length(header_length, payload)
+    response.content_length = header_length + sum(array.nbytes for array in payload)
     return response
 
 
