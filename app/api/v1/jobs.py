@@ -18,7 +18,7 @@ from ...core.dtypes import DTYPES
 from ...core.engine import block_bounds
 from ...core.errors import field_error, job_result_too_large, validation_error
 from ...core.request import GradientRequest, Sizes
-from ...extensions import Jobs, Services, services
+from ...extensions import Services, services
 from ...http.body import is_json_mimetype, read_body, reserve_for_request
 from ...http.docs import documents_errors
 from ...http.errors import HttpError, bad_request, unsupported_media_type
@@ -47,10 +47,6 @@ REQUEST_BODY = {"required": True, "content": {
                      "description": "A .npy file of shape (N, D), float32 or float64 (the job's dtype; never a "
                                     "pickle); factor, objective, offset, outputs (comma-separated) and dtype as "
                                     "query parameters. At most BLOCKGRAD_MAX_JOB_BODY_BYTES."}}}}
-
-
-def job_store() -> Jobs:
-    return services().jobs
 
 
 def json_response(body, status: int = 200, headers: dict | None = None) -> Response:
@@ -172,7 +168,7 @@ def post_job():
 @documents_errors(blp, "unauthorized", "job_not_found", "cluster_unavailable", "internal_error")
 def get_job(job_id: str):
     """The job record: status, progress, times, error."""
-    return json_response(job_store().view(job_id))
+    return json_response(services().jobs.view(job_id))
 
 
 @blp.route("/jobs/<job_id>", methods=["DELETE"])
@@ -181,7 +177,7 @@ def get_job(job_id: str):
 @documents_errors(blp, "unauthorized", "job_not_found", "cluster_unavailable", "internal_error")
 def delete_job(job_id: str):
     """Cancel a queued or running job (200, its record); forget a finished one (204)."""
-    record = job_store().cancel(job_id)
+    record = services().jobs.cancel(job_id)
     return Response(status=204) if record is None else json_response(record)
 
 
@@ -193,7 +189,7 @@ def delete_job(job_id: str):
 def get_result(job_id: str):
     """A succeeded job's result: the shapes and number formatting of /v1/gradients."""
     binary = request.headers.get("Accept", "").strip() == NPZ
-    record, outcome = job_store().result(job_id, lambda record: reserve_result(record, binary))
+    record, outcome = services().jobs.result(job_id, lambda record: reserve_result(record, binary))
     outputs = list(record["outputs"])
     bounds = block_bounds(record["n"], record["factor"])
     arrays = {name: getattr(outcome, name) for name in outputs}
