@@ -57,7 +57,8 @@ from types import SimpleNamespace
 from .dtypes import DTYPES, WIDEST
 from .engine import (DEFAULT_CHUNK_ELEMENTS, PARALLEL_CHUNK_ELEMENTS, elements_per_chunk,
                      plan_bands, shape_groups)
-from .errors import limit_exceeded, memory_busy, memory_limit_exceeded, upload_limit_exceeded, uploads_busy
+from .errors import (limit_exceeded, memory_busy, memory_limit_exceeded, too_long_vectors, too_many_vectors,
+                     upload_limit_exceeded, uploads_busy)
 from .heap import TRIM_SLACK_BYTES, untrimmed_growth
 from .request import Sizes
 from .run import LOOKAHEAD_PER_LANE
@@ -290,13 +291,10 @@ def advice(sizes: Sizes, settings: Settings) -> tuple[str, dict]:
 
 def check_shape(n: int, dim: int, settings: Settings) -> None:
     """N and D alone: checked as soon as they are known."""
-    max_n, max_d = settings.max_n, settings.max_d
-    if n > max_n:
-        raise limit_exceeded(f"{n} vectors is over BLOCKGRAD_MAX_N = {max_n}; send at most {max_n}.",
-                             "BLOCKGRAD_MAX_N", n, max_n)
-    if dim > max_d:
-        raise limit_exceeded(f"Vectors of length {dim} are over BLOCKGRAD_MAX_D = {max_d}; send at most {max_d}.",
-                             "BLOCKGRAD_MAX_D", dim, max_d)
+    if n > settings.max_n:
+        raise too_many_vectors(n, settings.max_n)
+    if dim > settings.max_d:
+        raise too_long_vectors(dim, settings.max_d)
 
 
 def check_block_and_answer(sizes: Sizes, settings: Settings) -> None:

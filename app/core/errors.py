@@ -185,9 +185,14 @@ def too_many_jobs(active: int, allowed: int) -> BlockgradError:
         retry_after_s=JOB_RETRY_AFTER_S)
 
 
-def job_too_many_vectors(n: int, allowed: int) -> BlockgradError:
-    return limit_exceeded(f"{n} vectors is over BLOCKGRAD_MAX_JOB_N = {allowed}; send at most {allowed}.",
-                          "BLOCKGRAD_MAX_JOB_N", n, allowed)
+def too_many_vectors(n: int, allowed: int, limit: str = "BLOCKGRAD_MAX_N") -> BlockgradError:
+    """`limit`: BLOCKGRAD_MAX_N, or a job's BLOCKGRAD_MAX_JOB_N."""
+    return limit_exceeded(f"{n} vectors is over {limit} = {allowed}; send at most {allowed}.", limit, n, allowed)
+
+
+def too_long_vectors(dim: int, allowed: int) -> BlockgradError:
+    return limit_exceeded(f"Vectors of length {dim} are over BLOCKGRAD_MAX_D = {allowed}; send at most {allowed}.",
+                          "BLOCKGRAD_MAX_D", dim, allowed)
 
 
 def job_result_too_large(predicted: int, budget: int, binary: bool) -> BlockgradError:

@@ -163,9 +163,7 @@ ERRORS: dict[str, ErrorCode] = {
                                      "(BLOCKGRAD_REQUEST_TIMEOUT_S) is over its limit, or a body still arriving "
                                      "alone is over BLOCKGRAD_UPLOAD_MEMORY_SHARE of the memory; "
                                      "`details.limit` names it, the message says what to change",
-                                lambda: core.limit_exceeded(
-                                    "8193 vectors is over BLOCKGRAD_MAX_N = 8192; send at most 8192.",
-                                    "BLOCKGRAD_MAX_N", 8193, 8192)),
+                                lambda: core.too_many_vectors(8193, 8192)),
     "unsupported_media_type": ErrorCode(415, "Content-Type is not application/json, or the body is compressed",
                                         lambda: wrong_content_type("text/plain")),
     "validation_error": ErrorCode(422, "a field is missing, unknown or invalid; `details.fields` maps each to "
