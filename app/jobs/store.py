@@ -15,11 +15,11 @@ import numpy as np
 
 from ..core.engine import elements_per_chunk
 from ..core.errors import BlockgradError, job_not_done, job_not_found, no_cluster, too_many_jobs
-from ..core.job_tasks import JobOutcome, JobSpec
+from ..core.job_tasks import JobOutcome, JobSpec, plan_tiles
 from ..core.request import GradientRequest
 from .client import call, cluster_client, cluster_deadline, cluster_report, current_deadline
-from .graph import SCATTER_BYTES_PER_S, dataset_name, plan, submit
-from .metrics import observe_event, observe_jobs, observe_workers
+from .graph import SCATTER_BYTES_PER_S, dataset_name, submit
+from .metrics import EVENTS, observe_jobs, observe_workers
 from .on_scheduler import IDEMPOTENCY, JOBS, cluster_view, create_record, forget_records, snapshots, workers_count
 from .settings import OFF, JobSettings
 
@@ -38,10 +38,6 @@ METRICS_READ_S = 1.0
 METRICS_RETRY_S = 5.0
 TASK_FAILED = {"code": "internal_error", "message": "A task of this job failed on the cluster; the cluster's log "
                                                     "has the traceback.", "details": {}}
-
-
-def new_job_id() -> str:
-    return secrets.token_hex(16)
 
 
 def rfc3339(seconds: float | None) -> str | None:
@@ -107,6 +103,11 @@ class JobState:
                 "finished_at": rfc3339(self.finished_at if status in TERMINAL else None), "error": error}
 
 
+def job_states(found: dict) -> dict[str, JobState]:
+    """on_scheduler.snapshots' answer as JobStates."""
+    return {job_id: JobState(job_id, s["record"], s["outcome"], s["progress"]) for job_id, s in found.items()}
+
+
 def bounded(method):
     """A job route's operation: its cluster calls share one deadline (client.py)."""
     @functools.wraps(method)
@@ -130,8 +131,7 @@ class JobStore:
         return cluster_client(self.address)
 
     def states(self, client, job_ids: list[str] | None) -> dict[str, JobState]:
-        found = call(client, client._run_on_scheduler, snapshots, job_ids)
-        return {job_id: JobState(job_id, s["record"], s["outcome"], s["progress"]) for job_id, s in found.items()}
+        return job_states(call(client, client._run_on_scheduler, snapshots, job_ids))
 
     def cluster_report(self) -> dict:
         """The cluster as this process last saw it, without asking it (/readyz)."""
@@ -148,8 +148,7 @@ class JobStore:
                 client = self.client()
                 view = call(client, client._run_on_scheduler, cluster_view)
             now = time.time()
-            states = [JobState(job_id, s["record"], s["outcome"], s["progress"]) for job_id, s in view["jobs"].items()]
-            states = [state for state in states if not state.abandoned(now)
+            states = [state for state in job_states(view["jobs"]).values() if not state.abandoned(now)
                       and not state.expired(now, self.settings.job_ttl_s)]  # both 404 already
             observe_jobs(states)
             observe_workers(view["workers"])
@@ -216,8 +215,8 @@ class JobStore:
         spec = JobSpec(req.n, req.dim, req.factor, req.objective, float(req.offset), req.dtype,
                        elements_per_chunk(self.settings.max_job_block_elements, req.objective_fn, req.dim,
                                           vectors.itemsize))
-        tiles = plan(spec, workers)
-        job_id = new_job_id()
+        tiles = plan_tiles(spec.n, spec.dim, spec.factor, workers)
+        job_id = secrets.token_hex(16)  # 128 random bits (ID_PATTERN)
         deadline.extend(vectors.nbytes / SCATTER_BYTES_PER_S)  # the scatter's share, by the vectors' size
         result_numbers = sum({"accumulated": req.n * req.dim, "losses": req.factor ** 2}[o] for o in req.outputs)
         now = time.time()
@@ -243,7 +242,7 @@ class JobStore:
         except BaseException:
             self.forget(client, job_id, quiet=True)
             raise
-        observe_event("submitted")
+        EVENTS.labels("submitted").inc()
         log.info("job_submitted", extra={"fields": {
             "job": job_id, "n": req.n, "dim": req.dim, "factor": req.factor, "objective": req.objective,
             "dtype": req.dtype, "tiles": len(tiles), "vector_bytes": vectors.nbytes, "workers": workers}})
@@ -287,7 +286,7 @@ class JobStore:
         call(client, client.scheduler.set_metadata, keys=[JOBS, job_id, "cancelled"], value=found.record["cancelled"])
         call(client, client._cancel, futures, force=True, reason="job cancelled")
         call(client, client._unpublish_dataset, dataset_name(job_id))
-        observe_event("cancelled")
+        EVENTS.labels("cancelled").inc()
         log.info("job_cancelled", extra={"fields": {"job": job_id, "was": found.status}})
         return found.public()
 
