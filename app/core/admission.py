@@ -372,7 +372,13 @@ class Reservation:
 
     def release(self) -> None:
         """Idempotent: a stream's end and its close may both call it."""
-        self.ledger._release(self)
+        ledger = self.ledger
+        with ledger._lock:
+            if not self.released:
+                self.released = True
+                ledger.reserved -= self.nbytes
+                if self.uploading:
+                    ledger.uploading -= self.nbytes
 
     def resize(self, nbytes: int) -> None:
         """Hold `nbytes` instead (e.g. the prediction once the sizes are known); raises as reserve."""
@@ -380,7 +386,10 @@ class Reservation:
 
     def settle(self) -> None:
         """The body has arrived: from now on the reservation counts against the budget only."""
-        self.ledger._settle(self)
+        with self.ledger._lock:
+            if self.uploading and not self.released:
+                self.ledger.uploading -= self.nbytes
+            self.uploading = False
 
 
 class MemoryLedger:
@@ -433,17 +442,3 @@ class MemoryLedger:
                     raise uploads_busy(nbytes, other_uploads, self.upload_budget)
                 self.uploading = other_uploads + nbytes
             self.reserved, reservation.nbytes = others + nbytes, nbytes
-
-    def _settle(self, reservation: Reservation) -> None:
-        with self._lock:
-            if reservation.uploading and not reservation.released:
-                self.uploading -= reservation.nbytes
-            reservation.uploading = False
-
-    def _release(self, reservation: Reservation) -> None:
-        with self._lock:
-            if not reservation.released:
-                reservation.released = True
-                self.reserved -= reservation.nbytes
-                if reservation.uploading:
-                    self.uploading -= reservation.nbytes
