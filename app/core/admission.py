@@ -260,18 +260,14 @@ def block_elements(n: int, dim: int, factor: int) -> int:
     return side * side * 2 * dim
 
 
-def fits_every_limit(sizes: Sizes, settings: Settings) -> bool:
-    return (block_elements(sizes.n, sizes.dim, sizes.factor) <= settings.max_block_elements
-            and output_elements(sizes.n, sizes.dim, sizes.factor, sizes.outputs) <= settings.max_output_elements)
-
-
 def suggested_factor(sizes: Sizes, settings: Settings) -> int | None:
     """Among the factors that fit every limit for these outputs, the one the cost model
     predicts fastest (the smaller on a tie); None when none fits. Not "the smallest larger
     factor": the last block takes the remainder, so a larger factor can be worse, and a
     factor with hundreds of thousands of blocks fits but is slow."""
     fitting = (replace(sizes, factor=f) for f in range(1, sizes.n + 1))
-    best = min((s for s in fitting if fits_every_limit(s, settings)),
+    best = min((s for s in fitting if block_elements(s.n, s.dim, s.factor) <= settings.max_block_elements
+                and output_elements(s.n, s.dim, s.factor, s.outputs) <= settings.max_output_elements),
                key=lambda s: (predict_seconds(s, settings), s.factor), default=None)
     return None if best is None else best.factor
 

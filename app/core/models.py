@@ -65,7 +65,7 @@ class ModelObjective:
         if device.type == "cpu":
             return self.module
         if device not in self._on_device:
-            self._on_device[device] = copy_module(self.module).to(device)
+            self._on_device[device] = copy.deepcopy(self.module).to(device)  # the CPU module stays as loaded
         return self._on_device[device]
 
     def losses(self, blocks: torch.Tensor, offset: float) -> torch.Tensor:
@@ -75,10 +75,6 @@ class ModelObjective:
         pairs = blocks.reshape(k * h * w, two_d)  # (P, 2D)
         scores = self.module_on(blocks.device)(pairs)  # (P,) or (P, 1)
         return scores.reshape(k, h * w).sum(dim=1)  # (k,)
-
-
-def copy_module(module: torch.nn.Module) -> torch.nn.Module:
-    return copy.deepcopy(module)  # the CPU module stays as loaded
 
 
 def load_models(model_dir: str | None, builtin_names: Iterable[str]) -> dict[str, ModelObjective]:

@@ -140,10 +140,6 @@ class Settings(FromEnv):
     slots_per_request: int | None = None
 
 
-def env_name(field: str) -> str:
-    return f"BLOCKGRAD_{field.upper()}"
-
-
 def variable_of(item) -> str:
     """The environment variable a Settings field is read from."""
-    return item.metadata.get("env") or env_name(item.name)
+    return item.metadata.get("env") or f"BLOCKGRAD_{item.name.upper()}"

@@ -39,19 +39,15 @@ class ErrorSchema(Schema):
     error = fields.Nested(ErrorDetailSchema, required=True)
 
 
-def error_example(code: str, style: ErrorStyle = DEFAULT_STYLE) -> dict:
-    """The documented example: what the constructor that raises `code` makes, rendered as sent."""
-    entry = ERRORS[code]
-    return {"summary": f"{code}: {entry.when}", "value": style.body(entry.example())}
-
-
 def error_responses_spec(*codes: str, style: ErrorStyle = DEFAULT_STYLE) -> dict[int, dict]:
     """Group `codes` by the status `style` answers them with: {status: {"description", "examples", "headers"}}."""
     by_status: dict[int, list[str]] = {}
     for code in codes:
         by_status.setdefault(style.status(ERRORS[code].status), []).append(code)
     return {status: {"description": "; ".join(f"`{code}`: {ERRORS[code].when}" for code in group),
-                     "examples": {code: error_example(code, style) for code in group},
+                     # the documented example: what the constructor that raises the code makes, as sent
+                     "examples": {code: {"summary": f"{code}: {ERRORS[code].when}",
+                                         "value": style.body(ERRORS[code].example())} for code in group},
                      "headers": {name: {"description": HEADER_DESCRIPTIONS[name][0],
                                         "schema": {"type": HEADER_DESCRIPTIONS[name][1]}}
                                  for code in group for name in ERRORS[code].headers}}

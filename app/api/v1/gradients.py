@@ -20,7 +20,7 @@ from marshmallow import Schema, ValidationError
 from ...core.admission import AnswerCost, output_elements
 from ...core.dtypes import DEFAULT_DTYPE, DTYPES, WIDEST
 from ...core.engine import Block
-from ...core.errors import BlockgradError, many_unknown, unknown_fields, validation_error
+from ...core.errors import many_unknown, unknown_fields, validation_error
 from ...core.run import Result
 from ...http import body  # body.read_body looked up per request (tests replace it)
 from ...http.body import decode_document, is_json_mimetype
@@ -69,8 +69,9 @@ def decode(request: Request, schema: Schema = SCHEMA) -> Described:
     try:
         fields, errors = schema.load(document), {}
     except ValidationError as exc:
-        if not isinstance(exc.messages, dict) or set(exc.messages) == {"_schema"}:
-            raise not_an_object(exc.messages) from None
+        if not isinstance(exc.messages, dict) or set(exc.messages) == {"_schema"}:  # not an object
+            messages = exc.messages["_schema"] if isinstance(exc.messages, dict) else exc.messages
+            raise validation_error({"_schema": messages}, NOT_AN_OBJECT) from None
         fields, errors = exc.valid_data, exc.messages
     vectors = fields.pop("vectors", None)
     n = dim = None
@@ -78,11 +79,6 @@ def decode(request: Request, schema: Schema = SCHEMA) -> Described:
         n, dim = len(vectors), len(vectors[0])
     answer = answer_cost(len(data), fields.get("dtype", DEFAULT_DTYPE))
     return Described(n, dim, vectors, fields, errors, answer)
-
-
-def not_an_object(messages) -> BlockgradError:
-    return validation_error({"_schema": messages.get("_schema", messages) if isinstance(messages, dict)
-                             else messages}, NOT_AN_OBJECT)
 
 
 def answer_cost(body_bytes: int, dtype: str) -> AnswerCost:
