@@ -97,10 +97,10 @@ def method_not_allowed(method: str, path: str, methods: list[str]) -> HttpError:
                      {"allowed": methods}, headers={"Allow": ", ".join(methods)} if methods else None)
 
 
-def too_large(limit_bytes: int) -> HttpError:
-    return HttpError("too_large", f"The request body is over BLOCKGRAD_MAX_BODY_BYTES = {limit_bytes} bytes; "
-                                  "send fewer or shorter vectors.",
-                     {"limit": "BLOCKGRAD_MAX_BODY_BYTES", "allowed": limit_bytes})
+def too_large(limit_bytes: int, limit: str = "BLOCKGRAD_MAX_BODY_BYTES", body: str = "request body") -> HttpError:
+    """`limit`: the setting, BLOCKGRAD_MAX_BODY_BYTES or a .npy job body's BLOCKGRAD_MAX_JOB_BODY_BYTES."""
+    return HttpError("too_large", f"The {body} is over {limit} = {limit_bytes} bytes; send fewer or shorter vectors.",
+                     {"limit": limit, "allowed": limit_bytes})
 
 
 def unsupported_media_type(message: str) -> HttpError:

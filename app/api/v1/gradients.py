@@ -121,12 +121,14 @@ def render_result(result: Result, timed: Callable[[Iterable], Iterator] = iter) 
 def whole_json(head: dict, losses: np.ndarray, blocks: Iterator[Block]) -> bytes:
     """The head and every block in one orjson call: the bytes the stream would join to.
     A block's loss is read from `losses` (F, F), the same numbers as its own 0-d tensor."""
-    return orjson.dumps(dict(head, blocks=[{
-        "row": block.r, "col": block.c,
-        "rows": block.row_span, "cols": block.col_span,
-        "loss": losses[block.r, block.c],
-        "gradient": json_array(block.gradient),
-    } for block in blocks]), option=NUMPY)
+    return orjson.dumps(dict(head, blocks=[block_entry(block, losses[block.r, block.c]) for block in blocks]),
+                        option=NUMPY)
+
+
+def block_entry(block: Block, loss) -> dict:
+    """One block of the answer; `loss` a numpy scalar (shortest digits of its dtype)."""
+    return {"row": block.r, "col": block.c, "rows": block.row_span, "cols": block.col_span,
+            "loss": loss, "gradient": json_array(block.gradient)}  # gradient (rows, cols, 2D)
 
 
 def stream_with_blocks(head: dict, blocks: Iterator[Block]) -> Iterator[bytes]:
@@ -145,10 +147,5 @@ def block_pieces(blocks: Iterator[Block]) -> Iterator[bytes]:
     for k, block in enumerate(blocks):
         if k:
             yield b","
-        yield orjson.dumps({
-            "row": block.r, "col": block.c,
-            "rows": block.row_span, "cols": block.col_span,
-            "loss": to_numpy(block.loss)[()],  # numpy scalar: shortest digits of its dtype
-            "gradient": json_array(block.gradient),  # (rows, cols, 2D)
-        }, option=NUMPY)
+        yield orjson.dumps(block_entry(block, to_numpy(block.loss)[()]), option=NUMPY)
     yield b"]}"

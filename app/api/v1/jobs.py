@@ -21,7 +21,7 @@ from ...core.request import GradientRequest, Sizes
 from ...extensions import Services, services
 from ...http.body import is_json_mimetype, read_body, reserve_for_request
 from ...http.docs import documents_errors
-from ...http.errors import HttpError, bad_request, unsupported_media_type
+from ...http.errors import bad_request, too_large, unsupported_media_type
 from ...http.pipeline import Described, pipeline
 from ...http.sending import NUMPY
 from ...jobs.limits import admit_job
@@ -51,12 +51,6 @@ REQUEST_BODY = {"required": True, "content": {
 
 def json_response(body, status: int = 200, headers: dict | None = None) -> Response:
     return Response(orjson.dumps(body, option=NUMPY), status=status, headers=headers, mimetype="application/json")
-
-
-def job_body_too_large(limit_bytes: int) -> HttpError:
-    return HttpError("too_large", f"The .npy body is over BLOCKGRAD_MAX_JOB_BODY_BYTES = {limit_bytes} bytes; "
-                                  "send fewer or shorter vectors.",
-                     {"limit": "BLOCKGRAD_MAX_JOB_BODY_BYTES", "allowed": limit_bytes})
 
 
 def load_npy(data: bytes) -> np.ndarray:
@@ -126,7 +120,7 @@ def decode_job(request: Request) -> Described:
     try:
         data = read_body(request)
     except RequestEntityTooLarge:
-        raise job_body_too_large(limit) from None
+        raise too_large(limit, "BLOCKGRAD_MAX_JOB_BODY_BYTES", ".npy body") from None
     vectors = load_npy(data)
     fields, errors = query_fields(request.args, vectors)
     return Described(*vectors.shape, vectors, fields, errors)
