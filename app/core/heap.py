@@ -25,14 +25,10 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_PERTURB, M_ARENA_MAX = -1, -3, -6, -8
 
 
-def load_glibc():
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return None
-
-
-GLIBC = load_glibc()
+try:
+    GLIBC = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc
+    GLIBC = None
 
 
 def glibc_function(name: str):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .dtypes import TORCH_DTYPES
+from .dtypes import DTYPES
 from .engine import block_bounds
 from .errors import non_finite_accumulated, non_finite_block
 from .objectives import Objective
@@ -142,7 +142,7 @@ def run_tile(vectors: np.ndarray, spec: JobSpec, tile: Tile, objective: Objectiv
     pass one as /v1 runs it (run.PassOne), on the tile's blocks."""
     started_at = time.time()
     torch.set_num_threads(1)  # one core per task, and the same loss bits as /v1's one thread
-    v = torch.as_tensor(vectors, dtype=TORCH_DTYPES[spec.dtype])  # (N, D)
+    v = torch.as_tensor(vectors, dtype=DTYPES[spec.dtype].torch)  # (N, D)
     computed = PassOne(SerialExecutor(), v, spec.factor, spec.chunk_elements, objective, spec.offset,
                        tile.rows, tile.cols)
     for _ in computed:

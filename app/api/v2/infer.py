@@ -145,8 +145,7 @@ def check_envelope_sizes(document: object) -> None:
 
 
 def field_messages(fields: dict) -> str:
-    return " ".join(f"{field_label(name)}: {' '.join(flat_messages(messages))}"
-                    for name, messages in sorted(fields.items()))
+    return " ".join(f"{field_label(name)}: {flatten(messages)}" for name, messages in sorted(fields.items()))
 
 
 def declared_input(inputs: list[dict], binary: memoryview) -> tuple[str, int, int, object | None]:
@@ -296,18 +295,10 @@ def field_label(name: str) -> str:
     return f"Input '{INPUT_NAME}'" if name == "vectors" else f"Parameter '{name}'"
 
 
-def flat_messages(messages) -> list[str]:
-    if isinstance(messages, dict):
-        return [m for value in messages.values() for m in flat_messages(value)]
-    if isinstance(messages, list):
-        return [m for value in messages for m in flat_messages(value)]
-    return [str(messages)]
-
-
 def flatten(messages, path: tuple[str, ...] = ()) -> str:
     """{"inputs": {0: {"shape": ["Not a valid integer."]}}} -> "inputs.0.shape: Not a valid integer." """
     if isinstance(messages, dict):
         return " ".join(flatten(value, path if key == "_schema" else (*path, str(key)))
                         for key, value in messages.items())
-    text = " ".join(flat_messages(messages))
+    text = " ".join(map(flatten, messages)) if isinstance(messages, list) else str(messages)
     return f"{'.'.join(path)}: {text}" if path else text
