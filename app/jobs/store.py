@@ -280,21 +280,23 @@ class JobStore:
         if found.status not in ACTIVE:
             self.forget(client, job_id)
             return None
-        futures = call(client, client._get_dataset, dataset_name(job_id), default=None) or []
         found.record["cancelled"] = {"at": time.time(), "blocks_done": min(found.record["blocks_total"],
                                                                              found.progress["done"])}
         call(client, client.scheduler.set_metadata, keys=[JOBS, job_id, "cancelled"], value=found.record["cancelled"])
-        call(client, client._cancel, futures, force=True, reason="job cancelled")
-        call(client, client._unpublish_dataset, dataset_name(job_id))
+        self.drop_graph(client, job_id, "job cancelled")
         EVENTS.labels("cancelled").inc()
         log.info("job_cancelled", extra={"fields": {"job": job_id, "was": found.status}})
         return found.public()
 
+    def drop_graph(self, client, job_id: str, reason: str) -> None:
+        """The job's tasks cancelled and its published name removed (its record stays)."""
+        futures = call(client, client._get_dataset, dataset_name(job_id), default=None) or []
+        call(client, client._cancel, futures, force=True, reason=reason)
+        call(client, client._unpublish_dataset, dataset_name(job_id))
+
     def forget(self, client, job_id: str, quiet: bool = False) -> None:
         try:
-            futures = call(client, client._get_dataset, dataset_name(job_id), default=None) or []
-            call(client, client._cancel, futures, force=True, reason="job forgotten")
-            call(client, client._unpublish_dataset, dataset_name(job_id))
+            self.drop_graph(client, job_id, "job forgotten")
             call(client, client._run_on_scheduler, forget_records, job_id)
         except Exception:
             if not quiet:
