@@ -6,6 +6,7 @@ app/http/app.py). Swagger UI's files come from the pinned `swagger-ui-bundle`
 package and are served here under /docs/assets/, so the page needs no internet.
 """
 from collections.abc import Callable
+from pathlib import Path
 
 from flask import Blueprint, Flask, send_from_directory
 from flask_smorest import Api
@@ -17,6 +18,7 @@ from ..extensions import services_of
 from .errors import DEFAULT_STYLE, ERRORS, ErrorStyle
 from .settings import Settings
 
+DESCRIPTION = Path(__file__).with_name("api_description.md")  # info.description: str.format template
 HEADER_DESCRIPTIONS = {
     "Allow": ("The methods this path accepts.", "string"),
     "Retry-After": ("Seconds to wait before retrying.", "integer"),
@@ -98,43 +100,8 @@ def api_description(settings: Settings, objectives) -> str:
     rows = "\n".join(f"| `{name}` | {getattr(settings, name.removeprefix('BLOCKGRAD_').lower())} | {meaning} |"
                      for name, meaning in limits)
     codes = "\n".join(f"| {entry.status} | `{code}` | {entry.when} |" for code, entry in ERRORS.items())
-    # The tables are folded (<details>) so that the /docs page opens on its operations.
-    return f"""Per-block gradients of the pairwise feature matrix built from N vectors of length D.
-Every response carries `X-Request-ID`: the request's own header when it is 1-128 characters of
-`A-Z a-z 0-9 . _ : / + = -`, else a fresh 32-digit hex id. The same id is in the request's log line.
-
-<details><summary><b>Limits of this server</b></summary>
-
-| setting | value | what it limits |
-|---|---|---|
-{rows}
-
-</details>
-<details><summary><b>Objectives of this server</b></summary>
-
-`objective` (in `/v1/gradients` and in `/v2`'s parameters) takes one of these names; `GET /v1/objectives`
-lists them as JSON. A model takes only vectors of its D and only its dtype (422 `validation_error` otherwise).
-
-| name | kind | D | dtypes | L(B) |
-|---|---|---|---|---|
-{objectives_table(objectives)}
-
-</details>
-<details><summary><b>Errors</b></summary>
-
-Every error, on every path but `/v2`, is `{{"error": {{"code", "message", "details"}}}}` (schema `Error`);
-the Open Inference Protocol's `/v2` paths answer its own `{{"error": "<message>"}}`, with 400 for any
-invalid request:
-
-| status | code | when |
-|---|---|---|
-{codes}
-
-404 `not_found` answers any path not listed here, and 405 `method_not_allowed` any listed path
-called with a method it does not list.
-
-</details>
-"""
+    # The template's tables are folded (<details>) so that the /docs page opens on its operations.
+    return DESCRIPTION.read_text().format(rows=rows, objectives=objectives_table(objectives), codes=codes)
 
 
 BEARER_SCHEME = "bearerAuth"
