@@ -137,14 +137,12 @@ def register_docs(app: Flask, api: Api, objectives) -> None:
     # With a token set, the documentation stays open unless BLOCKGRAD_DOCS_PUBLIC=false (app/http/auth.py).
     settings = services_of(app).settings
     open_docs = OPEN_ROUTE if settings.docs_public else {}
-    api.spec.path(rule=rules["/openapi.json"], operations={"get": {
-        "tags": ["docs"], "summary": "This OpenAPI 3 document.", **open_docs,
-        "responses": {"200": {"description": "The document.",
-                              "content": {"application/json": {"schema": {"type": "object"}}}},
-                      "500": internal_error}}})
-    for path in ("/docs", "/docs/"):
+    page = ("Interactive documentation (Swagger UI, served locally).",
+            "An HTML page; its scripts and styles are under /docs/assets/.", "text/html", "string")
+    for path, (summary, answer, media_type, kind) in {
+            "/openapi.json": ("This OpenAPI 3 document.", "The document.", "application/json", "object"),
+            "/docs": page, "/docs/": page}.items():
         api.spec.path(rule=rules[path], operations={"get": {
-            "tags": ["docs"], "summary": "Interactive documentation (Swagger UI, served locally).", **open_docs,
-            "responses": {"200": {"description": "An HTML page; its scripts and styles are under /docs/assets/.",
-                                  "content": {"text/html": {"schema": {"type": "string"}}}},
+            "tags": ["docs"], "summary": summary, **open_docs,
+            "responses": {"200": {"description": answer, "content": {media_type: {"schema": {"type": kind}}}},
                           "500": internal_error}}})
