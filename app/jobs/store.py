@@ -312,13 +312,12 @@ class JobStore:
         finished results over BLOCKGRAD_MAX_JOB_RESULTS_BYTES; returns the jobs queued or running."""
         now = time.time()
         states = self.states(client, None)
-        for job_id, found in list(states.items()):
-            if found.abandoned(now):
-                self.forget_abandoned(client, found)
-                del states[job_id]
         active, kept = 0, []
         for job_id, found in list(states.items()):
-            if found.status in ACTIVE:
+            if found.abandoned(now):  # before its status: never submitted reads as queued
+                self.forget_abandoned(client, found)
+                del states[job_id]
+            elif found.status in ACTIVE:
                 active += 1
             elif found.expired(now, self.settings.job_ttl_s):
                 self.forget(client, job_id)

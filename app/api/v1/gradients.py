@@ -62,10 +62,9 @@ def decode(request: Request, schema: Schema = SCHEMA) -> Described:
         raise wrong_content_type(mimetype)
     data = body.read_body(request)
     document = decode_document(data)
-    if type(document) is dict and len(document) > len(schema.fields):  # else none to list
-        unknown = many_unknown(document, schema.fields)
-        if unknown:
-            raise unknown_fields(unknown, schema.fields)
+    unknown = many_unknown(document, schema.fields)  # None unless more than a message lists
+    if unknown:
+        raise unknown_fields(unknown, schema.fields)
     try:
         fields, errors = schema.load(document), {}
     except ValidationError as exc:
