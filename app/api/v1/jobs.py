@@ -17,7 +17,7 @@ from ...core.admission import check_activations
 from ...core.dtypes import DTYPES
 from ...core.engine import block_bounds
 from ...core.errors import field_error, job_result_too_large, validation_error
-from ...core.request import GradientRequest, Sizes
+from ...core.request import Sizes
 from ...extensions import Services, services
 from ...http.body import is_json_mimetype, read_body, reserve_for_request
 from ...http.docs import documents_errors
@@ -133,13 +133,6 @@ def admit_job_sizes(sizes: Sizes, described: Described, served: Services) -> Non
         check_activations(sizes, served.settings)
 
 
-def submit(key: str | None):
-    """The pipeline's execute step for a job: the job store's submit (idempotent with `key`)."""
-    def execute(req: GradientRequest, described: Described, served: Services) -> tuple[dict, bool]:
-        return served.jobs.submit(req, key)
-    return execute
-
-
 @blp.route("/jobs", methods=["POST"])
 @blp.doc(requestBody=REQUEST_BODY, parameters=[
     {"in": "header", "name": "Idempotency-Key", "required": False, "schema": {"type": "string"},
@@ -153,7 +146,10 @@ def submit(key: str | None):
                   "internal_error")
 def post_job():
     """Submit a job: answered at once (202) with its record; the job is visible from every worker by then."""
-    record, _ = pipeline(decode_job(request), submit(request.headers.get("Idempotency-Key") or None), admit_job_sizes)
+    key = request.headers.get("Idempotency-Key") or None  # a retried POST with it gets the same job
+    # The pipeline's execute step for a job: the job store's submit.
+    record, _ = pipeline(decode_job(request), lambda req, described, served: served.jobs.submit(req, key),
+                         admit_job_sizes)
     return json_response(record, 202, {"Location": f"/v1/jobs/{record['id']}"})
 
 
