@@ -15,7 +15,7 @@ import copy
 import io
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,21 +77,20 @@ class ModelObjective:
         return scores.reshape(k, h * w).sum(dim=1)  # (k,)
 
 
-def load_models(model_dir: str | None, builtin_names: Iterable[str]) -> dict[str, ModelObjective]:
+def load_models(model_dir: str | None, builtin_names: Collection[str]) -> dict[str, ModelObjective]:
     """Every `<name>.pt2` in `model_dir`, loaded and checked, by name (sorted); {} without a directory."""
     if not model_dir:
         return {}
     directory = Path(model_dir)
     if not directory.is_dir():
         raise ModelError(f"BLOCKGRAD_MODEL_DIR={model_dir!r} is not a directory.")
-    builtins = set(builtin_names)
     models = {}
     for path in sorted(directory.glob(f"*{MODEL_SUFFIX}")):
         name = path.name[:-len(MODEL_SUFFIX)]
         if not NAME_PATTERN.fullmatch(name):
             raise ModelError(f"{path}: the objective's name {name!r} (the file's stem) may hold only "
                              "letters, digits, '_' and '-'; rename the file.")
-        if name in builtins:
+        if name in builtin_names:
             raise ModelError(f"{path}: the name {name!r} is a built-in objective's; rename the file.")
         models[name] = load_model(name, path)
     return models

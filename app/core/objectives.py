@@ -90,12 +90,6 @@ class ScaledSumOfSquares(torch.autograd.Function):
         return blocks * per_block(2 * grad_out)  # (k, h, w, 2D): 2B exactly, one pass
 
 
-def largest_magnitude(blocks: torch.Tensor) -> torch.Tensor:
-    """(k,) max |B| per block as a constant (no gradient), 1 where a block is all zeros."""
-    scale = blocks.detach().abs().amax(dim=BLOCK_DIMS)  # (k,)
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
-
-
 class ScaledNorm(torch.autograd.Function):
     """||B||_2 per block, computed on B / max|B| so that squares neither underflow nor
     overflow, with the gradient B / ||B|| = u / ||u|| (u = B / max|B|) taken directly.
@@ -107,7 +101,8 @@ class ScaledNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, blocks: torch.Tensor) -> torch.Tensor:
-        scale = largest_magnitude(blocks)  # (k,)
+        largest = blocks.detach().abs().amax(dim=BLOCK_DIMS)  # (k,) max |B| per block, a constant
+        scale = torch.where(largest > 0, largest, torch.ones_like(largest))  # 1 where a block is all zeros
         unit = blocks / per_block(scale)  # (k, h, w, 2D), |u| <= 1
         norms = torch.linalg.vector_norm(unit, dim=BLOCK_DIMS)  # (k,), >= 1 unless the block is 0
         ctx.save_for_backward(unit, norms)

@@ -25,7 +25,6 @@ from .sending import drop_connection
 log = logging.getLogger("blockgrad")
 
 ERROR_CODE_HEADER = "X-Blockgrad-Error-Code"
-INTERNAL_MESSAGE = "The server failed on this request; it has been logged."
 
 
 class HttpError(BlockgradError):
@@ -122,7 +121,7 @@ def read_timeout(seconds: float) -> HttpError:
 
 
 def internal_error() -> HttpError:
-    return HttpError("internal_error", INTERNAL_MESSAGE)
+    return HttpError("internal_error", "The server failed on this request; it has been logged.")
 
 
 @dataclass(frozen=True)

@@ -78,12 +78,10 @@ def query_fields(args, vectors: np.ndarray) -> tuple[dict, dict]:
     if unknown:
         raise validation_error({name: ["Unknown query parameter."] for name in unknown},
                                f"Unknown query parameters {', '.join(unknown)}; they are {', '.join(QUERY_FIELDS)}.")
-    errors, values = {}, {}
     file_dtype = DTYPE_OF_ITEM_BYTES[vectors.dtype.itemsize]
-    values["dtype"] = args.get("dtype", file_dtype)
-    if values["dtype"] != file_dtype:
+    errors, values = {}, {"dtype": file_dtype}
+    if args.get("dtype", file_dtype) != file_dtype:
         errors["dtype"] = [f"The .npy holds {file_dtype}: a .npy job's dtype is its file's; leave dtype out."]
-        del values["dtype"]
     for name, parse in (("factor", int), ("offset", float)):
         if name in args:
             try:
