@@ -31,18 +31,13 @@ except OSError:  # not glibc
     GLIBC = None
 
 
-def glibc_function(name: str):
-    """glibc's function `name`, or None where this is not glibc."""
-    return getattr(GLIBC, name, None) if GLIBC is not None else None
-
-
 def mallopt(param: int, value: int) -> bool:
     """glibc's mallopt(param, value): whether it took the value (False where this is not glibc)."""
-    function = glibc_function("mallopt")
+    function = getattr(GLIBC, "mallopt", None)  # None where this is not glibc
     return function is not None and function(param, value) == 1
 
 
-MALLOC_TRIM = glibc_function("malloc_trim") if os.path.exists(STATM) else None
+MALLOC_TRIM = getattr(GLIBC, "malloc_trim", None) if os.path.exists(STATM) else None
 
 
 def resident_bytes() -> int:

@@ -96,8 +96,8 @@ class JobState:
         else:
             done = min(total, self.progress["done"])
         started = (self.outcome or {}).get("started_at") or record.get("started_at")
-        return {"id": self.job_id, "status": status, "n": record["n"], "dim": record["dim"],
-                "factor": record["factor"], "objective": record["objective"], "dtype": record["dtype"],
+        return {"id": self.job_id, "status": status,
+                **{key: record[key] for key in ("n", "dim", "factor", "objective", "dtype")},
                 "outputs": list(record["outputs"]), "progress": {"blocks_done": done, "blocks_total": total},
                 "created_at": rfc3339(record["created_at"]), "started_at": rfc3339(started),
                 "finished_at": rfc3339(self.finished_at if status in TERMINAL else None), "error": error}
