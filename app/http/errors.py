@@ -228,11 +228,6 @@ class ErrorStyle:
 DEFAULT_STYLE = ErrorStyle()
 
 
-def register_error_style(app: Flask, url_prefix: str, style: ErrorStyle) -> None:
-    """Errors of requests under `url_prefix` (matched or not) take `style`."""
-    services_of(app).error_styles[url_prefix] = style
-
-
 def style_of_request() -> ErrorStyle:
     """The style registered for the request's path prefix, else the default (always in a request)."""
     path = request.path
