@@ -1,6 +1,6 @@
 """One inference request: protocol document -> the core's GradientRequest -> output tensors.
 
-`decode_infer_request` reads the envelope (inputs, outputs, parameters) and the input's
+`decode` reads the envelope (inputs, outputs, parameters) and the input's
 declared shape without converting a number, and describes the request to the pipeline
 (app/http/pipeline.py), which admits those sizes and then converts the data (JSON, or binary
 tensor data) through the core, so the rules, defaults and limits are the core's, as for /v1.
@@ -48,35 +48,14 @@ class RequestedOutput:
 
 
 def decode(request: Request) -> Described:
-    """/v2's decoder: a JSON document, or one with binary tensor data after it."""
+    """/v2's decoder: a JSON document, or one with binary tensor data after it, read up to the
+    numbers: nothing is converted here."""
     mimetype = request.mimetype
     if mimetype and not is_json_mimetype(mimetype) and mimetype != BINARY_CONTENT_TYPE:
         raise unsupported_media_type(f"Send the body as application/json or {BINARY_CONTENT_TYPE} (got {mimetype!r}).")
-    return decode_infer_request(body.read_body(request), request.headers.get(HEADER_LENGTH))
-
-
-def render(computed: Computed) -> Response:
-    """JSON only: streamed (the worker holds the output arrays, a block row of block_gradients
-    and about one chunk of text). With binary outputs, the JSON header's length is sent first:
-    counted, then streamed."""
-    head, tensors = output_tensors(computed.request, *computed.own, computed.result, computed.device, computed.timed)
-    payload = [tensor.array for tensor in tensors if tensor.binary]  # the bytes after the header, in order
-    if not payload:
-        return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")
-    # The header's length goes first, so it is counted first: serialised twice, a piece at a
-    # time, never held whole (slabs in it are made twice).
-    header_length = sum(len(piece) for piece in iter_json(head, tensors))
-    response = Response(iter_body(gather(iter_json(head, tensors), CHUNK_BYTES), payload),
-                        content_type=BINARY_CONTENT_TYPE)
-    response.headers[HEADER_LENGTH] = str(header_length)
-    response.content_length = header_length + sum(array.nbytes for array in payload)
-    return response
-
-
-def decode_infer_request(body: bytes, header_length: str | None) -> Described:
-    """The protocol document, read up to the numbers: nothing is converted here."""
+    sent, header_length = body.read_body(request), request.headers.get(HEADER_LENGTH)
     try:
-        header, binary = split_body(body, header_length)
+        header, binary = split_body(sent, header_length)
     except CodecError as exc:
         raise invalid(str(exc)) from None
     document = decode_json(header)  # 400 bad_json, as /v1
@@ -102,9 +81,27 @@ def decode_infer_request(body: bytes, header_length: str | None) -> Described:
     numbers, dtype = FLOAT_DATATYPES[datatype]
     fields = {**typed, "dtype": dtype, "outputs": ordered_outputs({OUTPUTS[o.name] for o in outputs} - {None})}
     vectors = data if data is not None else Buffer(binary, numbers)
-    cost = answer_cost(dtype, outputs, len(body), binary_input=header_length is not None)
+    cost = answer_cost(dtype, outputs, len(sent), binary_input=header_length is not None)
     return Described(n, d, vectors, fields, errors, cost, declared=True,
                      logged_outputs=tuple(output.name for output in outputs), own=(outputs, envelope.get("id")))
+
+
+def render(computed: Computed) -> Response:
+    """JSON only: streamed (the worker holds the output arrays, a block row of block_gradients
+    and about one chunk of text). With binary outputs, the JSON header's length is sent first:
+    counted, then streamed."""
+    head, tensors = output_tensors(computed.request, *computed.own, computed.result, computed.device, computed.timed)
+    payload = [tensor.array for tensor in tensors if tensor.binary]  # the bytes after the header, in order
+    if not payload:
+        return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")
+    # The header's length goes first, so it is counted first: serialised twice, a piece at a
+    # time, never held whole (slabs in it are made twice).
+    header_length = sum(len(piece) for piece in iter_json(head, tensors))
+    response = Response(iter_body(gather(iter_json(head, tensors), CHUNK_BYTES), payload),
+                        content_type=BINARY_CONTENT_TYPE)
+    response.headers[HEADER_LENGTH] = str(header_length)
+    response.content_length = header_length + sum(array.nbytes for array in payload)
+    return response
 
 
 def answer_cost(dtype: str, outputs: tuple[RequestedOutput, ...], body_bytes: int, binary_input: bool) -> AnswerCost:
