@@ -29,14 +29,12 @@ from ...http.sending import gather, to_numpy
 from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, CodecError, OutputTensor, RowSlabs, iter_body,
                     iter_json, split_body)
 from .model import DATATYPE_OF_DTYPE, FLOAT_DATATYPES, GRADIENT_PARAMETERS, INPUT_NAME, MODEL_NAME, MODEL_VERSION, OUTPUTS
-from ..v1.schemas import GradientRequestSchema
-from .schemas import InferRequestSchema, RequestInputSchema, RequestOutputSchema
+from .schemas import InferRequestSchema, ParametersSchema, RequestInputSchema, RequestOutputSchema
 
 BINARY_INPUT_BYTES_PER_NUMBER = 16  # the decoded array and its native-order copy, float64 at most
 JSON_SLICE_BYTES = 2 * CHUNK_BYTES  # a slice of text and orjson's buffer for it
-# One instance each, as /v1's view holds (marshmallow deep-copies the fields per instance). The
-# model's parameters are /v1's fields of the same names, with their JSON types and defaults.
-INFER_REQUEST_SCHEMA, PARAMETERS_SCHEMA = InferRequestSchema(), GradientRequestSchema(only=GRADIENT_PARAMETERS)
+# One instance each, as /v1's view holds (marshmallow deep-copies the fields per instance).
+INFER_REQUEST_SCHEMA, PARAMETERS_SCHEMA = InferRequestSchema(), ParametersSchema()
 ENVELOPE_FIELDS = tuple(INFER_REQUEST_SCHEMA.fields)
 INPUT_FIELDS, OUTPUT_FIELDS = tuple(RequestInputSchema().fields), tuple(RequestOutputSchema().fields)
 

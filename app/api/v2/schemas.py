@@ -7,6 +7,7 @@ rules that need the numbers. The response schemas document the routes.
 from marshmallow import Schema, fields
 from marshmallow.validate import Length, Range
 
+from ..fields import FactorRange, JsonNumber, ObjectiveName
 
 Parameters = fields.Dict  # $parameters: {name: $string | $number | $boolean}
 
@@ -19,6 +20,13 @@ class RequestInputSchema(Schema):
     data = fields.Raw(metadata={
         "type": "array", "items": {"anyOf": [{"type": "number"}, {"type": "array"}]},  # never null
         "description": "Row-major numbers, flat or nested; absent when binary."})
+
+
+class ParametersSchema(Schema):
+    """The model's parameters (factor, objective, offset): JSON types as /v1 takes them."""
+    factor = fields.Integer(strict=True, validate=FactorRange())  # build_request checks it against N
+    objective = fields.String(validate=ObjectiveName())
+    offset = JsonNumber()
 
 
 class RequestOutputSchema(Schema):
