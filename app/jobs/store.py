@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from ..core.admission import output_elements
 from ..core.engine import elements_per_chunk
 from ..core.errors import BlockgradError, job_not_done, job_not_found, no_cluster, too_many_jobs
 from ..core.job_tasks import JobOutcome, JobSpec, plan_tiles
@@ -218,14 +219,14 @@ class JobStore:
         tiles = plan_tiles(spec.n, spec.dim, spec.factor, workers)
         job_id = secrets.token_hex(16)  # 128 random bits (ID_PATTERN)
         deadline.extend(vectors.nbytes / SCATTER_BYTES_PER_S)  # the scatter's share, by the vectors' size
-        result_numbers = sum({"accumulated": req.n * req.dim, "losses": req.factor ** 2}[o] for o in req.outputs)
         now = time.time()
         record = {"n": req.n, "dim": req.dim, "factor": req.factor, "objective": req.objective,
                   "offset": float(req.offset), "dtype": req.dtype, "outputs": list(req.outputs),
                   "created_at": now, "started_at": None, "cancelled": None, "submitted": False,
                   "submit_by": now + deadline.remaining() + SUBMIT_GRACE_S,
                   "blocks_total": req.factor ** 2, "tile_blocks": [tile.blocks for tile in tiles],
-                  "result_bytes": result_numbers * vectors.itemsize, "idempotency_key": idempotency_key}
+                  "result_bytes": output_elements(req.n, req.dim, req.factor, req.outputs) * vectors.itemsize,
+                  "idempotency_key": idempotency_key}
         # The record first: the graph's last task writes the outcome only beside an existing one.
         for _ in range(2):  # the key's job may be forgotten between the two calls: its key is then free
             owner = call(client, client._run_on_scheduler, create_record, job_id, record, idempotency_key)

@@ -32,7 +32,6 @@ class Supervised:
         self.started_at = 0.0
         self.backoff = 0.0
         self.next_start = 0.0
-        self.restarts = 0
 
     def back_off(self, now: float, healthy: bool = False) -> None:
         """The next start: at once after a healthy run, else after twice the last wait (bounded)."""
@@ -48,7 +47,6 @@ class Supervised:
             print(f"blockgrad supervisor: {self.name} exited ({self.process.returncode}) after {ran:.1f} s; "
                   f"starting it again in {self.backoff:.1f} s", file=sys.stderr, flush=True)
             self.process = None
-            self.restarts += 1
         if now >= self.next_start:
             try:
                 self.process, self.started_at = self._start(), now
