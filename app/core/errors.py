@@ -111,16 +111,13 @@ def deadline_exceeded(timeout_s: float, queued: bool = False) -> BlockgradError:
     return BlockgradError("deadline_exceeded", message, details, retry_after_s=max(1, math.ceil(timeout_s / 10)))
 
 
-OVERLOADED_RETRY_AFTER_S = 1
-
-
 def overloaded(queue_depth: int) -> BlockgradError:
     """The compute slot is taken and `queue_depth` requests already wait for it."""
     return BlockgradError(
         "overloaded",
         f"The server is busy: {queue_depth} requests already wait for this worker's compute slot "
         "(BLOCKGRAD_QUEUE_DEPTH); retry after the Retry-After seconds, on any replica.",
-        {"queue_depth": queue_depth}, retry_after_s=OVERLOADED_RETRY_AFTER_S)
+        {"queue_depth": queue_depth}, retry_after_s=1)
 
 
 def client_closed() -> BlockgradError:
@@ -128,15 +125,12 @@ def client_closed() -> BlockgradError:
     return BlockgradError("client_closed", "The client closed the connection before the answer was complete.")
 
 
-OOM_RETRY_AFTER_S = 5
-
-
 def device_out_of_memory() -> BlockgradError:
     return BlockgradError(
         "device_out_of_memory",
         "The compute device ran out of memory on this request; retry later, "
         "or send a larger factor, fewer outputs or fewer vectors.",
-        retry_after_s=OOM_RETRY_AFTER_S)
+        retry_after_s=5)  # the freed memory is the device's again by then
 
 
 def not_ready(reason: str) -> BlockgradError:

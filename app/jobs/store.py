@@ -2,7 +2,6 @@
 graph's final tasks published under the job's name, its end written by the graph itself.
 Any gunicorn worker, of any pod sharing the scheduler, sees the same job; a scheduler
 that restarts forgets its jobs (they are then 404)."""
-import functools
 import logging
 import re
 import secrets
@@ -109,15 +108,6 @@ def job_states(found: dict) -> dict[str, JobState]:
     return {job_id: JobState(job_id, s["record"], s["outcome"], s["progress"]) for job_id, s in found.items()}
 
 
-def bounded(method):
-    """A job route's operation: its cluster calls share one deadline (client.py)."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with cluster_deadline():
-            return method(self, *args, **kwargs)
-    return run
-
-
 class JobStore:
     """The job routes' operations against one scheduler (this process's Client)."""
 
@@ -173,7 +163,7 @@ class JobStore:
             log.info("job_started", extra={"fields": {"job": job_id, "blocks_done": found.progress["done"]}})
         return client, found
 
-    @bounded
+    @cluster_deadline()  # a job route's operation: its cluster calls share one deadline (client.py)
     def view(self, job_id: str) -> dict[str, Any]:
         return self.state(job_id)[1].public()
 
@@ -194,7 +184,7 @@ class JobStore:
         found = self.live(client, job_id) if job_id is not None else None
         return None if found is None else found.public()
 
-    @bounded
+    @cluster_deadline()  # a job route's operation: its cluster calls share one deadline (client.py)
     def submit(self, req: GradientRequest, idempotency_key: str | None = None) -> tuple[dict[str, Any], bool]:
         """(the job record, whether it is new). A retried POST with the same
         Idempotency-Key gets the job the first made; so does one sent at the same moment
@@ -251,7 +241,7 @@ class JobStore:
         return JobState(job_id, record, None, {"done": 0, "processing": False, "finish": "waiting",
                                                "outcome": "waiting"}).public(), True
 
-    @bounded
+    @cluster_deadline()  # a job route's operation: its cluster calls share one deadline (client.py)
     def result(self, job_id: str, before_fetch: Callable[[dict], None] = lambda record: None
                ) -> tuple[dict[str, Any], JobOutcome]:
         """A succeeded job's record and outcome; `before_fetch(record)` runs before the result
@@ -274,7 +264,7 @@ class JobStore:
             raise job_not_found(job_id) from None
         return found.record, outcome
 
-    @bounded
+    @cluster_deadline()  # a job route's operation: its cluster calls share one deadline (client.py)
     def cancel(self, job_id: str) -> dict[str, Any] | None:
         """A queued or running job: cancelled, its record returned. A finished one: forgotten (None)."""
         client, found = self.state(job_id)
