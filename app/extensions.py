@@ -6,7 +6,7 @@ them, `services_of(app)` how a test or a hook outside a request does.
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from flask import Flask, current_app
 
@@ -19,19 +19,6 @@ from .http.settings import Settings
 KEY = "blockgrad"
 
 
-class Jobs(Protocol):
-    """The jobs on the Dask cluster (app/jobs/store.py's JobStore), as routes and probes use them."""
-
-    settings: Any  # app/jobs/settings.py's JobSettings
-
-    def submit(self, req: Any, idempotency_key: str | None = None) -> tuple[dict, bool]: ...
-    def view(self, job_id: str) -> dict: ...
-    def result(self, job_id: str, before_fetch: Callable[[dict], None] = ...) -> tuple[dict, Any]: ...
-    def cancel(self, job_id: str) -> dict | None: ...
-    def cluster_report(self) -> dict: ...
-    def refresh_metrics(self) -> None: ...
-
-
 @dataclass(frozen=True)
 class Services:
     settings: Settings
@@ -41,7 +28,9 @@ class Services:
     executor: Executor  # runs a request's chunks over the free slots (one pool per worker)
     # URL prefix -> how errors under it look (app/http/errors.py's ErrorStyle), by front end.
     error_styles: dict[str, object] = field(default_factory=dict)
-    jobs: Jobs | None = None  # the app factory's; holds no connection until the first job route
+    # The jobs on the Dask cluster: app/jobs/store.py's JobStore, built by the app factory (this
+    # module does not import the jobs layer); it holds no connection until the first job route.
+    jobs: Any = None
     # Held while /metrics reads every worker's value files (under gunicorn, against the master's folds).
     scrape_lock: Callable[[], AbstractContextManager] = nullcontext
 

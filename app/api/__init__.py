@@ -3,7 +3,6 @@ from flask import Flask
 from flask_smorest import Api
 
 from ..extensions import services_of
-from ..http.errors import register_error_style
 from . import health, metrics, objectives
 from .v1 import jobs as v1_jobs
 from .v1 import gradients as v1_gradients, schemas as v1_schemas
@@ -11,13 +10,10 @@ from .v2 import schemas as v2_schemas, views as v2_views
 
 
 def register_front_ends(app: Flask, api: Api) -> None:
-    api.register_blueprint(v1_gradients.blp)
-    api.register_blueprint(v1_jobs.blp)
-    api.register_blueprint(objectives.blp)
-    api.register_blueprint(health.blp)
-    api.register_blueprint(v2_views.blp)
-    api.register_blueprint(metrics.blp)
-    register_error_style(app, v2_views.blp.url_prefix, v2_views.ERROR_STYLE)
+    for front_end in (v1_gradients, v1_jobs, objectives, health, v2_views, metrics):  # the document's order
+        api.register_blueprint(front_end.blp)
+    # Errors of requests under /v2 (matched or not) take the protocol's style.
+    services_of(app).error_styles[v2_views.blp.url_prefix] = v2_views.ERROR_STYLE
     served = services_of(app).objectives
     v1_schemas.document_objectives(api.spec, served)
     v2_schemas.document_objectives(api.spec, served)

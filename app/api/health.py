@@ -41,7 +41,6 @@ def healthz():
 @documents_errors(blp, "not_ready", "internal_error")
 def readyz():
     """torch is loaded and the configured device runs a small computation."""
-    settings = services().settings
-    device = ready_device(settings.device)  # not_ready if it cannot
+    device = ready_device(services().settings.device)  # not_ready if it cannot
     g.device = str(device)  # for the device metric (app/http/record.py)
     return {"status": "ready", "device": str(device), "cluster": services().jobs.cluster_report()}

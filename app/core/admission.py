@@ -57,7 +57,8 @@ from types import SimpleNamespace
 from .dtypes import DTYPES, WIDEST
 from .engine import (DEFAULT_CHUNK_ELEMENTS, PARALLEL_CHUNK_ELEMENTS, elements_per_chunk,
                      plan_bands, shape_groups)
-from .errors import limit_exceeded, memory_busy, memory_limit_exceeded, upload_limit_exceeded, uploads_busy
+from .errors import (limit_exceeded, memory_busy, memory_limit_exceeded, too_long_vectors, too_many_vectors,
+                     upload_limit_exceeded, uploads_busy)
 from .heap import TRIM_SLACK_BYTES, untrimmed_growth
 from .request import Sizes
 from .run import LOOKAHEAD_PER_LANE
@@ -259,18 +260,14 @@ def block_elements(n: int, dim: int, factor: int) -> int:
     return side * side * 2 * dim
 
 
-def fits_every_limit(sizes: Sizes, settings: Settings) -> bool:
-    return (block_elements(sizes.n, sizes.dim, sizes.factor) <= settings.max_block_elements
-            and output_elements(sizes.n, sizes.dim, sizes.factor, sizes.outputs) <= settings.max_output_elements)
-
-
 def suggested_factor(sizes: Sizes, settings: Settings) -> int | None:
     """Among the factors that fit every limit for these outputs, the one the cost model
     predicts fastest (the smaller on a tie); None when none fits. Not "the smallest larger
     factor": the last block takes the remainder, so a larger factor can be worse, and a
     factor with hundreds of thousands of blocks fits but is slow."""
     fitting = (replace(sizes, factor=f) for f in range(1, sizes.n + 1))
-    best = min((s for s in fitting if fits_every_limit(s, settings)),
+    best = min((s for s in fitting if block_elements(s.n, s.dim, s.factor) <= settings.max_block_elements
+                and output_elements(s.n, s.dim, s.factor, s.outputs) <= settings.max_output_elements),
                key=lambda s: (predict_seconds(s, settings), s.factor), default=None)
     return None if best is None else best.factor
 
@@ -290,13 +287,10 @@ def advice(sizes: Sizes, settings: Settings) -> tuple[str, dict]:
 
 def check_shape(n: int, dim: int, settings: Settings) -> None:
     """N and D alone: checked as soon as they are known."""
-    max_n, max_d = settings.max_n, settings.max_d
-    if n > max_n:
-        raise limit_exceeded(f"{n} vectors is over BLOCKGRAD_MAX_N = {max_n}; send at most {max_n}.",
-                             "BLOCKGRAD_MAX_N", n, max_n)
-    if dim > max_d:
-        raise limit_exceeded(f"Vectors of length {dim} are over BLOCKGRAD_MAX_D = {max_d}; send at most {max_d}.",
-                             "BLOCKGRAD_MAX_D", dim, max_d)
+    if n > settings.max_n:
+        raise too_many_vectors(n, settings.max_n)
+    if dim > settings.max_d:
+        raise too_long_vectors(dim, settings.max_d)
 
 
 def check_block_and_answer(sizes: Sizes, settings: Settings) -> None:
@@ -374,7 +368,13 @@ class Reservation:
 
     def release(self) -> None:
         """Idempotent: a stream's end and its close may both call it."""
-        self.ledger._release(self)
+        ledger = self.ledger
+        with ledger._lock:
+            if not self.released:
+                self.released = True
+                ledger.reserved -= self.nbytes
+                if self.uploading:
+                    ledger.uploading -= self.nbytes
 
     def resize(self, nbytes: int) -> None:
         """Hold `nbytes` instead (e.g. the prediction once the sizes are known); raises as reserve."""
@@ -382,7 +382,10 @@ class Reservation:
 
     def settle(self) -> None:
         """The body has arrived: from now on the reservation counts against the budget only."""
-        self.ledger._settle(self)
+        with self.ledger._lock:
+            if self.uploading and not self.released:
+                self.ledger.uploading -= self.nbytes
+            self.uploading = False
 
 
 class MemoryLedger:
@@ -435,17 +438,3 @@ class MemoryLedger:
                     raise uploads_busy(nbytes, other_uploads, self.upload_budget)
                 self.uploading = other_uploads + nbytes
             self.reserved, reservation.nbytes = others + nbytes, nbytes
-
-    def _settle(self, reservation: Reservation) -> None:
-        with self._lock:
-            if reservation.uploading and not reservation.released:
-                self.uploading -= reservation.nbytes
-            reservation.uploading = False
-
-    def _release(self, reservation: Reservation) -> None:
-        with self._lock:
-            if not reservation.released:
-                reservation.released = True
-                self.reserved -= reservation.nbytes
-                if reservation.uploading:
-                    self.uploading -= reservation.nbytes

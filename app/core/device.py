@@ -22,11 +22,11 @@ def resolve_device(setting: str) -> torch.device:
     try:
         device = torch.device(setting)
     except RuntimeError:
-        raise ValueError(f"BLOCKGRAD_DEVICE must be auto, cpu, cuda or cuda:N, got {setting!r}") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"BLOCKGRAD_DEVICE must be auto, cpu, cuda or cuda:N, got {setting!r}")
     if device.type == "cpu":
         return torch.device("cpu")
-    if device.type != "cuda":
-        raise ValueError(f"BLOCKGRAD_DEVICE must be auto, cpu, cuda or cuda:N, got {setting!r}")
     if not torch.cuda.is_available():
         raise ValueError(f"BLOCKGRAD_DEVICE={setting} but CUDA is not available in this process")
     if device.index is None:  # answers and metrics name the card: cuda:0, not cuda

@@ -16,4 +16,3 @@ DTYPES = {"float32": DType(item_bytes=4, text_bytes=16, torch=torch.float32),
 DEFAULT_DTYPE = "float32"
 UNKNOWN_DTYPE = f"Must be one of: {', '.join(DTYPES)}."
 WIDEST = DTYPES["float64"]  # what a dtype outside the table is predicted as
-TORCH_DTYPES = {name: dtype.torch for name, dtype in DTYPES.items()}

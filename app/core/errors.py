@@ -111,16 +111,13 @@ def deadline_exceeded(timeout_s: float, queued: bool = False) -> BlockgradError:
     return BlockgradError("deadline_exceeded", message, details, retry_after_s=max(1, math.ceil(timeout_s / 10)))
 
 
-OVERLOADED_RETRY_AFTER_S = 1
-
-
 def overloaded(queue_depth: int) -> BlockgradError:
     """The compute slot is taken and `queue_depth` requests already wait for it."""
     return BlockgradError(
         "overloaded",
         f"The server is busy: {queue_depth} requests already wait for this worker's compute slot "
         "(BLOCKGRAD_QUEUE_DEPTH); retry after the Retry-After seconds, on any replica.",
-        {"queue_depth": queue_depth}, retry_after_s=OVERLOADED_RETRY_AFTER_S)
+        {"queue_depth": queue_depth}, retry_after_s=1)
 
 
 def client_closed() -> BlockgradError:
@@ -128,15 +125,12 @@ def client_closed() -> BlockgradError:
     return BlockgradError("client_closed", "The client closed the connection before the answer was complete.")
 
 
-OOM_RETRY_AFTER_S = 5
-
-
 def device_out_of_memory() -> BlockgradError:
     return BlockgradError(
         "device_out_of_memory",
         "The compute device ran out of memory on this request; retry later, "
         "or send a larger factor, fewer outputs or fewer vectors.",
-        retry_after_s=OOM_RETRY_AFTER_S)
+        retry_after_s=5)  # the freed memory is the device's again by then
 
 
 def not_ready(reason: str) -> BlockgradError:
@@ -185,9 +179,14 @@ def too_many_jobs(active: int, allowed: int) -> BlockgradError:
         retry_after_s=JOB_RETRY_AFTER_S)
 
 
-def job_too_many_vectors(n: int, allowed: int) -> BlockgradError:
-    return limit_exceeded(f"{n} vectors is over BLOCKGRAD_MAX_JOB_N = {allowed}; send at most {allowed}.",
-                          "BLOCKGRAD_MAX_JOB_N", n, allowed)
+def too_many_vectors(n: int, allowed: int, limit: str = "BLOCKGRAD_MAX_N") -> BlockgradError:
+    """`limit`: BLOCKGRAD_MAX_N, or a job's BLOCKGRAD_MAX_JOB_N."""
+    return limit_exceeded(f"{n} vectors is over {limit} = {allowed}; send at most {allowed}.", limit, n, allowed)
+
+
+def too_long_vectors(dim: int, allowed: int) -> BlockgradError:
+    return limit_exceeded(f"Vectors of length {dim} are over BLOCKGRAD_MAX_D = {allowed}; send at most {allowed}.",
+                          "BLOCKGRAD_MAX_D", dim, allowed)
 
 
 def job_result_too_large(predicted: int, budget: int, binary: bool) -> BlockgradError:

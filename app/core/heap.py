@@ -25,28 +25,19 @@ PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_PERTURB, M_ARENA_MAX = -1, -3, -6, -8
 
 
-def load_glibc():
-    try:
-        return ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc
-        return None
-
-
-GLIBC = load_glibc()
-
-
-def glibc_function(name: str):
-    """glibc's function `name`, or None where this is not glibc."""
-    return getattr(GLIBC, name, None) if GLIBC is not None else None
+try:
+    GLIBC = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc
+    GLIBC = None
 
 
 def mallopt(param: int, value: int) -> bool:
     """glibc's mallopt(param, value): whether it took the value (False where this is not glibc)."""
-    function = glibc_function("mallopt")
+    function = getattr(GLIBC, "mallopt", None)  # None where this is not glibc
     return function is not None and function(param, value) == 1
 
 
-MALLOC_TRIM = glibc_function("malloc_trim") if os.path.exists(STATM) else None
+MALLOC_TRIM = getattr(GLIBC, "malloc_trim", None) if os.path.exists(STATM) else None
 
 
 def resident_bytes() -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .dtypes import TORCH_DTYPES
+from .dtypes import DTYPES
 from .engine import block_bounds
 from .errors import non_finite_accumulated, non_finite_block
 from .objectives import Objective
@@ -142,7 +142,7 @@ def run_tile(vectors: np.ndarray, spec: JobSpec, tile: Tile, objective: Objectiv
     pass one as /v1 runs it (run.PassOne), on the tile's blocks."""
     started_at = time.time()
     torch.set_num_threads(1)  # one core per task, and the same loss bits as /v1's one thread
-    v = torch.as_tensor(vectors, dtype=TORCH_DTYPES[spec.dtype])  # (N, D)
+    v = torch.as_tensor(vectors, dtype=DTYPES[spec.dtype].torch)  # (N, D)
     computed = PassOne(SerialExecutor(), v, spec.factor, spec.chunk_elements, objective, spec.offset,
                        tile.rows, tile.cols)
     for _ in computed:
@@ -222,8 +222,6 @@ def finish(spec: JobSpec, *parts: "BandSum | TilePartial") -> JobOutcome:
             for r0, c0, piece in pieces:  # copied, not added: a -0.0 stays -0.0
                 losses[r0:r0 + piece.shape[0], c0:c0 + piece.shape[1]] = piece
             moved += nbytes
-    started_at = min(part.started_at for part in parts)
-    now = time.time()
     errors = [part.error for part in parts if part.error is not None]
     bad = min((part.bad_block for part in parts if part.bad_block is not None), default=None)
     error = errors[0] if errors else None
@@ -231,9 +229,9 @@ def finish(spec: JobSpec, *parts: "BandSum | TilePartial") -> JobOutcome:
         error = as_dict(non_finite_block(*bad, spec.dtype))
     elif error is None and not np.isfinite(accumulated).all():
         error = as_dict(non_finite_accumulated(spec.dtype))
-    if error is not None:
-        return JobOutcome(None, None, error, started_at, now, moved)
-    return JobOutcome(accumulated, losses, None, started_at, now, moved)
+    failed = error is not None  # then no numbers are kept
+    return JobOutcome(None if failed else accumulated, None if failed else losses, error,
+                      min(part.started_at for part in parts), time.time(), moved)
 
 
 def shares(part: "BandSum | TilePartial") -> list[tuple[int, np.ndarray, list, int]]:

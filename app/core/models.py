@@ -15,7 +15,7 @@ import copy
 import io
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,7 +65,7 @@ class ModelObjective:
         if device.type == "cpu":
             return self.module
         if device not in self._on_device:
-            self._on_device[device] = copy_module(self.module).to(device)
+            self._on_device[device] = copy.deepcopy(self.module).to(device)  # the CPU module stays as loaded
         return self._on_device[device]
 
     def losses(self, blocks: torch.Tensor, offset: float) -> torch.Tensor:
@@ -77,25 +77,20 @@ class ModelObjective:
         return scores.reshape(k, h * w).sum(dim=1)  # (k,)
 
 
-def copy_module(module: torch.nn.Module) -> torch.nn.Module:
-    return copy.deepcopy(module)  # the CPU module stays as loaded
-
-
-def load_models(model_dir: str | None, builtin_names: Iterable[str]) -> dict[str, ModelObjective]:
+def load_models(model_dir: str | None, builtin_names: Collection[str]) -> dict[str, ModelObjective]:
     """Every `<name>.pt2` in `model_dir`, loaded and checked, by name (sorted); {} without a directory."""
     if not model_dir:
         return {}
     directory = Path(model_dir)
     if not directory.is_dir():
         raise ModelError(f"BLOCKGRAD_MODEL_DIR={model_dir!r} is not a directory.")
-    builtins = set(builtin_names)
     models = {}
     for path in sorted(directory.glob(f"*{MODEL_SUFFIX}")):
         name = path.name[:-len(MODEL_SUFFIX)]
         if not NAME_PATTERN.fullmatch(name):
             raise ModelError(f"{path}: the objective's name {name!r} (the file's stem) may hold only "
                              "letters, digits, '_' and '-'; rename the file.")
-        if name in builtins:
+        if name in builtin_names:
             raise ModelError(f"{path}: the name {name!r} is a built-in objective's; rename the file.")
         models[name] = load_model(name, path)
     return models
@@ -151,15 +146,19 @@ def scores_and_gradient(module: torch.nn.Module, pairs: torch.Tensor) -> tuple[t
     return scores.detach(), grad
 
 
+def probe_run(path: Path, module: torch.nn.Module, pairs: torch.Tensor, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """scores_and_gradient on `pairs`; a failure is a ModelError that says on `what`."""
+    try:
+        return scores_and_gradient(module, pairs)
+    except Exception as exc:
+        raise ModelError(f"{path}: fails on {what}: {type(exc).__name__}: {exc}") from None
+
+
 def check_probe(path: Path, module: torch.nn.Module, dim: int, dtype: torch.dtype) -> None:
     """Runs on a probe batch, gives P finite scores, and treats pairs independently."""
     generator = torch.Generator().manual_seed(PROBE_SEED)
     pairs = torch.randn(PROBE_PAIRS, 2 * dim, generator=generator, dtype=dtype)  # (P, 2D)
-    try:
-        scores, grad = scores_and_gradient(module, pairs)
-    except Exception as exc:
-        raise ModelError(f"{path}: fails on a probe of {PROBE_PAIRS} pairs of length {2 * dim}: "
-                         f"{type(exc).__name__}: {exc}") from None
+    scores, grad = probe_run(path, module, pairs, f"a probe of {PROBE_PAIRS} pairs of length {2 * dim}")
     if tuple(scores.shape) not in ((PROBE_PAIRS,), (PROBE_PAIRS, 1)):
         raise ModelError(f"{path}: returns shape {tuple(scores.shape)} for {PROBE_PAIRS} pairs; "
                          f"it must return one score per pair, ({PROBE_PAIRS},) or ({PROBE_PAIRS}, 1).")
@@ -168,18 +167,11 @@ def check_probe(path: Path, module: torch.nn.Module, dim: int, dtype: torch.dtyp
     if not (bool(torch.isfinite(scores).all()) and bool(torch.isfinite(grad).all())):
         raise ModelError(f"{path}: gives scores or gradients that are not finite on a standard normal probe.")
     scores = scores.reshape(PROBE_PAIRS)
-    group_scores, group_grads, start = [], [], 0
-    for size in PROBE_GROUPS:
-        try:
-            s, g = scores_and_gradient(module, pairs[start:start + size])
-        except Exception as exc:
-            raise ModelError(f"{path}: fails on a group of {size} pairs (blocks can be that small): "
-                             f"{type(exc).__name__}: {exc}") from None
-        group_scores.append(s.reshape(size))
-        group_grads.append(g)
-        start += size
+    groups = [probe_run(path, module, group, f"a group of {len(group)} pairs (blocks can be that small)")
+              for group in pairs.split(list(PROBE_GROUPS))]
     rtol = INDEPENDENCE_RTOL[MODEL_DTYPES[dtype]]
-    for what, batch, grouped in (("scores", scores, torch.cat(group_scores)), ("gradients", grad, torch.cat(group_grads))):
+    for what, batch, grouped in (("scores", scores, torch.cat([s.reshape(-1) for s, _ in groups])),
+                                 ("gradients", grad, torch.cat([g for _, g in groups]))):
         atol = rtol * max(1.0, float(batch.abs().max()))
         if not torch.allclose(batch, grouped, rtol=rtol, atol=atol):
             worst = float((batch - grouped).abs().max())

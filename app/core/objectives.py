@@ -37,19 +37,12 @@ class Objective(Protocol):
 class BuiltinObjective:
     name: str
     description: str
-    stacked: Callable[[torch.Tensor, float], torch.Tensor]  # (k, h, w, 2D), offset -> (k,)
-
-    def losses(self, blocks: torch.Tensor, offset: float) -> torch.Tensor:
-        return self.stacked(blocks, offset)
+    losses: Callable[[torch.Tensor, float], torch.Tensor]  # (k, h, w, 2D) blocks, offset -> (k,) losses
 
 
 def per_block(values: torch.Tensor) -> torch.Tensor:
     """(k,) -> (k, 1, 1, 1): a per-block constant broadcast over its block."""
     return values[:, None, None, None]
-
-
-def stacked_sum(blocks: torch.Tensor, offset: float) -> torch.Tensor:
-    return torch.sum(blocks + offset, dim=BLOCK_DIMS)  # (k,): sum(i + 5) of the per-block loop replaced
 
 
 def power_of_two_scale(blocks: torch.Tensor) -> torch.Tensor:
@@ -97,20 +90,6 @@ class ScaledSumOfSquares(torch.autograd.Function):
         return blocks * per_block(2 * grad_out)  # (k, h, w, 2D): 2B exactly, one pass
 
 
-def stacked_mean(blocks: torch.Tensor, offset: float) -> torch.Tensor:
-    return ScaledMean.apply(blocks)  # (k,)
-
-
-def stacked_sum_of_squares(blocks: torch.Tensor, offset: float) -> torch.Tensor:
-    return ScaledSumOfSquares.apply(blocks)  # (k,)
-
-
-def largest_magnitude(blocks: torch.Tensor) -> torch.Tensor:
-    """(k,) max |B| per block as a constant (no gradient), 1 where a block is all zeros."""
-    scale = blocks.detach().abs().amax(dim=BLOCK_DIMS)  # (k,)
-    return torch.where(scale > 0, scale, torch.ones_like(scale))
-
-
 class ScaledNorm(torch.autograd.Function):
     """||B||_2 per block, computed on B / max|B| so that squares neither underflow nor
     overflow, with the gradient B / ||B|| = u / ||u|| (u = B / max|B|) taken directly.
@@ -122,7 +101,8 @@ class ScaledNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, blocks: torch.Tensor) -> torch.Tensor:
-        scale = largest_magnitude(blocks)  # (k,)
+        largest = blocks.detach().abs().amax(dim=BLOCK_DIMS)  # (k,) max |B| per block, a constant
+        scale = torch.where(largest > 0, largest, torch.ones_like(largest))  # 1 where a block is all zeros
         unit = blocks / per_block(scale)  # (k, h, w, 2D), |u| <= 1
         norms = torch.linalg.vector_norm(unit, dim=BLOCK_DIMS)  # (k,), >= 1 unless the block is 0
         ctx.save_for_backward(unit, norms)
@@ -136,10 +116,6 @@ class ScaledNorm(torch.autograd.Function):
         return unit * per_block(grad_out / safe)  # (k, h, w, 2D)
 
 
-def stacked_l2_norm(blocks: torch.Tensor, offset: float) -> torch.Tensor:
-    return ScaledNorm.apply(blocks)  # (k,)
-
-
 def stacked_logsumexp(blocks: torch.Tensor, offset: float) -> torch.Tensor:
     # Shifted by a constant max per block: the gradient is exp(B - m) / sum(exp(B - m)) computed
     # directly, not exp(B - L), which loses every digit once L is large (1e8 in float32).
@@ -148,10 +124,13 @@ def stacked_logsumexp(blocks: torch.Tensor, offset: float) -> torch.Tensor:
 
 
 OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (
-    BuiltinObjective("sum", "sum(B + offset), offset default 5.0", stacked_sum),
-    BuiltinObjective("mean", "mean(B)", stacked_mean),
-    BuiltinObjective("sum_of_squares", "sum(B * B)", stacked_sum_of_squares),
-    BuiltinObjective("l2_norm", "Euclidean norm of all of B (gradient 0 where the norm is 0)", stacked_l2_norm),
+    # sum(i + 5) of the per-block loop, over a stack of blocks at once
+    BuiltinObjective("sum", "sum(B + offset), offset default 5.0",
+                     lambda blocks, offset: torch.sum(blocks + offset, dim=BLOCK_DIMS)),
+    BuiltinObjective("mean", "mean(B)", lambda blocks, offset: ScaledMean.apply(blocks)),
+    BuiltinObjective("sum_of_squares", "sum(B * B)", lambda blocks, offset: ScaledSumOfSquares.apply(blocks)),
+    BuiltinObjective("l2_norm", "Euclidean norm of all of B (gradient 0 where the norm is 0)",
+                     lambda blocks, offset: ScaledNorm.apply(blocks)),
     BuiltinObjective("logsumexp", "log(sum(exp(B))), computed max-shifted", stacked_logsumexp),
 )}
 DEFAULT_OBJECTIVE = "sum"

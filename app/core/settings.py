@@ -9,13 +9,13 @@ accepts (docs/configuration.md).
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
-def parse_int(name: str, raw: Any, default: int) -> int:
-    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
-        return default
+# Each parser takes the variable's name and its value, never unset or blank (from_env keeps
+# the field's default then).
+def parse_int(name: str, raw: Any) -> int:
     try:
         value = int(raw) if not isinstance(raw, bool) else None
     except ValueError:
@@ -27,9 +27,7 @@ def parse_int(name: str, raw: Any, default: int) -> int:
     return value
 
 
-def parse_float(name: str, raw: Any, default: float) -> float:
-    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
-        return default
+def parse_float(name: str, raw: Any) -> float:
     try:
         value = float(raw)
     except ValueError:
@@ -76,9 +74,7 @@ def default_queue_depth() -> int:
 TRUE_WORDS, FALSE_WORDS = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
-def parse_bool(name: str, raw: Any, default: bool) -> bool:
-    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
-        return default
+def parse_bool(name: str, raw: Any) -> bool:
     if isinstance(raw, bool):
         return raw
     word = str(raw).strip().lower()
@@ -87,32 +83,24 @@ def parse_bool(name: str, raw: Any, default: bool) -> bool:
     return word in TRUE_WORDS
 
 
+PARSERS = {int: parse_int, float: parse_float, bool: parse_bool, int | None: parse_int, float | None: parse_float}
+
+
 class FromEnv:
     """Base of every layer's settings (a frozen dataclass): `from_env` reads its fields."""
 
     @classmethod
     def from_env(cls, environ: Mapping[str, Any] = os.environ):
         """Each field from BLOCKGRAD_<FIELD> (upper case) or the variable its metadata's "env"
-        names; a bad value raises naming the variable."""
+        names, parsed by its metadata's "parse" or its type's parser (else as a string); unset
+        or blank keeps the default; a bad value raises naming the variable."""
         values: dict[str, Any] = {}
         for item in fields(cls):
             name = variable_of(item)
             raw = environ.get(name)
-            default = item.default if item.default_factory is MISSING else item.default_factory()
-            if "parse" in item.metadata:
-                values[item.name] = item.metadata["parse"](name, raw, default)
-            elif item.type is int:
-                values[item.name] = parse_int(name, raw, default)
-            elif item.type is float:
-                values[item.name] = parse_float(name, raw, default)
-            elif item.type is bool:
-                values[item.name] = parse_bool(name, raw, default)
-            elif item.type == float | None:
-                values[item.name] = parse_float(name, raw, None)
-            elif item.type == int | None:
-                values[item.name] = parse_int(name, raw, None)
-            elif raw:
-                values[item.name] = str(raw)
+            if raw is not None and not (isinstance(raw, str) and raw.strip() == ""):
+                parse = item.metadata.get("parse") or PARSERS.get(item.type, lambda name, raw: str(raw))
+                values[item.name] = parse(name, raw)
         return cls(**values)
 
 
@@ -152,10 +140,6 @@ class Settings(FromEnv):
     slots_per_request: int | None = None
 
 
-def env_name(field: str) -> str:
-    return f"BLOCKGRAD_{field.upper()}"
-
-
 def variable_of(item) -> str:
     """The environment variable a Settings field is read from."""
-    return item.metadata.get("env") or env_name(item.name)
+    return item.metadata.get("env") or f"BLOCKGRAD_{item.name.upper()}"

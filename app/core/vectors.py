@@ -54,11 +54,13 @@ class Buffer:
 def to_matrix(vectors: object, shape: tuple[int, int] | None = None) -> np.ndarray:
     """A request's vectors as a checked (N, D) float array: an array decoded elsewhere (a .npy),
     a Buffer of the declared `shape`, JSON rows, or, with `shape` declared, JSON data nested in
-    exactly that shape or flat and row-major (one array at once, never through row lists)."""
+    exactly that shape or flat and row-major (one array at once, never through row lists).
+    An array or a Buffer is (N, D) with N, D >= 1 already: its sizes were validated (`Sizes`)
+    before it is converted."""
     if isinstance(vectors, np.ndarray):
-        return check_matrix(vectors)
+        return check_finite(vectors)
     if isinstance(vectors, Buffer):
-        return check_matrix(decode_tensor(vectors.data, vectors.dtype, list(shape)))
+        return check_finite(decode_tensor(vectors.data, vectors.dtype, list(shape)))
     if shape is None:
         return parse_matrix(vectors)
     n, dim = shape
@@ -85,15 +87,6 @@ def decode_tensor(buffer: memoryview, dtype: np.dtype, shape: list[int]) -> np.n
         return np.frombuffer(buffer, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
     except (ValueError, OverflowError) as exc:  # e.g. a dimension past what numpy can index
         raise MatrixError(f"Shape {shape} cannot be read as a tensor: {exc}.") from None
-
-
-def check_matrix(matrix: np.ndarray) -> np.ndarray:
-    """An (N, D) array decoded elsewhere (binary tensor data): the same rules as parse_matrix."""
-    if matrix.ndim != 2 or matrix.shape[0] == 0:
-        raise MatrixError(NO_ROWS)
-    if matrix.shape[1] == 0:
-        raise MatrixError(EMPTY_ROWS)
-    return check_finite(matrix)
 
 
 def check_finite(matrix: np.ndarray) -> np.ndarray:

@@ -12,7 +12,7 @@ from ..core.objectives import served_objectives
 from ..core.run import LocalExecutor
 from ..core.settings import COMPUTE_SLOTS, environment
 from ..core.slots import Gate, SlotSource, ThreadSlots
-from ..extensions import Jobs, Services, install_services, services_of
+from ..extensions import Services, install_services, services_of
 from . import record
 from .auth import install_auth
 from .docs import ErrorSchema, register_docs, spec_options
@@ -36,7 +36,7 @@ class BlockgradApi(Api):
 
 
 def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
-              jobs: Callable[[Mapping[str, Any]], Jobs] | None = None,
+              jobs: Callable[[Mapping[str, Any]], Any] | None = None,
               scrape_lock: Callable[[], AbstractContextManager] = nullcontext) -> tuple[Flask, Api]:
     """The app with its glue, and the Api its front ends register their blueprints on.
     `slots`: the compute slots (the pod's under gunicorn); None: COMPUTE_SLOTS of this process's own.

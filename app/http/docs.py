@@ -6,6 +6,7 @@ app/http/app.py). Swagger UI's files come from the pinned `swagger-ui-bundle`
 package and are served here under /docs/assets/, so the page needs no internet.
 """
 from collections.abc import Callable
+from pathlib import Path
 
 from flask import Blueprint, Flask, send_from_directory
 from flask_smorest import Api
@@ -17,6 +18,7 @@ from ..extensions import services_of
 from .errors import DEFAULT_STYLE, ERRORS, ErrorStyle
 from .settings import Settings
 
+DESCRIPTION = Path(__file__).with_name("api_description.md")  # info.description: str.format template
 HEADER_DESCRIPTIONS = {
     "Allow": ("The methods this path accepts.", "string"),
     "Retry-After": ("Seconds to wait before retrying.", "integer"),
@@ -39,19 +41,15 @@ class ErrorSchema(Schema):
     error = fields.Nested(ErrorDetailSchema, required=True)
 
 
-def error_example(code: str, style: ErrorStyle = DEFAULT_STYLE) -> dict:
-    """The documented example: what the constructor that raises `code` makes, rendered as sent."""
-    entry = ERRORS[code]
-    return {"summary": f"{code}: {entry.when}", "value": style.body(entry.example())}
-
-
 def error_responses_spec(*codes: str, style: ErrorStyle = DEFAULT_STYLE) -> dict[int, dict]:
     """Group `codes` by the status `style` answers them with: {status: {"description", "examples", "headers"}}."""
     by_status: dict[int, list[str]] = {}
     for code in codes:
         by_status.setdefault(style.status(ERRORS[code].status), []).append(code)
     return {status: {"description": "; ".join(f"`{code}`: {ERRORS[code].when}" for code in group),
-                     "examples": {code: error_example(code, style) for code in group},
+                     # the documented example: what the constructor that raises the code makes, as sent
+                     "examples": {code: {"summary": f"{code}: {ERRORS[code].when}",
+                                         "value": style.body(ERRORS[code].example())} for code in group},
                      "headers": {name: {"description": HEADER_DESCRIPTIONS[name][0],
                                         "schema": {"type": HEADER_DESCRIPTIONS[name][1]}}
                                  for code in group for name in ERRORS[code].headers}}
@@ -102,43 +100,8 @@ def api_description(settings: Settings, objectives) -> str:
     rows = "\n".join(f"| `{name}` | {getattr(settings, name.removeprefix('BLOCKGRAD_').lower())} | {meaning} |"
                      for name, meaning in limits)
     codes = "\n".join(f"| {entry.status} | `{code}` | {entry.when} |" for code, entry in ERRORS.items())
-    # The tables are folded (<details>) so that the /docs page opens on its operations.
-    return f"""Per-block gradients of the pairwise feature matrix built from N vectors of length D.
-Every response carries `X-Request-ID`: the request's own header when it is 1-128 characters of
-`A-Z a-z 0-9 . _ : / + = -`, else a fresh 32-digit hex id. The same id is in the request's log line.
-
-<details><summary><b>Limits of this server</b></summary>
-
-| setting | value | what it limits |
-|---|---|---|
-{rows}
-
-</details>
-<details><summary><b>Objectives of this server</b></summary>
-
-`objective` (in `/v1/gradients` and in `/v2`'s parameters) takes one of these names; `GET /v1/objectives`
-lists them as JSON. A model takes only vectors of its D and only its dtype (422 `validation_error` otherwise).
-
-| name | kind | D | dtypes | L(B) |
-|---|---|---|---|---|
-{objectives_table(objectives)}
-
-</details>
-<details><summary><b>Errors</b></summary>
-
-Every error, on every path but `/v2`, is `{{"error": {{"code", "message", "details"}}}}` (schema `Error`);
-the Open Inference Protocol's `/v2` paths answer its own `{{"error": "<message>"}}`, with 400 for any
-invalid request:
-
-| status | code | when |
-|---|---|---|
-{codes}
-
-404 `not_found` answers any path not listed here, and 405 `method_not_allowed` any listed path
-called with a method it does not list.
-
-</details>
-"""
+    # The template's tables are folded (<details>) so that the /docs page opens on its operations.
+    return DESCRIPTION.read_text().format(rows=rows, objectives=objectives_table(objectives), codes=codes)
 
 
 BEARER_SCHEME = "bearerAuth"
@@ -174,14 +137,12 @@ def register_docs(app: Flask, api: Api, objectives) -> None:
     # With a token set, the documentation stays open unless BLOCKGRAD_DOCS_PUBLIC=false (app/http/auth.py).
     settings = services_of(app).settings
     open_docs = OPEN_ROUTE if settings.docs_public else {}
-    api.spec.path(rule=rules["/openapi.json"], operations={"get": {
-        "tags": ["docs"], "summary": "This OpenAPI 3 document.", **open_docs,
-        "responses": {"200": {"description": "The document.",
-                              "content": {"application/json": {"schema": {"type": "object"}}}},
-                      "500": internal_error}}})
-    for path in ("/docs", "/docs/"):
+    page = ("Interactive documentation (Swagger UI, served locally).",
+            "An HTML page; its scripts and styles are under /docs/assets/.", "text/html", "string")
+    for path, (summary, answer, media_type, kind) in {
+            "/openapi.json": ("This OpenAPI 3 document.", "The document.", "application/json", "object"),
+            "/docs": page, "/docs/": page}.items():
         api.spec.path(rule=rules[path], operations={"get": {
-            "tags": ["docs"], "summary": "Interactive documentation (Swagger UI, served locally).", **open_docs,
-            "responses": {"200": {"description": "An HTML page; its scripts and styles are under /docs/assets/.",
-                                  "content": {"text/html": {"schema": {"type": "string"}}}},
+            "tags": ["docs"], "summary": summary, **open_docs,
+            "responses": {"200": {"description": answer, "content": {media_type: {"schema": {"type": kind}}}},
                           "500": internal_error}}})

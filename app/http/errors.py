@@ -9,12 +9,12 @@ carries its code in the X-Blockgrad-Error-Code header.
 """
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import islice
 from typing import Any
 
 import orjson
-from flask import Flask, Response, current_app, g, has_request_context, request
+from flask import Flask, Response, current_app, g, request
 from werkzeug.exceptions import HTTPException
 
 from ..core import errors as core
@@ -25,7 +25,6 @@ from .sending import drop_connection
 log = logging.getLogger("blockgrad")
 
 ERROR_CODE_HEADER = "X-Blockgrad-Error-Code"
-INTERNAL_MESSAGE = "The server failed on this request; it has been logged."
 
 
 class HttpError(BlockgradError):
@@ -85,6 +84,11 @@ def not_found(path: str, routes: list[str]) -> HttpError:
                                   "(documented at /docs and /openapi.json).", {"routes": routes})
 
 
+def model_not_found(message: str) -> HttpError:
+    """/v2: no such model or version."""
+    return HttpError("model_not_found", message)
+
+
 def method_not_allowed(method: str, path: str, methods: list[str]) -> HttpError:
     """`methods`: what the route takes (the Allow header lists them all, HEAD and OPTIONS included)."""
     named = [m for m in methods if m not in ("HEAD", "OPTIONS")] or methods
@@ -92,10 +96,10 @@ def method_not_allowed(method: str, path: str, methods: list[str]) -> HttpError:
                      {"allowed": methods}, headers={"Allow": ", ".join(methods)} if methods else None)
 
 
-def too_large(limit_bytes: int) -> HttpError:
-    return HttpError("too_large", f"The request body is over BLOCKGRAD_MAX_BODY_BYTES = {limit_bytes} bytes; "
-                                  "send fewer or shorter vectors.",
-                     {"limit": "BLOCKGRAD_MAX_BODY_BYTES", "allowed": limit_bytes})
+def too_large(limit_bytes: int, limit: str = "BLOCKGRAD_MAX_BODY_BYTES", body: str = "request body") -> HttpError:
+    """`limit`: the setting, BLOCKGRAD_MAX_BODY_BYTES or a .npy job body's BLOCKGRAD_MAX_JOB_BODY_BYTES."""
+    return HttpError("too_large", f"The {body} is over {limit} = {limit_bytes} bytes; send fewer or shorter vectors.",
+                     {"limit": limit, "allowed": limit_bytes})
 
 
 def unsupported_media_type(message: str) -> HttpError:
@@ -117,16 +121,14 @@ def read_timeout(seconds: float) -> HttpError:
 
 
 def internal_error() -> HttpError:
-    return HttpError("internal_error", INTERNAL_MESSAGE)
+    return HttpError("internal_error", "The server failed on this request; it has been logged.")
 
 
 @dataclass(frozen=True)
 class ErrorCode:
     status: int
     when: str
-    # The constructor that raises it, with example arguments; None until the front end that
-    # raises it supplies one (`supply_example`).
-    example: Callable[[], BlockgradError] | None
+    example: Callable[[], BlockgradError]  # the constructor that raises it, with example arguments
     headers: tuple[str, ...] = ()  # response headers this code carries (documented in OpenAPI)
 
 
@@ -147,7 +149,8 @@ ERRORS: dict[str, ErrorCode] = {
     "not_found": ErrorCode(404, "no such route (any path not in this document); the message and "
                                 "`details.routes` list the routes", lambda: not_found("/v1/gradient", [
                                     "POST /v1/gradients", "GET /healthz", "GET /docs"])),
-    "model_not_found": ErrorCode(404, "/v2: no such model or version", None),  # app/api/v2/errors.py
+    "model_not_found": ErrorCode(404, "/v2: no such model or version",
+                                lambda: model_not_found("Unknown model 'other'; this server serves 'blockgrad'.")),
     "method_not_allowed": ErrorCode(405, "the path exists but not with this method; the message, "
                                          "`details.allowed` and the Allow header list the right ones",
                                     lambda: method_not_allowed("POST", "/healthz", ["GET", "HEAD", "OPTIONS"]),
@@ -159,9 +162,7 @@ ERRORS: dict[str, ErrorCode] = {
                                      "(BLOCKGRAD_REQUEST_TIMEOUT_S) is over its limit, or a body still arriving "
                                      "alone is over BLOCKGRAD_UPLOAD_MEMORY_SHARE of the memory; "
                                      "`details.limit` names it, the message says what to change",
-                                lambda: core.limit_exceeded(
-                                    "8193 vectors is over BLOCKGRAD_MAX_N = 8192; send at most 8192.",
-                                    "BLOCKGRAD_MAX_N", 8193, 8192)),
+                                lambda: core.too_many_vectors(8193, 8192)),
     "unsupported_media_type": ErrorCode(415, "Content-Type is not application/json, or the body is compressed",
                                         lambda: wrong_content_type("text/plain")),
     "validation_error": ErrorCode(422, "a field is missing, unknown or invalid; `details.fields` maps each to "
@@ -205,11 +206,6 @@ ERRORS: dict[str, ErrorCode] = {
 }
 
 
-def supply_example(code: str, example: Callable[[], BlockgradError]) -> None:
-    """A front end's constructor for a code of the table that only it raises."""
-    ERRORS[code] = replace(ERRORS[code], example=example)
-
-
 def error_body(error: BlockgradError) -> dict[str, Any]:
     """`details` is always there, an object ({} when the code has nothing to add)."""
     return {"error": {"code": error.code, "message": error.message, "details": error.details or {}}}
@@ -232,20 +228,11 @@ class ErrorStyle:
 DEFAULT_STYLE = ErrorStyle()
 
 
-def register_error_style(app: Flask, url_prefix: str, style: ErrorStyle) -> None:
-    """Errors of requests under `url_prefix` (matched or not) take `style`."""
-    services_of(app).error_styles[url_prefix] = style
-
-
 def style_of_request() -> ErrorStyle:
-    if not has_request_context():
-        return DEFAULT_STYLE
-    styles = services_of(current_app).error_styles
+    """The style registered for the request's path prefix, else the default (always in a request)."""
     path = request.path
-    for prefix, style in styles.items():
-        if path == prefix or path.startswith(prefix + "/"):
-            return style
-    return DEFAULT_STYLE
+    return next((style for prefix, style in services_of(current_app).error_styles.items()
+                 if path == prefix or path.startswith(prefix + "/")), DEFAULT_STYLE)
 
 
 def status_of(error: BlockgradError) -> int:
@@ -309,14 +296,13 @@ def render_error_body(style: "ErrorStyle", error: BlockgradError) -> bytes:
 
 
 def error_response(error: BlockgradError) -> Response:
+    """Called by the error handlers only, so always in a request."""
     style = style_of_request()
     status = style.status(status_of(error))
-    if has_request_context():
-        g.error_code = error.code  # for the errors metric and the log line (app/http/record.py)
-    if error.code == "client_closed" and has_request_context():
+    g.error_code = error.code  # for the errors metric and the log line (app/http/record.py)
+    if error.code == "client_closed":
         drop_connection(request.environ)  # no status line reaches the wire; the log line still has the code
-    payload = render_error_body(style, error)
-    response = Response(payload, status=status, mimetype="application/json")
+    response = Response(render_error_body(style, error), status=status, mimetype="application/json")
     response.headers.update(error_headers(error))
     return response
 
@@ -333,14 +319,12 @@ def service_routes(app: Flask) -> list[str]:
 
 def from_http_exception(exc: HTTPException) -> BlockgradError:
     status = exc.code or 500
-    path = request.path if has_request_context() else "this path"
     if status == 404:
-        return not_found(path, service_routes(current_app) if has_request_context() else [])
+        return not_found(request.path, service_routes(current_app))
     if status == 405:
-        method = request.method if has_request_context() else "this method"
-        return method_not_allowed(method, path, sorted(getattr(exc, "valid_methods", None) or []))
+        return method_not_allowed(request.method, request.path, sorted(getattr(exc, "valid_methods", None) or []))
     if status == 413:
-        return too_large(current_app.config["MAX_CONTENT_LENGTH"] if has_request_context() else 0)
+        return too_large(current_app.config["MAX_CONTENT_LENGTH"])
     if status == 500:  # e.g. an error handler that failed: werkzeug's text says nothing more
         return internal_error()
     if status == 400:
@@ -351,13 +335,8 @@ def from_http_exception(exc: HTTPException) -> BlockgradError:
 
 
 def register_error_handlers(app: Flask) -> None:
-    @app.errorhandler(BlockgradError)
-    def handle_error(exc: BlockgradError):
-        return error_response(exc)
-
-    @app.errorhandler(HTTPException)
-    def handle_http_exception(exc: HTTPException):
-        return error_response(from_http_exception(exc))
+    app.register_error_handler(BlockgradError, error_response)
+    app.register_error_handler(HTTPException, lambda exc: error_response(from_http_exception(exc)))
 
     @app.errorhandler(Exception)
     def handle_unexpected(exc: Exception):

@@ -53,10 +53,9 @@ def cluster_deadline(seconds: float = ROUTE_TIMEOUT_S):
 
 
 def current_deadline() -> CallDeadline:
-    """The deadline of the route being answered (inside `cluster_deadline`)."""
-    deadline = _deadline.get()
-    assert deadline is not None, "outside cluster_deadline"
-    return deadline
+    """The deadline of the route being answered: called only inside `cluster_deadline` (the
+    store's @bounded operations)."""
+    return _deadline.get()
 
 
 def time_left(address: str, wanted: float) -> float:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from .settings import JobSettings
 
+DASK = [sys.executable, "-m", "dask"]  # `dask` with this interpreter, whatever the PATH
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository: tasks import app.core there
 SCHEDULER_ENV = "BLOCKGRAD_DASK_SCHEDULER"
 WORKER_NICE = 19
@@ -75,15 +76,10 @@ def cluster_env() -> dict[str, str]:
     return env
 
 
-def dask_command(*args: str) -> list[str]:
-    """`dask ...` with this interpreter, whatever the PATH."""
-    return [sys.executable, "-m", "dask", *args]
-
-
 def start_scheduler(port: int) -> subprocess.Popen:
     """A `dask scheduler` on 127.0.0.1:port (a fresh one, at the same address, after a restart)."""
-    return subprocess.Popen(dask_command("scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
-                                          "--dashboard-address", LOOPBACK_ANY_PORT),
+    return subprocess.Popen([*DASK, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
+                             "--dashboard-address", LOOPBACK_ANY_PORT],
                             env={**cluster_env(), **SCHEDULER_CONFIG}, cwd=ROOT, stdin=subprocess.DEVNULL,
                             preexec_fn=die_with_parent())
 
@@ -95,8 +91,8 @@ def start_worker(address: str, memory_limit: str) -> subprocess.Popen:
     env = {**cluster_env(), "DASK_DISTRIBUTED__WORKER__PRELOAD": '["app.core.job_tasks"]',
            "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON": NANNY_ENVIRON}
     return subprocess.Popen(
-        dask_command("worker", address, "--host", "127.0.0.1", "--nthreads", "1",
-                     "--no-dashboard", "--dashboard-address", LOOPBACK_ANY_PORT, "--memory-limit", memory_limit),
+        [*DASK, "worker", address, "--host", "127.0.0.1", "--nthreads", "1",
+         "--no-dashboard", "--dashboard-address", LOOPBACK_ANY_PORT, "--memory-limit", memory_limit],
         env=env, cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(WORKER_NICE))
 
 

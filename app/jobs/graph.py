@@ -6,7 +6,7 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
-from ..core.job_tasks import FINISH_FAN_IN, JobSpec, Tile, band_groups, plan_tiles, reduction_levels
+from ..core.job_tasks import FINISH_FAN_IN, JobSpec, Tile, band_groups, reduction_levels
 from ..core.objectives import Objective
 from .client import call
 from .on_scheduler import finish_key, outcome_key, tile_key
@@ -18,10 +18,6 @@ SCATTER_BYTES_PER_S = 50e6  # the scatter's time bound grows with the vectors
 
 def dataset_name(job_id: str) -> str:
     return f"blockgrad-job-{job_id}"
-
-
-def plan(spec: JobSpec, workers: int) -> list[Tile]:
-    return plan_tiles(spec.n, spec.dim, spec.factor, workers)
 
 
 def submit(client, job_id: str, vectors: np.ndarray, spec: JobSpec, tiles: list[Tile],

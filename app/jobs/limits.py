@@ -3,7 +3,7 @@ limits do not apply to jobs)."""
 import math
 
 from ..core.admission import block_elements
-from ..core.errors import job_too_many_vectors, limit_exceeded
+from ..core.errors import limit_exceeded, too_long_vectors, too_many_vectors
 from ..core.request import Sizes
 from .settings import JobSettings
 
@@ -21,10 +21,9 @@ def admit_job(sizes: Sizes, max_d: int, settings: JobSettings) -> None:
     the core's BLOCKGRAD_MAX_D, which jobs share."""
     n, dim, factor = sizes.n, sizes.dim, sizes.factor
     if n > settings.max_job_n:
-        raise job_too_many_vectors(n, settings.max_job_n)
+        raise too_many_vectors(n, settings.max_job_n, "BLOCKGRAD_MAX_JOB_N")
     if dim > max_d:
-        raise limit_exceeded(f"Vectors of length {dim} are over BLOCKGRAD_MAX_D = {max_d}; send at most "
-                             f"{max_d}.", "BLOCKGRAD_MAX_D", dim, max_d)
+        raise too_long_vectors(dim, max_d)
     if factor is None:
         return
     allowed = settings.max_job_block_elements

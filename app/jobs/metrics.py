@@ -29,6 +29,3 @@ def observe_jobs(states) -> None:
 def observe_workers(count: int) -> None:
     WORKERS.set(count)
 
-
-def observe_event(event: str) -> None:
-    EVENTS.labels(event).inc()

@@ -13,11 +13,9 @@ SCHEDULER_SCHEMES = ("tcp", "tls", "ws", "wss", "ucx")
 OFF = "off"  # BLOCKGRAD_DASK_SCHEDULER=off: no cluster at all, job routes answer 503
 
 
-def parse_scheduler(name: str, raw: Any, default: str | None) -> str | None:
-    """A Dask scheduler's address, `off`, or unset (the default); anything else raises naming
+def parse_scheduler(name: str, raw: Any) -> str:
+    """A Dask scheduler's address or `off` (unset is the default); anything else raises naming
     the variable here, not as an error at every job route and scrape."""
-    if raw is None or str(raw).strip() == "":
-        return default
     address = str(raw).strip()
     if address == OFF:
         return address

@@ -2,7 +2,6 @@
 graph's final tasks published under the job's name, its end written by the graph itself.
 Any gunicorn worker, of any pod sharing the scheduler, sees the same job; a scheduler
 that restarts forgets its jobs (they are then 404)."""
-import functools
 import logging
 import re
 import secrets
@@ -13,13 +12,14 @@ from typing import Any
 
 import numpy as np
 
+from ..core.admission import output_elements
 from ..core.engine import elements_per_chunk
 from ..core.errors import BlockgradError, job_not_done, job_not_found, no_cluster, too_many_jobs
-from ..core.job_tasks import JobOutcome, JobSpec
+from ..core.job_tasks import JobOutcome, JobSpec, plan_tiles
 from ..core.request import GradientRequest
 from .client import call, cluster_client, cluster_deadline, cluster_report, current_deadline
-from .graph import SCATTER_BYTES_PER_S, dataset_name, plan, submit
-from .metrics import observe_event, observe_jobs, observe_workers
+from .graph import SCATTER_BYTES_PER_S, dataset_name, submit
+from .metrics import EVENTS, observe_jobs, observe_workers
 from .on_scheduler import IDEMPOTENCY, JOBS, cluster_view, create_record, forget_records, snapshots, workers_count
 from .settings import OFF, JobSettings
 
@@ -38,10 +38,6 @@ METRICS_READ_S = 1.0
 METRICS_RETRY_S = 5.0
 TASK_FAILED = {"code": "internal_error", "message": "A task of this job failed on the cluster; the cluster's log "
                                                     "has the traceback.", "details": {}}
-
-
-def new_job_id() -> str:
-    return secrets.token_hex(16)
 
 
 def rfc3339(seconds: float | None) -> str | None:
@@ -100,20 +96,16 @@ class JobState:
         else:
             done = min(total, self.progress["done"])
         started = (self.outcome or {}).get("started_at") or record.get("started_at")
-        return {"id": self.job_id, "status": status, "n": record["n"], "dim": record["dim"],
-                "factor": record["factor"], "objective": record["objective"], "dtype": record["dtype"],
+        return {"id": self.job_id, "status": status,
+                **{key: record[key] for key in ("n", "dim", "factor", "objective", "dtype")},
                 "outputs": list(record["outputs"]), "progress": {"blocks_done": done, "blocks_total": total},
                 "created_at": rfc3339(record["created_at"]), "started_at": rfc3339(started),
                 "finished_at": rfc3339(self.finished_at if status in TERMINAL else None), "error": error}
 
 
-def bounded(method):
-    """A job route's operation: its cluster calls share one deadline (client.py)."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with cluster_deadline():
-            return method(self, *args, **kwargs)
-    return run
+def job_states(found: dict) -> dict[str, JobState]:
+    """on_scheduler.snapshots' answer as JobStates."""
+    return {job_id: JobState(job_id, s["record"], s["outcome"], s["progress"]) for job_id, s in found.items()}
 
 
 class JobStore:
@@ -130,8 +122,7 @@ class JobStore:
         return cluster_client(self.address)
 
     def states(self, client, job_ids: list[str] | None) -> dict[str, JobState]:
-        found = call(client, client._run_on_scheduler, snapshots, job_ids)
-        return {job_id: JobState(job_id, s["record"], s["outcome"], s["progress"]) for job_id, s in found.items()}
+        return job_states(call(client, client._run_on_scheduler, snapshots, job_ids))
 
     def cluster_report(self) -> dict:
         """The cluster as this process last saw it, without asking it (/readyz)."""
@@ -148,8 +139,7 @@ class JobStore:
                 client = self.client()
                 view = call(client, client._run_on_scheduler, cluster_view)
             now = time.time()
-            states = [JobState(job_id, s["record"], s["outcome"], s["progress"]) for job_id, s in view["jobs"].items()]
-            states = [state for state in states if not state.abandoned(now)
+            states = [state for state in job_states(view["jobs"]).values() if not state.abandoned(now)
                       and not state.expired(now, self.settings.job_ttl_s)]  # both 404 already
             observe_jobs(states)
             observe_workers(view["workers"])
@@ -173,7 +163,7 @@ class JobStore:
             log.info("job_started", extra={"fields": {"job": job_id, "blocks_done": found.progress["done"]}})
         return client, found
 
-    @bounded
+    @cluster_deadline()  # a job route's operation: its cluster calls share one deadline (client.py)
     def view(self, job_id: str) -> dict[str, Any]:
         return self.state(job_id)[1].public()
 
@@ -194,7 +184,7 @@ class JobStore:
         found = self.live(client, job_id) if job_id is not None else None
         return None if found is None else found.public()
 
-    @bounded
+    @cluster_deadline()  # a job route's operation: its cluster calls share one deadline (client.py)
     def submit(self, req: GradientRequest, idempotency_key: str | None = None) -> tuple[dict[str, Any], bool]:
         """(the job record, whether it is new). A retried POST with the same
         Idempotency-Key gets the job the first made; so does one sent at the same moment
@@ -216,17 +206,17 @@ class JobStore:
         spec = JobSpec(req.n, req.dim, req.factor, req.objective, float(req.offset), req.dtype,
                        elements_per_chunk(self.settings.max_job_block_elements, req.objective_fn, req.dim,
                                           vectors.itemsize))
-        tiles = plan(spec, workers)
-        job_id = new_job_id()
+        tiles = plan_tiles(spec.n, spec.dim, spec.factor, workers)
+        job_id = secrets.token_hex(16)  # 128 random bits (ID_PATTERN)
         deadline.extend(vectors.nbytes / SCATTER_BYTES_PER_S)  # the scatter's share, by the vectors' size
-        result_numbers = sum({"accumulated": req.n * req.dim, "losses": req.factor ** 2}[o] for o in req.outputs)
         now = time.time()
         record = {"n": req.n, "dim": req.dim, "factor": req.factor, "objective": req.objective,
                   "offset": float(req.offset), "dtype": req.dtype, "outputs": list(req.outputs),
                   "created_at": now, "started_at": None, "cancelled": None, "submitted": False,
                   "submit_by": now + deadline.remaining() + SUBMIT_GRACE_S,
                   "blocks_total": req.factor ** 2, "tile_blocks": [tile.blocks for tile in tiles],
-                  "result_bytes": result_numbers * vectors.itemsize, "idempotency_key": idempotency_key}
+                  "result_bytes": output_elements(req.n, req.dim, req.factor, req.outputs) * vectors.itemsize,
+                  "idempotency_key": idempotency_key}
         # The record first: the graph's last task writes the outcome only beside an existing one.
         for _ in range(2):  # the key's job may be forgotten between the two calls: its key is then free
             owner = call(client, client._run_on_scheduler, create_record, job_id, record, idempotency_key)
@@ -243,7 +233,7 @@ class JobStore:
         except BaseException:
             self.forget(client, job_id, quiet=True)
             raise
-        observe_event("submitted")
+        EVENTS.labels("submitted").inc()
         log.info("job_submitted", extra={"fields": {
             "job": job_id, "n": req.n, "dim": req.dim, "factor": req.factor, "objective": req.objective,
             "dtype": req.dtype, "tiles": len(tiles), "vector_bytes": vectors.nbytes, "workers": workers}})
@@ -251,7 +241,7 @@ class JobStore:
         return JobState(job_id, record, None, {"done": 0, "processing": False, "finish": "waiting",
                                                "outcome": "waiting"}).public(), True
 
-    @bounded
+    @cluster_deadline()  # a job route's operation: its cluster calls share one deadline (client.py)
     def result(self, job_id: str, before_fetch: Callable[[dict], None] = lambda record: None
                ) -> tuple[dict[str, Any], JobOutcome]:
         """A succeeded job's record and outcome; `before_fetch(record)` runs before the result
@@ -274,28 +264,30 @@ class JobStore:
             raise job_not_found(job_id) from None
         return found.record, outcome
 
-    @bounded
+    @cluster_deadline()  # a job route's operation: its cluster calls share one deadline (client.py)
     def cancel(self, job_id: str) -> dict[str, Any] | None:
         """A queued or running job: cancelled, its record returned. A finished one: forgotten (None)."""
         client, found = self.state(job_id)
         if found.status not in ACTIVE:
             self.forget(client, job_id)
             return None
-        futures = call(client, client._get_dataset, dataset_name(job_id), default=None) or []
         found.record["cancelled"] = {"at": time.time(), "blocks_done": min(found.record["blocks_total"],
                                                                              found.progress["done"])}
         call(client, client.scheduler.set_metadata, keys=[JOBS, job_id, "cancelled"], value=found.record["cancelled"])
-        call(client, client._cancel, futures, force=True, reason="job cancelled")
-        call(client, client._unpublish_dataset, dataset_name(job_id))
-        observe_event("cancelled")
+        self.drop_graph(client, job_id, "job cancelled")
+        EVENTS.labels("cancelled").inc()
         log.info("job_cancelled", extra={"fields": {"job": job_id, "was": found.status}})
         return found.public()
 
+    def drop_graph(self, client, job_id: str, reason: str) -> None:
+        """The job's tasks cancelled and its published name removed (its record stays)."""
+        futures = call(client, client._get_dataset, dataset_name(job_id), default=None) or []
+        call(client, client._cancel, futures, force=True, reason=reason)
+        call(client, client._unpublish_dataset, dataset_name(job_id))
+
     def forget(self, client, job_id: str, quiet: bool = False) -> None:
         try:
-            futures = call(client, client._get_dataset, dataset_name(job_id), default=None) or []
-            call(client, client._cancel, futures, force=True, reason="job forgotten")
-            call(client, client._unpublish_dataset, dataset_name(job_id))
+            self.drop_graph(client, job_id, "job forgotten")
             call(client, client._run_on_scheduler, forget_records, job_id)
         except Exception:
             if not quiet:
@@ -311,13 +303,12 @@ class JobStore:
         finished results over BLOCKGRAD_MAX_JOB_RESULTS_BYTES; returns the jobs queued or running."""
         now = time.time()
         states = self.states(client, None)
-        for job_id, found in list(states.items()):
-            if found.abandoned(now):
-                self.forget_abandoned(client, found)
-                del states[job_id]
         active, kept = 0, []
         for job_id, found in list(states.items()):
-            if found.status in ACTIVE:
+            if found.abandoned(now):  # before its status: never submitted reads as queued
+                self.forget_abandoned(client, found)
+                del states[job_id]
+            elif found.status in ACTIVE:
                 active += 1
             elif found.expired(now, self.settings.job_ttl_s):
                 self.forget(client, job_id)

@@ -32,25 +32,26 @@ class Supervised:
         self.started_at = 0.0
         self.backoff = 0.0
         self.next_start = 0.0
-        self.restarts = 0
+
+    def back_off(self, now: float, healthy: bool = False) -> None:
+        """The next start: at once after a healthy run, else after twice the last wait (bounded)."""
+        self.backoff = 0.0 if healthy else min(MOST_BACKOFF_S, max(FIRST_BACKOFF_S, 2 * self.backoff))
+        self.next_start = now + self.backoff
 
     def check(self, now: float) -> None:
         if self.process is not None and self.process.poll() is None:
             return
         if self.process is not None:  # it exited: when may it start again?
             ran = now - self.started_at
-            self.backoff = 0.0 if ran >= HEALTHY_RUN_S else min(MOST_BACKOFF_S, max(FIRST_BACKOFF_S, 2 * self.backoff))
-            self.next_start = now + self.backoff
+            self.back_off(now, healthy=ran >= HEALTHY_RUN_S)
             print(f"blockgrad supervisor: {self.name} exited ({self.process.returncode}) after {ran:.1f} s; "
                   f"starting it again in {self.backoff:.1f} s", file=sys.stderr, flush=True)
             self.process = None
-            self.restarts += 1
         if now >= self.next_start:
             try:
                 self.process, self.started_at = self._start(), now
             except OSError as exc:  # could not even spawn it (no memory, no file descriptors): later
-                self.backoff = min(MOST_BACKOFF_S, max(FIRST_BACKOFF_S, 2 * self.backoff))
-                self.next_start = now + self.backoff
+                self.back_off(now)
                 print(f"blockgrad supervisor: cannot start {self.name} ({exc}); trying again in "
                       f"{self.backoff:.1f} s", file=sys.stderr, flush=True)
 

@@ -20,7 +20,7 @@ from marshmallow import Schema, ValidationError
 from ...core.admission import AnswerCost, output_elements
 from ...core.dtypes import DEFAULT_DTYPE, DTYPES, WIDEST
 from ...core.engine import Block
-from ...core.errors import BlockgradError, many_unknown, unknown_fields, validation_error
+from ...core.errors import many_unknown, unknown_fields, validation_error
 from ...core.run import Result
 from ...http import body  # body.read_body looked up per request (tests replace it)
 from ...http.body import decode_document, is_json_mimetype
@@ -62,15 +62,15 @@ def decode(request: Request, schema: Schema = SCHEMA) -> Described:
         raise wrong_content_type(mimetype)
     data = body.read_body(request)
     document = decode_document(data)
-    if type(document) is dict and len(document) > len(schema.fields):  # else none to list
-        unknown = many_unknown(document, schema.fields)
-        if unknown:
-            raise unknown_fields(unknown, schema.fields)
+    unknown = many_unknown(document, schema.fields)  # None unless more than a message lists
+    if unknown:
+        raise unknown_fields(unknown, schema.fields)
     try:
         fields, errors = schema.load(document), {}
     except ValidationError as exc:
-        if not isinstance(exc.messages, dict) or set(exc.messages) == {"_schema"}:
-            raise not_an_object(exc.messages) from None
+        if not isinstance(exc.messages, dict) or set(exc.messages) == {"_schema"}:  # not an object
+            messages = exc.messages["_schema"] if isinstance(exc.messages, dict) else exc.messages
+            raise validation_error({"_schema": messages}, NOT_AN_OBJECT) from None
         fields, errors = exc.valid_data, exc.messages
     vectors = fields.pop("vectors", None)
     n = dim = None
@@ -78,11 +78,6 @@ def decode(request: Request, schema: Schema = SCHEMA) -> Described:
         n, dim = len(vectors), len(vectors[0])
     answer = answer_cost(len(data), fields.get("dtype", DEFAULT_DTYPE))
     return Described(n, dim, vectors, fields, errors, answer)
-
-
-def not_an_object(messages) -> BlockgradError:
-    return validation_error({"_schema": messages.get("_schema", messages) if isinstance(messages, dict)
-                             else messages}, NOT_AN_OBJECT)
 
 
 def answer_cost(body_bytes: int, dtype: str) -> AnswerCost:
@@ -125,12 +120,14 @@ def render_result(result: Result, timed: Callable[[Iterable], Iterator] = iter) 
 def whole_json(head: dict, losses: np.ndarray, blocks: Iterator[Block]) -> bytes:
     """The head and every block in one orjson call: the bytes the stream would join to.
     A block's loss is read from `losses` (F, F), the same numbers as its own 0-d tensor."""
-    return orjson.dumps(dict(head, blocks=[{
-        "row": block.r, "col": block.c,
-        "rows": block.row_span, "cols": block.col_span,
-        "loss": losses[block.r, block.c],
-        "gradient": json_array(block.gradient),
-    } for block in blocks]), option=NUMPY)
+    return orjson.dumps(dict(head, blocks=[block_entry(block, losses[block.r, block.c]) for block in blocks]),
+                        option=NUMPY)
+
+
+def block_entry(block: Block, loss) -> dict:
+    """One block of the answer; `loss` a numpy scalar (shortest digits of its dtype)."""
+    return {"row": block.r, "col": block.c, "rows": block.row_span, "cols": block.col_span,
+            "loss": loss, "gradient": json_array(block.gradient)}  # gradient (rows, cols, 2D)
 
 
 def stream_with_blocks(head: dict, blocks: Iterator[Block]) -> Iterator[bytes]:
@@ -149,10 +146,5 @@ def block_pieces(blocks: Iterator[Block]) -> Iterator[bytes]:
     for k, block in enumerate(blocks):
         if k:
             yield b","
-        yield orjson.dumps({
-            "row": block.r, "col": block.c,
-            "rows": block.row_span, "cols": block.col_span,
-            "loss": to_numpy(block.loss)[()],  # numpy scalar: shortest digits of its dtype
-            "gradient": json_array(block.gradient),  # (rows, cols, 2D)
-        }, option=NUMPY)
+        yield orjson.dumps(block_entry(block, to_numpy(block.loss)[()]), option=NUMPY)
     yield b"]}"

@@ -23,9 +23,7 @@ class JobRequestSchema(GradientRequestSchema):
                                                    "accumulated, losses (default both; repeats are ignored). "
                                                    "blocks is refused (422): N x N x 2D numbers."})
 
-
-JobRequestSchema.error_messages = {
-    "unknown": f"Unknown field; the fields are {', '.join(JobRequestSchema._declared_fields)}."}
+# Its fields are /v1/gradients' (outputs narrowed): it inherits that schema's "unknown" message.
 
 
 class ProgressSchema(Schema):

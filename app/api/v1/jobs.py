@@ -17,11 +17,11 @@ from ...core.admission import check_activations
 from ...core.dtypes import DTYPES
 from ...core.engine import block_bounds
 from ...core.errors import field_error, job_result_too_large, validation_error
-from ...core.request import GradientRequest, Sizes
-from ...extensions import Jobs, Services, services
+from ...core.request import Sizes
+from ...extensions import Services, services
 from ...http.body import is_json_mimetype, read_body, reserve_for_request
 from ...http.docs import documents_errors
-from ...http.errors import HttpError, bad_request, unsupported_media_type
+from ...http.errors import bad_request, too_large, unsupported_media_type
 from ...http.pipeline import Described, pipeline
 from ...http.sending import NUMPY
 from ...jobs.limits import admit_job
@@ -49,18 +49,8 @@ REQUEST_BODY = {"required": True, "content": {
                                     "query parameters. At most BLOCKGRAD_MAX_JOB_BODY_BYTES."}}}}
 
 
-def job_store() -> Jobs:
-    return services().jobs
-
-
 def json_response(body, status: int = 200, headers: dict | None = None) -> Response:
     return Response(orjson.dumps(body, option=NUMPY), status=status, headers=headers, mimetype="application/json")
-
-
-def job_body_too_large(limit_bytes: int) -> HttpError:
-    return HttpError("too_large", f"The .npy body is over BLOCKGRAD_MAX_JOB_BODY_BYTES = {limit_bytes} bytes; "
-                                  "send fewer or shorter vectors.",
-                     {"limit": "BLOCKGRAD_MAX_JOB_BODY_BYTES", "allowed": limit_bytes})
 
 
 def load_npy(data: bytes) -> np.ndarray:
@@ -88,12 +78,10 @@ def query_fields(args, vectors: np.ndarray) -> tuple[dict, dict]:
     if unknown:
         raise validation_error({name: ["Unknown query parameter."] for name in unknown},
                                f"Unknown query parameters {', '.join(unknown)}; they are {', '.join(QUERY_FIELDS)}.")
-    errors, values = {}, {}
     file_dtype = DTYPE_OF_ITEM_BYTES[vectors.dtype.itemsize]
-    values["dtype"] = args.get("dtype", file_dtype)
-    if values["dtype"] != file_dtype:
+    errors, values = {}, {"dtype": file_dtype}
+    if args.get("dtype", file_dtype) != file_dtype:
         errors["dtype"] = [f"The .npy holds {file_dtype}: a .npy job's dtype is its file's; leave dtype out."]
-        del values["dtype"]
     for name, parse in (("factor", int), ("offset", float)):
         if name in args:
             try:
@@ -130,7 +118,7 @@ def decode_job(request: Request) -> Described:
     try:
         data = read_body(request)
     except RequestEntityTooLarge:
-        raise job_body_too_large(limit) from None
+        raise too_large(limit, "BLOCKGRAD_MAX_JOB_BODY_BYTES", ".npy body") from None
     vectors = load_npy(data)
     fields, errors = query_fields(request.args, vectors)
     return Described(*vectors.shape, vectors, fields, errors)
@@ -141,13 +129,6 @@ def admit_job_sizes(sizes: Sizes, described: Described, served: Services) -> Non
     admit_job(sizes, served.settings.max_d, served.jobs.settings)
     if sizes.factor is not None:
         check_activations(sizes, served.settings)
-
-
-def submit(key: str | None):
-    """The pipeline's execute step for a job: the job store's submit (idempotent with `key`)."""
-    def execute(req: GradientRequest, described: Described, served: Services) -> tuple[dict, bool]:
-        return served.jobs.submit(req, key)
-    return execute
 
 
 @blp.route("/jobs", methods=["POST"])
@@ -163,7 +144,10 @@ def submit(key: str | None):
                   "internal_error")
 def post_job():
     """Submit a job: answered at once (202) with its record; the job is visible from every worker by then."""
-    record, _ = pipeline(decode_job(request), submit(request.headers.get("Idempotency-Key") or None), admit_job_sizes)
+    key = request.headers.get("Idempotency-Key") or None  # a retried POST with it gets the same job
+    # The pipeline's execute step for a job: the job store's submit.
+    record, _ = pipeline(decode_job(request), lambda req, described, served: served.jobs.submit(req, key),
+                         admit_job_sizes)
     return json_response(record, 202, {"Location": f"/v1/jobs/{record['id']}"})
 
 
@@ -172,7 +156,7 @@ def post_job():
 @documents_errors(blp, "unauthorized", "job_not_found", "cluster_unavailable", "internal_error")
 def get_job(job_id: str):
     """The job record: status, progress, times, error."""
-    return json_response(job_store().view(job_id))
+    return json_response(services().jobs.view(job_id))
 
 
 @blp.route("/jobs/<job_id>", methods=["DELETE"])
@@ -181,7 +165,7 @@ def get_job(job_id: str):
 @documents_errors(blp, "unauthorized", "job_not_found", "cluster_unavailable", "internal_error")
 def delete_job(job_id: str):
     """Cancel a queued or running job (200, its record); forget a finished one (204)."""
-    record = job_store().cancel(job_id)
+    record = services().jobs.cancel(job_id)
     return Response(status=204) if record is None else json_response(record)
 
 
@@ -193,7 +177,7 @@ def delete_job(job_id: str):
 def get_result(job_id: str):
     """A succeeded job's result: the shapes and number formatting of /v1/gradients."""
     binary = request.headers.get("Accept", "").strip() == NPZ
-    record, outcome = job_store().result(job_id, lambda record: reserve_result(record, binary))
+    record, outcome = services().jobs.result(job_id, lambda record: reserve_result(record, binary))
     outputs = list(record["outputs"])
     bounds = block_bounds(record["n"], record["factor"])
     arrays = {name: getattr(outcome, name) for name in outputs}

@@ -105,23 +105,6 @@ def iter_json(head: dict, tensors: list[OutputTensor]) -> Iterator[bytes]:
     yield b"]}"
 
 
-def has_binary(tensors: list[OutputTensor]) -> bool:
-    return any(tensor.binary for tensor in tensors)
-
-
-def encode_response(head: dict, tensors: list[OutputTensor]) -> tuple[int, list[np.ndarray | RowSlabs]]:
-    """For a response with binary outputs: the JSON header's length (sent in a header before
-    the body, so counted first: the header is serialised twice, a piece at a time, never
-    held whole, whatever JSON data other outputs put in it; slabs in it are made twice) and
-    the tensors whose bytes follow it, in order."""
-    header_length = sum(len(piece) for piece in iter_json(head, tensors))
-    return header_length, [tensor.array for tensor in tensors if tensor.binary]
-
-
-def body_length(header_length: int, payload: list[np.ndarray | RowSlabs]) -> int:
-    return header_length + sum(array.nbytes for array in payload)
-
-
 def iter_body(header: Iterator[bytes], payload: list[np.ndarray | RowSlabs],
               chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
     """The JSON header's pieces (`header`, e.g. iter_json gathered), then each tensor's bytes,

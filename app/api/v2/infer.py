@@ -1,6 +1,6 @@
 """One inference request: protocol document -> the core's GradientRequest -> output tensors.
 
-`decode_infer_request` reads the envelope (inputs, outputs, parameters) and the input's
+`decode` reads the envelope (inputs, outputs, parameters) and the input's
 declared shape without converting a number, and describes the request to the pipeline
 (app/http/pipeline.py), which admits those sizes and then converts the data (JSON, or binary
 tensor data) through the core, so the rules, defaults and limits are the core's, as for /v1.
@@ -26,8 +26,8 @@ from ...http.body import decode_json, is_json_mimetype
 from ...http.errors import unsupported_media_type
 from ...http.pipeline import Computed, Described
 from ...http.sending import gather, to_numpy
-from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, CodecError, OutputTensor, RowSlabs, body_length,
-                    encode_response, has_binary, iter_body, iter_json, split_body)
+from .codec import (BINARY_CONTENT_TYPE, CHUNK_BYTES, HEADER_LENGTH, CodecError, OutputTensor, RowSlabs, iter_body,
+                    iter_json, split_body)
 from .model import DATATYPE_OF_DTYPE, FLOAT_DATATYPES, GRADIENT_PARAMETERS, INPUT_NAME, MODEL_NAME, MODEL_VERSION, OUTPUTS
 from .schemas import InferRequestSchema, ParametersSchema, RequestInputSchema, RequestOutputSchema
 
@@ -45,54 +45,15 @@ class RequestedOutput:
     binary: bool
 
 
-@dataclass(frozen=True)
-class InferRequest:
-    gradient: GradientRequest  # outputs: only what the requested tensors need computed
-    outputs: tuple[RequestedOutput, ...]  # in the order they are answered
-    id: str | None
-
-    @property
-    def logged_outputs(self) -> tuple[str, ...]:
-        return tuple(output.name for output in self.outputs)
-
-
-@dataclass(frozen=True)
-class DeclaredInput:
-    """The `vectors` input as declared: its datatype and shape, and its data not yet converted."""
-    datatype: str
-    shape: tuple[int, int]
-    data: object | None  # the JSON `data`, or None when binary
-    binary: memoryview
-
-
 def decode(request: Request) -> Described:
-    """/v2's decoder: a JSON document, or one with binary tensor data after it."""
+    """/v2's decoder: a JSON document, or one with binary tensor data after it, read up to the
+    numbers: nothing is converted here."""
     mimetype = request.mimetype
     if mimetype and not is_json_mimetype(mimetype) and mimetype != BINARY_CONTENT_TYPE:
         raise unsupported_media_type(f"Send the body as application/json or {BINARY_CONTENT_TYPE} (got {mimetype!r}).")
-    return decode_infer_request(body.read_body(request), request.headers.get(HEADER_LENGTH))
-
-
-def render(computed: Computed) -> Response:
-    """JSON only: streamed (the worker holds the output arrays, a block row of block_gradients
-    and about one chunk of text). With binary outputs, the JSON header's length is sent first:
-    counted, then streamed."""
-    head, tensors = output_tensors(InferRequest(computed.request, *computed.own), computed.result, computed.device,
-                                   timed=computed.timed)
-    if not has_binary(tensors):
-        return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")
-    header_length, payload = encode_response(head, tensors)
-    response = Response(iter_body(gather(iter_json(head, tensors), CHUNK_BYTES), payload),
-                        content_type=BINARY_CONTENT_TYPE)
-    response.headers[HEADER_LENGTH] = str(header_length)
-    response.content_length = body_length(header_length, payload)
-    return response
-
-
-def decode_infer_request(body: bytes, header_length: str | None) -> Described:
-    """The protocol document, read up to the numbers: nothing is converted here."""
+    sent, header_length = body.read_body(request), request.headers.get(HEADER_LENGTH)
     try:
-        header, binary = split_body(body, header_length)
+        header, binary = split_body(sent, header_length)
     except CodecError as exc:
         raise invalid(str(exc)) from None
     document = decode_json(header)  # 400 bad_json, as /v1
@@ -101,7 +62,7 @@ def decode_infer_request(body: bytes, header_length: str | None) -> Described:
         envelope = INFER_REQUEST_SCHEMA.load(document)
     except ValidationError as exc:
         raise invalid(f"The inference request is not valid: {flatten(exc.messages)}") from None
-    declared = declared_input(envelope["inputs"], binary)
+    datatype, n, d, data = declared_input(envelope["inputs"], binary)
     parameters = dict(envelope["parameters"])
     binary_output = parameters.pop("binary_data_output", False)
     if not isinstance(binary_output, bool):
@@ -115,12 +76,30 @@ def decode_infer_request(body: bytes, header_length: str | None) -> Described:
         typed, errors = PARAMETERS_SCHEMA.load(parameters), {}  # JSON types, as /v1 checks its fields
     except ValidationError as exc:
         typed, errors = exc.valid_data, exc.messages
-    numbers, dtype = FLOAT_DATATYPES[declared.datatype]
+    numbers, dtype = FLOAT_DATATYPES[datatype]
     fields = {**typed, "dtype": dtype, "outputs": ordered_outputs({OUTPUTS[o.name] for o in outputs} - {None})}
-    vectors = declared.data if declared.data is not None else Buffer(declared.binary, numbers)
-    cost = answer_cost(dtype, outputs, len(body), binary_input=header_length is not None)
-    return Described(*declared.shape, vectors, fields, errors, cost, declared=True,
+    vectors = data if data is not None else Buffer(binary, numbers)
+    cost = answer_cost(dtype, outputs, len(sent), binary_input=header_length is not None)
+    return Described(n, d, vectors, fields, errors, cost, declared=True,
                      logged_outputs=tuple(output.name for output in outputs), own=(outputs, envelope.get("id")))
+
+
+def render(computed: Computed) -> Response:
+    """JSON only: streamed (the worker holds the output arrays, a block row of block_gradients
+    and about one chunk of text). With binary outputs, the JSON header's length is sent first:
+    counted, then streamed."""
+    head, tensors = output_tensors(computed.request, *computed.own, computed.result, computed.device, computed.timed)
+    payload = [tensor.array for tensor in tensors if tensor.binary]  # the bytes after the header, in order
+    if not payload:
+        return Response(gather(iter_json(head, tensors), CHUNK_BYTES), mimetype="application/json")
+    # The header's length goes first, so it is counted first: serialised twice, a piece at a
+    # time, never held whole (slabs in it are made twice).
+    header_length = sum(len(piece) for piece in iter_json(head, tensors))
+    response = Response(iter_body(gather(iter_json(head, tensors), CHUNK_BYTES), payload),
+                        content_type=BINARY_CONTENT_TYPE)
+    response.headers[HEADER_LENGTH] = str(header_length)
+    response.content_length = header_length + sum(array.nbytes for array in payload)
+    return response
 
 
 def answer_cost(dtype: str, outputs: tuple[RequestedOutput, ...], body_bytes: int, binary_input: bool) -> AnswerCost:
@@ -163,12 +142,12 @@ def check_envelope_sizes(document: object) -> None:
 
 
 def field_messages(fields: dict) -> str:
-    return " ".join(f"{field_label(name)}: {' '.join(flat_messages(messages))}"
-                    for name, messages in sorted(fields.items()))
+    return " ".join(f"{field_label(name)}: {flatten(messages)}" for name, messages in sorted(fields.items()))
 
 
-def declared_input(inputs: list[dict], binary: memoryview) -> DeclaredInput:
-    """The `vectors` input's datatype, shape and data, checked without reading a number."""
+def declared_input(inputs: list[dict], binary: memoryview) -> tuple[str, int, int, object | None]:
+    """The `vectors` input's datatype, N, D and data (the JSON `data`, or None when binary: the
+    bytes after the header), checked without reading a number."""
     names = [tensor["name"] for tensor in inputs]
     if names != [INPUT_NAME]:
         raise invalid(f"The model takes exactly one input, '{INPUT_NAME}'; got {names}.")
@@ -194,7 +173,7 @@ def declared_input(inputs: list[dict], binary: memoryview) -> DeclaredInput:
             raise invalid(f"Input '{INPUT_NAME}' has neither data nor binary_data_size.")
         if len(binary):
             raise invalid(f"{len(binary)} bytes follow the JSON header but no input has binary_data_size.")
-        return DeclaredInput(datatype, (n, d), tensor["data"], binary)
+        return datatype, n, d, tensor["data"]
     if "data" in tensor:
         raise invalid(f"Input '{INPUT_NAME}' has both data and binary_data_size; send one.")
     if type(size) is not int or size < 0:
@@ -202,7 +181,7 @@ def declared_input(inputs: list[dict], binary: memoryview) -> DeclaredInput:
     if size != len(binary):
         raise invalid(f"binary_data_size of input '{INPUT_NAME}' is {size} but {len(binary)} bytes "
                       "follow the JSON header.")
-    return DeclaredInput(datatype, (n, d), None, binary)
+    return datatype, n, d, None
 
 
 def requested_outputs(outputs: list[dict] | None, binary_default: bool) -> tuple[RequestedOutput, ...]:
@@ -224,17 +203,17 @@ def requested_outputs(outputs: list[dict] | None, binary_default: bool) -> tuple
     return tuple(chosen)
 
 
-def output_tensors(request: InferRequest, result: Result | None, device=None,
-                   timed: Callable[[Iterator], Iterator] = iter) -> tuple[dict, list[OutputTensor]]:
-    """The response head and its output tensors, from the core's result (None when only
+def output_tensors(req: GradientRequest, outputs: tuple[RequestedOutput, ...], request_id: str | None,
+                   result: Result | None, device, timed: Callable[[Iterator], Iterator]) -> tuple[dict, list[OutputTensor]]:
+    """The response head and its output tensors (`outputs` in the order they are answered;
+    `req.outputs` only what they need computed), from the core's result (None when only
     `bounds` was asked for: nothing was computed; `device` is then the one named).
 
     block_gradients is made as it is written, a block row at a time (`timed` wraps the blocks,
     e.g. to count compute time), except as JSON beside binary outputs: that header is
     serialised twice (its length goes first), so the grid is made once and held."""
-    req = request.gradient
     datatype = DATATYPE_OF_DTYPE[req.dtype]
-    any_binary = any(output.binary for output in request.outputs)
+    any_binary = any(output.binary for output in outputs)
 
     def output_array(output: RequestedOutput) -> np.ndarray | RowSlabs:
         if output.name == "block_gradients":
@@ -246,10 +225,10 @@ def output_tensors(request: InferRequest, result: Result | None, device=None,
         return to_numpy(result.accumulated if output.name == "accumulated" else result.losses)
 
     tensors = [OutputTensor(output.name, "INT64" if output.name == "bounds" else datatype,
-                            output_array(output), output.binary) for output in request.outputs]
+                            output_array(output), output.binary) for output in outputs]
     head = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION}
-    if request.id is not None:
-        head["id"] = request.id
+    if request_id is not None:
+        head["id"] = request_id
     head["parameters"] = {"factor": req.factor, "objective": req.objective, "offset": req.offset,
                           "device": str(result.device if result is not None else device)}
     return head, tensors
@@ -313,18 +292,10 @@ def field_label(name: str) -> str:
     return f"Input '{INPUT_NAME}'" if name == "vectors" else f"Parameter '{name}'"
 
 
-def flat_messages(messages) -> list[str]:
-    if isinstance(messages, dict):
-        return [m for value in messages.values() for m in flat_messages(value)]
-    if isinstance(messages, list):
-        return [m for value in messages for m in flat_messages(value)]
-    return [str(messages)]
-
-
 def flatten(messages, path: tuple[str, ...] = ()) -> str:
     """{"inputs": {0: {"shape": ["Not a valid integer."]}}} -> "inputs.0.shape: Not a valid integer." """
     if isinstance(messages, dict):
         return " ".join(flatten(value, path if key == "_schema" else (*path, str(key)))
                         for key, value in messages.items())
-    text = " ".join(flat_messages(messages))
+    text = " ".join(map(flatten, messages)) if isinstance(messages, list) else str(messages)
     return f"{'.'.join(path)}: {text}" if path else text

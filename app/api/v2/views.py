@@ -12,8 +12,7 @@ from ...core.device import ready_device
 from ...core.errors import BlockgradError
 from ...extensions import services
 from ...http.docs import OPEN_ROUTE, documents_errors
-from ...http.errors import ErrorStyle
-from .errors import model_not_found
+from ...http.errors import ErrorStyle, model_not_found
 from ...http.pipeline import pipeline
 from .codec import BINARY_CONTENT_TYPE
 from .infer import decode, field_messages, invalid, render
