@@ -189,11 +189,15 @@ class ConnectionWorker(gthread.ThreadWorker):
         if pod is None:
             return
         # Serving: a connection accepted and not yet answered (idle and closing ones do not count).
-        state = (self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0, self.nr_conns - self.counts[CLOSING])
-        if state != self.published:  # the marks are flocks: none taken again for what the pod already knows
-            self.published = state
-            pod.mark_serving(state[0])
-            pod.mark_connections(state[1])
+        serving = self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0
+        connections = self.nr_conns - self.counts[CLOSING]
+        before = self.published or (None, None)
+        self.published = (serving, connections)
+        # Marks are flocks: only what the pod does not know yet.
+        if serving != before[0]:
+            pod.mark_serving(serving)
+        if connections != before[1]:
+            pod.mark_connections(connections)
 
     def init_process(self):
         from . import connection_metrics  # after fork: PROMETHEUS_MULTIPROC_DIR is set
@@ -387,6 +391,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         if verdict == READY:
             self.leave_poller(conn)
             self.set_state(conn, BUSY)
+            # Before the hand-over: a flock after it would take the GIL back from the pool thread.
+            self.publish_state()
             self.enqueue_req(conn)
         elif verdict == TOO_LARGE:
             self.refuse(conn, LimitRequestHeaders("max buffer headers"))
