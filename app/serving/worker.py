@@ -153,7 +153,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.clock = threading.local()  # the pool thread's request: its clock's start
         self.metrics = None
         self.shown: tuple = (None, None, None)  # the connection gauges' values as last set
-        self.published: tuple | None = None  # (serving, connections) as the pod last heard them
+        self.published: tuple = (None, None)  # (serving, connections) as the pod last heard them
         self.notified = float("-inf")  # the heartbeat's last touch
         self.deferred_until: float | None = None  # leaving new connections to a sibling until then
 
@@ -189,15 +189,11 @@ class ConnectionWorker(gthread.ThreadWorker):
         if pod is None:
             return
         # Serving: a connection accepted and not yet answered (idle and closing ones do not count).
-        serving = self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0
-        connections = self.nr_conns - self.counts[CLOSING]
-        before = self.published or (None, None)
-        self.published = (serving, connections)
-        # Marks are flocks: only what the pod does not know yet.
-        if serving != before[0]:
-            pod.mark_serving(serving)
-        if connections != before[1]:
-            pod.mark_connections(connections)
+        now = (self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0, self.nr_conns - self.counts[CLOSING])
+        for mark, value, before in zip((pod.mark_serving, pod.mark_connections), now, self.published):
+            if value != before:  # marks are flocks: only what the pod does not know yet
+                mark(value)
+        self.published = now
 
     def init_process(self):
         from . import connection_metrics  # after fork: PROMETHEUS_MULTIPROC_DIR is set
