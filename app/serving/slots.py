@@ -150,7 +150,7 @@ class PodSlots:
     def held_here(self) -> int:
         """Slots this process holds now."""
         with self._lock:
-            return len(self._held) if self._pid == os.getpid() else 0
+            return len(self._held) if self._pid is not None else 0
 
     def busy_slots(self) -> int:
         """Slots held anywhere in the pod."""
@@ -234,7 +234,7 @@ class PodSlots:
     # --- inside -----------------------------------------------------------------------
     def _open(self) -> None:
         """This process's own descriptors, opened on first use in each process."""
-        if self._pid == os.getpid():
+        if self._pid is not None:  # reset in a forked child (_after_fork_in_child)
             return
         self._files = [open(p, "r") for p in self.paths]
         self._markers = {name: open(os.path.join(self.path, name), "r") for name in (WAITING_NAME, *MARKERS)}
@@ -260,7 +260,7 @@ class PodSlots:
 
     def _take(self) -> PodSlot | None:
         self._open()
-        start = os.getpid() % self.count  # processes start apart: fewer failed tries
+        start = self._pid % self.count  # processes start apart: fewer failed tries
         for step in range(self.count):
             index = (start + step) % self.count
             if index in self._held:
@@ -278,7 +278,7 @@ class PodSlots:
             if slot.released:
                 return
             slot.released = True
-            if slot.pid != os.getpid() or self._pid != slot.pid or slot.index not in self._held:
+            if self._pid != slot.pid or slot.index not in self._held:
                 return  # taken before a fork: this process never held it
             fcntl.flock(self._files[slot.index], fcntl.LOCK_UN)
             self._held.discard(slot.index)
@@ -307,7 +307,7 @@ class PodSlots:
 
     def _leave_waiting(self) -> None:
         with self._lock:
-            if self._pid != os.getpid():
+            if self._pid is None:
                 return
             self._waiting -= 1
             if self._waiting == 0:

@@ -56,6 +56,7 @@ HEAD_BYTES_BUDGET = 64 * 1024 * 1024
 CLOSE_LINGER_S = 2.0
 CLOSE_DRAIN_BYTES = 64 * 1024
 POLL_S = 1.0  # the longest the loop sleeps: the heartbeat is looked at this often
+NOTIFY_S = 1.0  # the heartbeat's touches at most this often (gunicorn's timeout is >= 120 s)
 # How long a waiting connection is left to a sibling before this worker looks again: a
 # sibling's state changes wake nothing here.
 BALANCE_POLL_S = 0.02
@@ -151,7 +152,9 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.head_bytes = 0
         self.clock = threading.local()  # the pool thread's request: its clock's start
         self.metrics = None
-        self.shown: tuple | None = None
+        self.shown: tuple = (None, None, None)  # the connection gauges' values as last set
+        self.published: tuple = (None, None)  # (serving, connections) as the pod last heard them
+        self.notified = float("-inf")  # the heartbeat's last touch
         self.deferred_until: float | None = None  # leaving new connections to a sibling until then
 
     @classmethod
@@ -183,10 +186,14 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def publish_state(self) -> None:
         pod = host.slots
-        if pod is not None:
-            # Serving: a connection accepted and not yet answered (idle and closing ones do not count).
-            pod.mark_serving(self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0)
-            pod.mark_connections(self.nr_conns - self.counts[CLOSING])
+        if pod is None:
+            return
+        # Serving: a connection accepted and not yet answered (idle and closing ones do not count).
+        now = (self.counts[NEW] + self.counts[HEAD] + self.counts[BUSY] > 0, self.nr_conns - self.counts[CLOSING])
+        for mark, value, before in zip((pod.mark_serving, pod.mark_connections), now, self.published):
+            if value != before:  # marks are flocks: only what the pod does not know yet
+                mark(value)
+        self.published = now
 
     def init_process(self):
         from . import connection_metrics  # after fork: PROMETHEUS_MULTIPROC_DIR is set
@@ -245,7 +252,10 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.stop()
 
     def turn(self, accept: bool) -> None:
-        self.notify()
+        now = time.monotonic()
+        if now - self.notified >= NOTIFY_S:  # the loop turns per event: one heartbeat a second is plenty
+            self.notified = now
+            self.notify()
         self.publish_state()
         if accept:
             want = self.nr_conns < self.max_connections or bool(self.waiting)
@@ -377,6 +387,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         if verdict == READY:
             self.leave_poller(conn)
             self.set_state(conn, BUSY)
+            # Before the hand-over: a flock after it would take the GIL back from the pool thread.
+            self.publish_state()
             self.enqueue_req(conn)
         elif verdict == TOO_LARGE:
             self.refuse(conn, LimitRequestHeaders("max buffer headers"))
@@ -508,7 +520,9 @@ class ConnectionWorker(gthread.ThreadWorker):
         if self.metrics is None:
             return
         shown = (self.nr_conns, self.counts[IDLE], self.counts[NEW] + self.counts[HEAD])
-        if shown != self.shown:
+        if shown != self.shown:  # each set is a write to the worker's value file: only those that changed
+            for gauge, value, before in zip((self.metrics.OPEN, self.metrics.IDLE, self.metrics.AWAITING_HEAD),
+                                            shown, self.shown):
+                if value != before:
+                    gauge.set(value)
             self.shown = shown
-            for gauge, value in zip((self.metrics.OPEN, self.metrics.IDLE, self.metrics.AWAITING_HEAD), shown):
-                gauge.set(value)
