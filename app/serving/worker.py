@@ -39,6 +39,7 @@ from gunicorn.http.message import DEFAULT_MAX_HEADERFIELD_SIZE, MAX_HEADERS, MAX
 from gunicorn.workers import gthread
 
 from app.core import host
+from app.core.settings import Settings
 from app.serving.settings import ServingSettings
 
 # The instant (time.monotonic()) the request's clock started, read by app/http/body.py.
@@ -86,12 +87,12 @@ SHUTDOWN = "shutdown"  # still open when the worker stopped
 NO_THREAD = "no_thread"  # closed unanswered: no pool thread could start for its request
 
 
-def head_timeout_answer(seconds: float) -> bytes:
+def head_timeout_answer(variable: str, seconds: float) -> bytes:
     """408 read_timeout as the app's error table writes it (app/http/errors.py), made here
-    because no app runs before a head is complete."""
+    because no app runs before a head is complete; `variable` names the timeout that applied."""
     body = json.dumps({"error": {
         "code": "read_timeout",
-        "message": f"The request head did not arrive within BLOCKGRAD_HEADER_TIMEOUT_S = {seconds:g} s; "
+        "message": f"The request head did not arrive within {variable} = {seconds:g} s; "
                    "send it faster, or through a proxy that buffers it.",
         "details": {"timeout_s": seconds}}}, separators=(",", ":")).encode()
     head = ("HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
@@ -139,7 +140,11 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.header_timeout_s = ServingSettings.from_env().header_timeout_s
+        # The read timeout bounds head and body together, from the same instant: it caps the head's.
+        self.header_timeout_s, variable = min(
+            (ServingSettings.from_env().header_timeout_s, "BLOCKGRAD_HEADER_TIMEOUT_S"),
+            (Settings.from_env().read_timeout_s, "BLOCKGRAD_READ_TIMEOUT_S"))
+        self.head_timeout_answer = head_timeout_answer(variable, self.header_timeout_s)
         self.max_connections = self.cfg.worker_connections  # BLOCKGRAD_MAX_CONNECTIONS (gunicorn.conf.py)
         # gthread answers "Connection: close" once this many are kept alive; here the bound
         # closes the longest-idle instead, so that keep-alive never stops for a flood.
@@ -490,7 +495,7 @@ class ConnectionWorker(gthread.ThreadWorker):
                 continue
             if conn.state == HEAD:
                 try:
-                    conn.sock.send(head_timeout_answer(self.header_timeout_s))
+                    conn.sock.send(self.head_timeout_answer)
                 except OSError:
                     pass
                 self.counts_closed(HEAD_TIMEOUT)
