@@ -286,6 +286,24 @@ def test_head_and_body_must_arrive_within_the_read_timeout_of_the_connection(bou
     assert cut_at[early] < cut_at[late], "the read clock started after accept"
 
 
+def test_a_read_timeout_below_the_header_timeout_cuts_a_partial_head():
+    """Head and body must arrive within BLOCKGRAD_READ_TIMEOUT_S: set below the header timeout,
+    it cuts a partial head, and the 408 names it. The socket's 20 s bound is far above the read
+    timeout (1 s) and well under the header timeout (30 s): a server that waits for the latter fails."""
+    env = {"BLOCKGRAD_READ_TIMEOUT_S": "1", "BLOCKGRAD_HEADER_TIMEOUT_S": "30"}
+    with gunicorn_server(workers=1, env=env) as server, connect(server, timeout=20) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")  # never finished
+        try:
+            answer = eof_at(sock)
+        except TimeoutError:
+            pytest.fail("no answer in 20 s: the partial head waits for the header timeout (30 s)")
+    head, body = answer.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 408 ") and b"X-Blockgrad-Error-Code: read_timeout" in head, answer[:200]
+    error = json.loads(body)["error"]
+    assert error["details"] == {"timeout_s": 1.0}
+    assert "BLOCKGRAD_READ_TIMEOUT_S = 1 s" in error["message"], error["message"]
+
+
 def test_the_default_bound_holds_the_flood_the_service_is_sized_for(monkeypatch):
     """Workers x BLOCKGRAD_MAX_CONNECTIONS >= 1500 + 40 x BLOCKGRAD_HEADER_TIMEOUT_S at make
     serve's 2 workers; below it, gunicorn's start-up log says what to raise it to."""

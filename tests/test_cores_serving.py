@@ -1,4 +1,5 @@
-"""The pod's compute slots under a real gunicorn (2 workers): a request on a fresh connection
+"""The pod's compute slots under a real gunicorn (2 workers): a worker serving a request (its
+`serving` mark) leaves fresh connections to its idle sibling; a request on a fresh connection
 while one worker computes lands on the other, and both compute at once; a lone request holds
 every slot of the pod; a worker SIGKILLed with two requests in flight loses only its own, and
 afterwards two requests still compute in parallel; BLOCKGRAD_SLOTS_PER_REQUEST=1 gives one
@@ -25,8 +26,10 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.core.settings import available_cores
+from app.serving.slots import PodSlots
 from blockgrad_client import Client
-from tests.events import HeldSlots, connected_workers, connection_owner
+from tests.events import HeldSlots, connected_workers, connection_owner, slot_directory
+from tests.test_api import GOOD
 from tools.server import gunicorn_server, wait_until
 
 pytestmark = pytest.mark.slow
@@ -119,6 +122,39 @@ def exact(accumulated, n: int) -> bool:
     """`sum`'s accumulated gradient: every entry exactly 2N (each pair's gradient is all ones)."""
     accumulated = np.asarray(accumulated)
     return accumulated.shape == (n, 64) and bool((accumulated == 2 * n).all())
+
+
+def test_a_worker_serving_a_request_leaves_fresh_connections_to_its_idle_sibling(server):
+    """A request whose body lacks its last byte keeps worker A serving, holding no slot and one
+    connection. Four fresh connections, one after another, each answered and kept alive: all go
+    to B though B then holds more connections, because B is not serving (the first of the
+    rank, app/serving/slots.py); were the `serving` marks unread, B holding two to A's one
+    would leave the next to A. Each connection waits until the pod's marks say A alone is
+    serving (an event read from /proc/locks), so the verdict is a count of owners."""
+    pod = PodSlots(slot_directory(server))  # its marks, only read
+    body = json.dumps(GOOD).encode()
+    held = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
+    kept = []
+    try:
+        held.sendall(f"POST /v1/gradients HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:-1])
+        assert wait_until(lambda: connection_owner(server, held), WAIT_S)
+        serving = connection_owner(server, held)
+        owners = []
+        for _ in range(4):
+            assert wait_until(lambda: pod.pod_state().serving == {serving}, WAIT_S), pod.pod_state()
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
+            kept.append(sock)
+            assert wait_until(lambda: connection_owner(server, sock), WAIT_S)
+            owners.append(connection_owner(server, sock))
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+            answer = http.client.HTTPResponse(sock)
+            answer.begin()
+            assert answer.status == 200 and answer.read()
+        assert serving not in owners and len(set(owners)) == 1, (serving, owners)
+    finally:
+        for sock in [held, *kept]:
+            sock.close()
 
 
 def test_concurrent_requests_land_on_different_workers_and_compute_at_once(server):

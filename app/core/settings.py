@@ -120,6 +120,9 @@ class Settings(FromEnv):
     # Numbers in one block (rows x cols x 2D): 4M float64 is 32 MiB a tensor.
     max_block_elements: int = 4 * 1024 * 1024
     request_timeout_s: float = 60.0
+    # Head and body must arrive within it, from the head's first byte (408): app/http's body
+    # reader counts it, and app/serving's worker caps its header timeout by it.
+    read_timeout_s: float = 30.0
     # Bytes the requests one worker holds may add to it at their peak (app/core/admission.py
     # predicts each): two workers and their idle memory fit a 4 GiB pod (docs/benchmarks.md).
     worker_memory_bytes: int = 1280 * 1024 * 1024

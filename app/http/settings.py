@@ -14,5 +14,4 @@ class Settings(core.Settings):
     api_token: str | None = None
     # With a token set: whether /docs and /openapi.json stay open (a browser sends no token).
     docs_public: bool = True
-    read_timeout_s: float = 30.0  # head and body must arrive within it, from the head's first byte (408)
     send_timeout_s: float = 30.0  # a write making no progress this long ends the request

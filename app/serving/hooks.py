@@ -43,6 +43,7 @@ def on_starting(server):
     """Before any worker exists: refuse a public bind without a token and a taken address,
     prepare the metrics directory, create the pod's compute slots,
     and on CPU load the app (gunicorn's own load of wsgi:app, kept for the workers)."""
+    # By name: the token is the HTTP layer's setting, and serving does not import that layer.
     check_auth(server.cfg.address, ServingSettings.from_env(), os.environ.get("BLOCKGRAD_API_TOKEN"), server.log)
     inherited = server.LISTENERS or server.master_pid or systemd.listen_fds(unset_environment=False)
     if not inherited:  # a re-exec'd master's or systemd's sockets are ours already

@@ -19,6 +19,7 @@ class ServingSettings(FromEnv):
     keepalive_s: float = 75.0
     # The request head must arrive within it, from accept or a kept-alive connection's first new
     # byte (app/serving/worker.py): nothing sent -> closed silently, a partial head -> 408.
+    # BLOCKGRAD_READ_TIMEOUT_S (the core's) caps it.
     header_timeout_s: float = 10.0
     # Open connections per worker. Workers x this must hold 1500 + 40 x header_timeout_s: an
     # idle flood of that size leaves room for probes; past it the longest-idle connection

@@ -51,8 +51,6 @@ PROC_LOCKS = "/proc/locks"
 def create(count: int, parent: str | None = None) -> "PodSlots":
     """In the master, before forking: `count` slot files in a fresh directory under
     `parent`, and the wake-up semaphore the workers inherit."""
-    if count < 1:
-        raise ValueError("a pod needs at least one compute slot")
     path = tempfile.mkdtemp(prefix="blockgrad-slots-", dir=parent)
     for name in [f"{SLOT_PREFIX}{index}" for index in range(count)] + [WAITING_NAME, *MARKERS]:
         open(os.path.join(path, name), "w").close()
@@ -109,10 +107,7 @@ class PodSlots:
             raise ValueError(f"no slot files in {path}")
         self._wake = wake  # None (attached from another process tree): poll only
         self._slot_keys = {lock_key(p): index for index, p in enumerate(self.paths)}
-        self._marker_keys = {}
-        for name in (WAITING_NAME, *MARKERS):
-            open(os.path.join(path, name), "a").close()  # a directory made before the marker existed
-            self._marker_keys[lock_key(os.path.join(path, name))] = name
+        self._marker_keys = {lock_key(os.path.join(path, name)): name for name in (WAITING_NAME, *MARKERS)}
         self._lock = threading.Lock()
         self._opened: list = []
         self._close()
@@ -156,9 +151,7 @@ class PodSlots:
         """Slots held anywhere in the pod."""
         return self.pod_state().busy
 
-    @property
-    def busy(self) -> int:  # SlotSource's name for it
-        return self.busy_slots()
+    busy = property(busy_slots)  # SlotSource's name for it
 
     # --- what a worker says of itself, as shared flocks on marker files (the kernel drops a
     # dead process's): serving connections now, booted and taking them, how many it holds ---

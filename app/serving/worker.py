@@ -39,6 +39,7 @@ from gunicorn.http.message import DEFAULT_MAX_HEADERFIELD_SIZE, MAX_HEADERS, MAX
 from gunicorn.workers import gthread
 
 from app.core import host
+from app.core.settings import Settings
 from app.serving.settings import ServingSettings
 
 # The instant (time.monotonic()) the request's clock started, read by app/http/body.py.
@@ -86,12 +87,12 @@ SHUTDOWN = "shutdown"  # still open when the worker stopped
 NO_THREAD = "no_thread"  # closed unanswered: no pool thread could start for its request
 
 
-def head_timeout_answer(seconds: float) -> bytes:
+def head_timeout_answer(variable: str, seconds: float) -> bytes:
     """408 read_timeout as the app's error table writes it (app/http/errors.py), made here
-    because no app runs before a head is complete."""
+    because no app runs before a head is complete; `variable` names the timeout that applied."""
     body = json.dumps({"error": {
         "code": "read_timeout",
-        "message": f"The request head did not arrive within BLOCKGRAD_HEADER_TIMEOUT_S = {seconds:g} s; "
+        "message": f"The request head did not arrive within {variable} = {seconds:g} s; "
                    "send it faster, or through a proxy that buffers it.",
         "details": {"timeout_s": seconds}}}, separators=(",", ":")).encode()
     head = ("HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
@@ -125,7 +126,6 @@ class Conn(gthread.TConn):
 
     def __init__(self, cfg, sock, client, server, now: float):
         super().__init__(cfg, sock, client, server)  # non-blocking from here
-        self.data_ready = True  # gthread's handle() must not wait for a first byte: it has a head
         self.head = bytearray()
         self.started: float | None = now  # None while kept alive without a new byte
         self.state = NEW
@@ -139,7 +139,11 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.header_timeout_s = ServingSettings.from_env().header_timeout_s
+        # The read timeout bounds head and body together, from the same instant: it caps the head's.
+        self.header_timeout_s, variable = min(
+            (ServingSettings.from_env().header_timeout_s, "BLOCKGRAD_HEADER_TIMEOUT_S"),
+            (Settings.from_env().read_timeout_s, "BLOCKGRAD_READ_TIMEOUT_S"))
+        self.head_timeout_answer = head_timeout_answer(variable, self.header_timeout_s)
         self.max_connections = self.cfg.worker_connections  # BLOCKGRAD_MAX_CONNECTIONS (gunicorn.conf.py)
         # gthread answers "Connection: close" once this many are kept alive; here the bound
         # closes the longest-idle instead, so that keep-alive never stops for a flood.
@@ -151,11 +155,11 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.counts = dict.fromkeys((NEW, HEAD, IDLE, BUSY, CLOSING), 0)
         self.head_bytes = 0
         self.clock = threading.local()  # the pool thread's request: its clock's start
-        self.metrics = None
+        self.metrics = None  # connection_metrics, from init_process on
         self.shown: tuple = (None, None, None)  # the connection gauges' values as last set
         self.published: tuple = (None, None)  # (serving, connections) as the pod last heard them
         self.notified = float("-inf")  # the heartbeat's last touch
-        self.deferred_until: float | None = None  # leaving new connections to a sibling until then
+        self.deferred_until = float("-inf")  # leaving new connections to a sibling until then
 
     @classmethod
     def check_config(cls, cfg, log):
@@ -230,11 +234,13 @@ class ConnectionWorker(gthread.ThreadWorker):
         future.add_done_callback(lambda done: self.method_queue.defer(self.finish_request, conn, done))
 
     def handle(self, conn):
-        """gthread's handle(), with the head this loop read put back in front of the socket."""
-        if conn.head:  # gthread's handle() makes the socket blocking again
-            conn.init()  # the parser, once per connection
-            conn.parser.unreader.unread(bytes(conn.head))
-            conn.head = bytearray()
+        """gthread's handle(), with the head this loop read put back in front of the socket
+        (there always is one: only a complete head is handed over)."""
+        # The parser (once per connection) and a blocking socket; an initialised connection is
+        # one gthread's handle() does not wait on for a first byte.
+        conn.init()
+        conn.parser.unreader.unread(bytes(conn.head))
+        conn.head = bytearray()
         self.clock.started = conn.started
         return super().handle(conn)
 
@@ -257,15 +263,9 @@ class ConnectionWorker(gthread.ThreadWorker):
             self.notified = now
             self.notify()
         self.publish_state()
-        if accept:
-            want = self.nr_conns < self.max_connections or bool(self.waiting)
-            if self.deferred_until is not None:  # left to a sibling: look again once it is over
-                if time.monotonic() < self.deferred_until:
-                    want = False
-                else:
-                    self.deferred_until = None
-            if want != self._accepting:
-                self.set_accept_enabled(want)
+        if accept:  # a connection left to a sibling: the listener is looked at again once that is over
+            self.set_accept_enabled(now >= self.deferred_until
+                                    and (self.nr_conns < self.max_connections or bool(self.waiting)))
         self.wait_for_and_dispatch_events(timeout=self.poll_timeout())
         self.expire(time.monotonic())
         self.show_metrics()
@@ -282,7 +282,6 @@ class ConnectionWorker(gthread.ThreadWorker):
         # refused at once (clients and balancers go elsewhere) instead of waiting in the backlog.
         for listener in self.sockets:
             listener.close()
-        self.deferred_until = None
         now = time.monotonic()
         linger = now + gthread.STOP_KEEPALIVE_LINGER
         for conn in list(self.waiting):
@@ -300,10 +299,10 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def poll_timeout(self) -> float:
         now = time.monotonic()
-        longest = POLL_S if self.deferred_until is None else max(0.0, self.deferred_until - now)
-        if not self.deadlines:
-            return longest
-        return min(longest, max(0.0, self.deadlines[0][0] - now))
+        due = min(now + POLL_S, self.deadlines[0][0] if self.deadlines else math.inf)
+        if self.deferred_until > now:
+            due = min(due, self.deferred_until)
+        return max(0.0, due - now)
 
     def accept(self, listener):
         if self.leave_to_sibling():  # stop polling the listener for a while; a sibling accepts
@@ -480,8 +479,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         gthread.util.close(conn.sock)
 
     def counts_closed(self, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.CLOSED.labels(reason).inc()
+        self.metrics.CLOSED.labels(reason).inc()
 
     def expire(self, now: float) -> None:
         while self.deadlines and self.deadlines[0][0] <= now:
@@ -490,7 +488,7 @@ class ConnectionWorker(gthread.ThreadWorker):
                 continue
             if conn.state == HEAD:
                 try:
-                    conn.sock.send(head_timeout_answer(self.header_timeout_s))
+                    conn.sock.send(self.head_timeout_answer)
                 except OSError:
                     pass
                 self.counts_closed(HEAD_TIMEOUT)
@@ -517,12 +515,9 @@ class ConnectionWorker(gthread.ThreadWorker):
             self.close(largest, EVICTED)
 
     def show_metrics(self) -> None:
-        if self.metrics is None:
-            return
         shown = (self.nr_conns, self.counts[IDLE], self.counts[NEW] + self.counts[HEAD])
-        if shown != self.shown:  # each set is a write to the worker's value file: only those that changed
-            for gauge, value, before in zip((self.metrics.OPEN, self.metrics.IDLE, self.metrics.AWAITING_HEAD),
-                                            shown, self.shown):
-                if value != before:
-                    gauge.set(value)
-            self.shown = shown
+        for gauge, value, before in zip((self.metrics.OPEN, self.metrics.IDLE, self.metrics.AWAITING_HEAD),
+                                        shown, self.shown):
+            if value != before:  # each set is a write to the worker's value file: only those that changed
+                gauge.set(value)
+        self.shown = shown
