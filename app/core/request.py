@@ -44,7 +44,7 @@ class Sizes:
 
 def admissible_factor(factor: object, n: int) -> int | None:
     """The factor as sent if it is one admission can read, else None (conversion refuses it)."""
-    return factor if type(factor) is int and 1 <= factor <= n else None
+    return factor if type(factor) is int and factor_refusal(factor, n) is None else None
 
 
 def request_sizes(n: int, dim: int, factor: int | None, outputs: tuple[str, ...] | None, *, objective: object,
@@ -86,8 +86,12 @@ def ordered_outputs(names) -> tuple[str, ...]:
     return tuple(name for name in OUTPUTS if name in names)
 
 
-def factor_out_of_range(n: int) -> str:
-    return f"Must be between 1 and N = {n}."
+def factor_refusal(factor: int | None, n: int | None) -> str | None:
+    """Why `factor` is refused for N vectors, None if it is not (None: the default); with N
+    not known (the vectors are refused) only its lower bound is checked."""
+    if factor is None or 1 <= factor <= (factor if n is None else n):
+        return None
+    return "Must be at least 1." if n is None else f"Must be between 1 and N = {n}."
 
 
 def unknown_objective(objectives: Mapping[str, Objective]) -> str:
@@ -115,9 +119,8 @@ def build_request(vectors: np.ndarray, *, objectives: Mapping[str, Objective] = 
     """A checked GradientRequest from values of the right types (the front ends check types);
     `objectives`: this server's (objectives.served_objectives)."""
     n = vectors.shape[0]
-    errors: dict[str, list[str]] = {}
-    if factor is not None and not 1 <= factor <= n:
-        errors["factor"] = [factor_out_of_range(n)]
+    refusal = factor_refusal(factor, n)
+    errors: dict[str, list[str]] = {} if refusal is None else {"factor": [refusal]}
     if objective not in objectives:
         errors["objective"] = [unknown_objective(objectives)]
     else:

@@ -29,16 +29,13 @@ from ..core.device import ready_device
 from ..core.errors import validation_error
 from ..core.objectives import Objective
 from ..core.request import (GradientRequest, Sizes, admissible_factor, build_request, default_factor,
-                            factor_out_of_range, ordered_outputs, request_sizes)
+                            factor_refusal, ordered_outputs, request_sizes)
 from ..core.run import Result, run
 from ..core.slots import Gate
 from ..core.vectors import MatrixError, to_matrix
 from ..extensions import KEY, Services
 from .body import cancel_probe, reserve_for_request
 from .record import RequestRecord
-
-# marshmallow's Range message: a factor under 1 when N is not known (the vectors are refused).
-FACTOR_AT_LEAST_ONE = "Must be greater than or equal to 1."
 
 
 @dataclass(frozen=True)
@@ -109,12 +106,8 @@ def convert(described: Described, objectives: Mapping[str, Objective]) -> Gradie
         except MatrixError as exc:
             errors["vectors"] = [str(exc)]
     if errors:  # the factor's range beside the other refusals (build_request checks it otherwise)
-        factor = described.fields.get("factor")
-        if type(factor) is int and matrix is not None and not 1 <= factor <= len(matrix):
-            errors["factor"] = [factor_out_of_range(len(matrix))]
-        elif type(factor) is int and matrix is None and factor < 1:
-            errors["factor"] = [FACTOR_AT_LEAST_ONE]
-        raise validation_error(errors)
+        refusal = factor_refusal(described.fields.get("factor"), None if matrix is None else len(matrix))
+        raise validation_error(errors if refusal is None else {**errors, "factor": [refusal]})
     return build_request(matrix, objectives=objectives, **described.fields)
 
 
