@@ -164,22 +164,13 @@ class ReadAlarm:
             WATCHDOG.cancel(self.alarm)
 
 
-def reserve_for_request(ledger: MemoryLedger, nbytes: int) -> None:
+def reserve_for_request(ledger: MemoryLedger, nbytes: int, upload: bool = False) -> None:
     """Hold `nbytes` for this request (replacing what it held): limit_exceeded (413) over the
-    budget alone, overloaded (503, Retry-After) when only the other requests are in the way."""
+    budget alone, overloaded (503, Retry-After) when only the other requests are in the way;
+    `upload`: a body with more to come, first held within the uploads' share too."""
     held = g.get("memory_reservation")
     if held is None:
-        g.memory_reservation = ledger.reserve(nbytes)
-    else:
-        held.resize(nbytes)
-
-
-def hold_for_upload(ledger: MemoryLedger, nbytes: int) -> None:
-    """Hold `nbytes` for this request's body while more of it is to come: within the budget and
-    the uploads' share (overloaded when other bodies still arriving fill it)."""
-    held = g.get("memory_reservation")
-    if held is None:
-        g.memory_reservation = ledger.reserve_upload(nbytes)
+        g.memory_reservation = ledger.reserve_upload(nbytes) if upload else ledger.reserve(nbytes)
     else:
         held.resize(nbytes)
 
@@ -190,7 +181,6 @@ def reserve_for_body(ledger: MemoryLedger, nbytes: int) -> None:
     if held is not None:
         held.settle()
     reserve_for_request(ledger, nbytes)
-
 
 
 SLICE_BYTES = 1024 * 1024
@@ -303,7 +293,7 @@ def read_arriving(request: Request, ledger: MemoryLedger) -> tuple[bytes, bool]:
     """The body, a piece at a time, and whether a chunked body goes on past the limit.
 
     After each whole piece with more to come, the request holds `upload_bytes` of what has
-    arrived (hold_for_upload); a short piece is the body's end (or the client's EOF).
+    arrived (reserve_for_request, as an upload); a short piece is the body's end (or the client's EOF).
     A chunked body has no Content-Length: werkzeug would stop at the limit without a word,
     handing over a truncated document; one byte more from the server's stream tells a body
     exactly at the limit from a longer one.
@@ -320,7 +310,7 @@ def read_arriving(request: Request, ledger: MemoryLedger) -> tuple[bytes, bool]:
         if len(piece) < step:
             break
         if end is None or len(buffer) < end:
-            hold_for_upload(ledger, upload_bytes(len(buffer)))
+            reserve_for_request(ledger, upload_bytes(len(buffer)), upload=True)
     more = (declared is None and limit is not None and len(buffer) >= limit
             and request.environ.get("wsgi.input_terminated") and request.environ["wsgi.input"].read(1))
     return bytes(buffer), bool(more)
