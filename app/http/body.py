@@ -30,13 +30,10 @@ from flask import Request, current_app, g
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from ..core.admission import MemoryLedger, body_parse_bytes, upload_bytes
+from ..core.host import CONN_STARTED_KEY
 from ..extensions import KEY
 from .sending import SOCKET_KEY
 from .errors import BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, incomplete_body, read_timeout
-
-# When the request's clock started (time.monotonic(): accept, or a kept-alive connection's
-# first new byte), set by the worker class (app/serving/worker.py); the read alarm counts from it.
-CONN_STARTED_KEY = "blockgrad.conn_started"
 
 
 def client_gone(sock: socket.socket) -> bool:
