@@ -1,8 +1,8 @@
 """Reading a request's body: from the client's socket, within its time and memory, to a document.
 
-- the socket (environ["gunicorn.socket"]; outside gunicorn there is none and these do
+- the socket (record.client_socket; outside gunicorn there is none and these do
   nothing): `client_gone` peeks for end-of-file, so that a computation stops when its client
-  leaves (`cancel_probe`, for the request's Deadline); `ReadAlarm` bounds the whole body by
+  leaves (the request's Deadline asks it); `ReadAlarm` bounds the whole body by
   BLOCKGRAD_READ_TIMEOUT_S (a socket timeout bounds one recv, not a body sent a byte at a time,
   so one watchdog thread per process shuts the read side at the deadline);
 - the memory: one reservation per request in the worker's ledger, grown with its body as it
@@ -32,7 +32,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from ..core.admission import MemoryLedger, body_parse_bytes, upload_bytes
 from ..core.host import CONN_STARTED_KEY
 from ..extensions import KEY
-from .sending import SOCKET_KEY
+from .record import client_socket
 from .errors import BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, incomplete_body, read_timeout
 
 
@@ -52,12 +52,6 @@ def client_gone(sock: socket.socket) -> bool:
         return False
     except (OSError, ValueError):  # reset, or already closed
         return True
-
-
-def cancel_probe(environ: dict[str, Any]) -> Callable[[], bool] | None:
-    """Whether the request's client has gone, for its Deadline; None outside gunicorn."""
-    sock = environ.get(SOCKET_KEY)
-    return (lambda: client_gone(sock)) if isinstance(sock, socket.socket) else None
 
 
 class Alarm:
@@ -138,12 +132,11 @@ def shut_reading(sock: socket.socket) -> Callable[[], None]:
 
 
 class ReadAlarm:
-    """`with ReadAlarm(environ, seconds) as alarm:` read the body; `alarm.fired` if it took too long."""
+    """`with ReadAlarm(sock, seconds, started) as alarm:` read the body; `alarm.fired` if it took
+    too long (`seconds` from `started`, when given; no alarm without a socket)."""
 
-    def __init__(self, environ: dict[str, Any], seconds: float):
-        sock = environ.get(SOCKET_KEY)
-        self.sock = sock if isinstance(sock, socket.socket) else None
-        started = environ.get(CONN_STARTED_KEY)
+    def __init__(self, sock: socket.socket | None, seconds: float, started: float | None):
+        self.sock = sock
         self.seconds = seconds if started is None else max(0.0, started + seconds - time.monotonic())
         self.alarm: Alarm | None = None
 
@@ -260,7 +253,8 @@ def read_body(request: Request) -> bytes:
     if parse_bytes is not None:  # the request's own size alone: what others hold plays no part
         ledger.check_budget(parse_bytes)
     seconds = served.settings.read_timeout_s
-    with ReadAlarm(request.environ, seconds) as alarm:
+    environ = request.environ
+    with ReadAlarm(client_socket(environ), seconds, environ.get(CONN_STARTED_KEY)) as alarm:
         try:
             data, more = read_arriving(request, ledger)
         except Exception as exc:

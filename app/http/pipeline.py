@@ -34,8 +34,8 @@ from ..core.run import Result, run
 from ..core.slots import Gate
 from ..core.vectors import MatrixError, to_matrix
 from ..extensions import KEY, Services
-from .body import cancel_probe, reserve_for_request
-from .record import RequestRecord
+from .body import client_gone, reserve_for_request
+from .record import RequestRecord, client_socket
 
 
 @dataclass(frozen=True)
@@ -136,8 +136,9 @@ def compute(req: GradientRequest, described: Described, served: Services) -> Com
 
 def request_deadline(served: Services) -> slots.Deadline:
     """This request's deadline, counted from its arrival; stops when its client goes away."""
+    sock = client_socket(request.environ)
     return slots.Deadline(served.settings.request_timeout_s, started=g.get("arrived"),
-                                    cancelled=cancel_probe(request.environ))
+                          cancelled=None if sock is None else (lambda: client_gone(sock)))
 
 
 @dataclass(frozen=True)
