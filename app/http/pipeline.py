@@ -28,8 +28,8 @@ from ..core.admission import AnswerCost, admit
 from ..core.device import ready_device
 from ..core.errors import validation_error
 from ..core.objectives import Objective
-from ..core.request import (GradientRequest, Sizes, admissible_factor, build_request, default_factor,
-                            factor_refusal, ordered_outputs, request_sizes)
+from ..core.request import (GradientRequest, Sizes, build_request, default_factor, factor_refusal, ordered_outputs,
+                            request_sizes)
 from ..core.run import Result, run
 from ..core.slots import Gate
 from ..core.vectors import MatrixError, to_matrix
@@ -83,7 +83,7 @@ def validated_sizes(described: Described, objectives: Mapping[str, Objective]) -
         return None
     factor = fields.get("factor", default_factor(n)) if "factor" not in errors else None
     outputs = ordered_outputs(fields["outputs"]) if "outputs" in fields and "outputs" not in errors else None
-    return request_sizes(n, described.dim, admissible_factor(factor, n), outputs,
+    return request_sizes(n, described.dim, factor, outputs,
                          objective=fields.get("objective"), dtype=fields.get("dtype"), objectives=objectives)
 
 
