@@ -156,21 +156,16 @@ class ReadAlarm:
 
 def reserve_for_request(ledger: MemoryLedger, nbytes: int, upload: bool = False) -> None:
     """Hold `nbytes` for this request (replacing what it held): limit_exceeded (413) over the
-    budget alone, overloaded (503, Retry-After) when only the other requests are in the way;
-    `upload`: a body with more to come, first held within the uploads' share too."""
+    budget alone, overloaded (503, Retry-After) when only the other requests are in the way.
+    `upload`: a body with more to come, held within the uploads' share too; without it, the
+    body has arrived and the reservation counts against the budget only."""
     held = g.get("memory_reservation")
     if held is None:
         g.memory_reservation = ledger.reserve_upload(nbytes) if upload else ledger.reserve(nbytes)
-    else:
-        held.resize(nbytes)
-
-
-def reserve_for_body(ledger: MemoryLedger, nbytes: int) -> None:
-    """The body has arrived: hold `nbytes` (what parsing it may take) against the budget only."""
-    held = g.get("memory_reservation")
-    if held is not None:
+        return
+    if not upload:
         held.settle()
-    reserve_for_request(ledger, nbytes)
+    held.resize(nbytes)
 
 
 SLICE_BYTES = 1024 * 1024
@@ -271,7 +266,7 @@ def read_body(request: Request) -> bytes:
         raise incomplete_body(len(data), declared)
     if parse_bytes is None or len(data) != declared:  # else what was checked above
         parse_bytes = body_parse_bytes(len(data), binary=binary)
-    reserve_for_body(ledger, parse_bytes)
+    reserve_for_request(ledger, parse_bytes)  # what parsing it may take
     return data
 
 
