@@ -11,7 +11,8 @@ import orjson
 import torch
 
 from app.api.v1.schemas import GradientRequestSchema
-from app.core.engine import add_to_vectors, band_blocks, block_bounds, chain_rule_sums, iter_bands
+from app.core.engine import (DEFAULT_CHUNK_ELEMENTS, add_to_vectors, band_blocks, block_bounds, chain_rule_sums,
+                             chunk_gradients, plan_bands)
 from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest, build_request
 from app.core.run import Deadline, run
@@ -59,7 +60,8 @@ def floor_body(req: GradientRequest) -> bytes:
                               device=DEVICE)  # (N, D), on the device the service uses
     accumulated = torch.zeros_like(vectors)  # (N, D)
     kept = []
-    for band in iter_bands(vectors, req.factor, OBJECTIVES[req.objective], req.offset):
+    for band in plan_bands(req.n, req.dim, req.factor, DEFAULT_CHUNK_ELEMENTS):
+        band = [chunk_gradients(vectors, chunk, OBJECTIVES[req.objective], req.offset) for chunk in band]
         for result in band:
             add_to_vectors(accumulated, accumulated, result.chunk, chain_rule_sums(result))
         kept.extend({"row": block.r, "col": block.c, "rows": block.row_span, "cols": block.col_span,

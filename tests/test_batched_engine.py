@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from app.core.engine import Chunk, band_blocks, block_bounds, elements_per_chunk, iter_bands, pair_blocks, plan_bands
+from app.core.engine import (Chunk, band_blocks, block_bounds, chunk_gradients, elements_per_chunk, pair_blocks,
+                             plan_bands)
 from app.core.objectives import OBJECTIVES
 from app.core.request import GradientRequest, default_factor
 from app.core.run import Deadline, load_vectors, pass_one
@@ -19,8 +20,9 @@ DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 def iter_blocks(vectors, factor, objective, offset, max_elements=1024 * 1024):
-    bands = iter_bands(vectors, factor, objective, offset, max_elements)
-    return [block for band in bands for block in band_blocks(band)]
+    """Every block as the run takes them: the plan's bands, each chunk computed, taken apart."""
+    return [block for band in plan_bands(*vectors.shape, factor, max_elements)
+            for block in band_blocks([chunk_gradients(vectors, chunk, objective, offset) for chunk in band])]
 
 
 def block_numbers(chunk: Chunk, dim: int) -> int:

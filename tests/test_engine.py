@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.core.engine import add_to_vectors, band_blocks, block_bounds, chain_rule_sums, iter_bands
+from app.core.engine import add_to_vectors, band_blocks, block_bounds, chain_rule_sums, chunk_gradients, plan_bands
 from app.core.request import GradientRequest, default_factor
 from app.core.run import Deadline, run
 from app.core.settings import Settings
@@ -25,10 +25,11 @@ SHAPES = [  # (N, D, F): default split, N not divisible by F, F = 1, F = N, N = 
 
 def engine_run(vectors, factor, objective, offset=5.0, max_elements=4 * 1024 * 1024):
     blocks, accumulated = [], torch.zeros_like(vectors)
-    for band in iter_bands(vectors, factor, OBJECTIVES[objective], offset, max_elements):
-        for result in band:
+    for band in plan_bands(*vectors.shape, factor, max_elements):
+        results = [chunk_gradients(vectors, chunk, OBJECTIVES[objective], offset) for chunk in band]
+        for result in results:
             add_to_vectors(accumulated, accumulated, result.chunk, chain_rule_sums(result))
-        blocks.extend(band_blocks(band))
+        blocks.extend(band_blocks(results))
     return blocks, accumulated
 
 

@@ -188,3 +188,9 @@ def test_every_error_body_fits_even_with_many_long_details(monkeypatch):
     response = client.post("/v1/gradients", json={"vectors": [[1.0]]})
     assert_error(response, 422, "validation_error")
     assert len(response.get_data()) <= MAX_ERROR_BODY_BYTES
+
+
+@pytest.mark.parametrize("document", [b"[1, 2]", b"3", b'"vectors"'])
+def test_a_body_that_is_not_an_object_is_a_422_saying_so(client, document):
+    error = assert_error(client.post("/v1/gradients", data=document, headers=JSON), 422, "validation_error")
+    assert "JSON object" in error["message"] and list(error["details"]["fields"]) == ["_schema"]

@@ -121,7 +121,7 @@ def test_a_factor_out_of_range_gets_one_message_naming_n(client, factor):
 
 def test_a_factor_under_one_without_valid_vectors_still_names_the_bound(client):
     error = assert_error(client.post("/v1/gradients", json={"vectors": "x", "factor": 0}), 422, "validation_error")
-    assert error["details"]["fields"]["factor"] == ["Must be greater than or equal to 1."]
+    assert error["details"]["fields"]["factor"] == ["Must be at least 1."]
     assert "vectors" in error["details"]["fields"]
 
 

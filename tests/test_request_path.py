@@ -9,7 +9,7 @@ import torch
 from app import create_app
 from app.api.v1.gradients import stream_with_blocks
 from app.core import run as executor
-from app.core.engine import band_blocks, iter_bands
+from app.core.engine import band_blocks, chunk_gradients, plan_bands
 from app.core.admission import check_block_and_answer
 from app.core.request import GradientRequest, Sizes
 from app.core.errors import BlockgradError
@@ -90,7 +90,8 @@ def test_finiteness_recheck_skips_blocks_that_are_finite(monkeypatch):
 def test_stream_is_one_json_document_whatever_the_chunking(monkeypatch, chunk_bytes):
     monkeypatch.setattr("app.api.v1.gradients.CHUNK_BYTES", chunk_bytes)
     vectors = torch.randn(7, 2)
-    blocks = [block for band in iter_bands(vectors, 3, OBJECTIVES["logsumexp"], 5.0) for block in band_blocks(band)]
+    blocks = [block for band in plan_bands(7, 2, 3, 1024 * 1024)
+              for block in band_blocks([chunk_gradients(vectors, chunk, OBJECTIVES["logsumexp"], 5.0) for chunk in band])]
     head = {"n": 7, "accumulated": to_numpy(torch.zeros(7, 2))}
     chunks = list(stream_with_blocks(head, iter(blocks)))
     body = json.loads(b"".join(chunks))

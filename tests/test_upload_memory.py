@@ -60,12 +60,13 @@ def test_the_reservation_grows_with_the_body_from_nothing(monkeypatch):
     app = create_app({"TESTING": True})
     ledger = services_of(app).ledger
     seen = []
-    original = http_memory.hold_for_upload
+    original = http_memory.reserve_for_request
 
-    def spy(held_in, nbytes):
-        seen.append((nbytes, ledger.reserved))
-        original(held_in, nbytes)
-    monkeypatch.setattr("app.http.body.hold_for_upload", spy)
+    def spy(held_in, nbytes, upload=False):
+        if upload:
+            seen.append((nbytes, ledger.reserved))
+        original(held_in, nbytes, upload)
+    monkeypatch.setattr("app.http.body.reserve_for_request", spy)
     body = orjson.dumps(LARGE)
     assert len(body) > 3 * BODY_PIECE_BYTES
     response = app.test_client().post("/v1/gradients", data=body, content_type="application/json")
@@ -79,7 +80,12 @@ def test_the_reservation_grows_with_the_body_from_nothing(monkeypatch):
 
 def test_a_small_body_is_never_an_upload(monkeypatch):
     app = create_app({"TESTING": True})
-    monkeypatch.setattr("app.http.body.hold_for_upload", lambda ledger, nbytes: pytest.fail("held as an upload"))
+    original = http_memory.reserve_for_request
+
+    def refuse_uploads(held_in, nbytes, upload=False):
+        assert not upload, "held as an upload"
+        original(held_in, nbytes)
+    monkeypatch.setattr("app.http.body.reserve_for_request", refuse_uploads)
     assert app.test_client().post("/v1/gradients", json=GOOD).status_code == 200
 
 

@@ -17,7 +17,7 @@ class JsonNumber(fields.Float):
 
 class FactorRange(Range):
     """Documents `minimum: 1` and checks nothing: a factor is checked where N is known (the
-    core's build_request: "Must be between 1 and N = <n>.")."""
+    core's factor_refusal: "Must be between 1 and N = <n>.")."""
 
     def __init__(self):
         super().__init__(min=1)

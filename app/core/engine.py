@@ -171,13 +171,6 @@ def chunk_gradients(vectors: torch.Tensor, chunk: Chunk, objective: Objective, o
     return ChunkResult(chunk, losses.detach().reshape(kr, kc), grad.reshape(pairs.shape))
 
 
-def iter_bands(vectors: torch.Tensor, factor: int, objective: Objective, offset: float,
-               max_elements: int = DEFAULT_CHUNK_ELEMENTS) -> Iterator[list[ChunkResult]]:
-    """Every chunk's result, a band at a time, row-block-major across bands."""
-    for band in plan_bands(vectors.shape[0], vectors.shape[1], factor, max_elements):
-        yield [chunk_gradients(vectors, chunk, objective, offset) for chunk in band]
-
-
 def band_blocks(results: list[ChunkResult]) -> Iterator[Block]:
     """A band's chunk results taken apart into blocks, row-block-major."""
     # unbind makes every block's views in one call, not one indexing call per block.

@@ -68,6 +68,11 @@ def invalid_request(message: str) -> BlockgradError:
     return BlockgradError("validation_error", message)
 
 
+def not_an_object(messages: list[str]) -> BlockgradError:
+    """/v1: the body is JSON but not an object; `messages`: the schema's."""
+    return validation_error({"_schema": messages}, "The body must be a JSON object with at least `vectors`.")
+
+
 def field_error(field: str, message: str) -> BlockgradError:
     return validation_error({field: [message]})
 

@@ -8,6 +8,10 @@ from contextlib import AbstractContextManager, nullcontext
 
 from .slots import SlotSource
 
+# environ key: when the request's clock started (time.monotonic(): accept, or a kept-alive connection's
+# first new byte), set by the worker class (app/serving/worker.py); the body's read alarm counts from it.
+CONN_STARTED_KEY = "blockgrad.conn_started"
+
 slots: SlotSource | None = None  # the pod's, shared by every worker
 scrape_lock: Callable[[], AbstractContextManager] = nullcontext  # held while /metrics reads the value files
 

@@ -135,6 +135,8 @@ OBJECTIVES: dict[str, Objective] = {objective.name: objective for objective in (
 )}
 DEFAULT_OBJECTIVE = "sum"
 DEFAULT_OFFSET = 5.0
+
+
 def served_objectives(settings: Settings) -> dict[str, Objective]:
     """Built-ins first, then models by name; raises ModelError for a file that cannot be served."""
     return {**OBJECTIVES, **load_models(settings.model_dir, OBJECTIVES)}

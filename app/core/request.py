@@ -25,8 +25,8 @@ BLOCK_CAP = 6  # default factor ceil(N / 6): blocks of about six rows
 class Sizes:
     """N, D >= 1 once made (validation_error otherwise): every front end makes one before it admits
     a request, so no limit, cost or memory model ever reads an N or D of 0 (they divide by them).
-    A factor outside 1..N or an unknown dtype never gets here: the front ends send None
-    (`admissible_factor`) and the default dtype (`request_sizes`)."""
+    A factor outside 1..N or an unknown dtype never gets here: `request_sizes` makes them None
+    and the default dtype."""
     n: int
     dim: int
     factor: int | None  # None: not valid as sent (the request is refused when converted)
@@ -42,15 +42,11 @@ class Sizes:
             raise field_error("vectors", EMPTY_ROWS)
 
 
-def admissible_factor(factor: object, n: int) -> int | None:
-    """The factor as sent if it is one admission can read, else None (conversion refuses it)."""
-    return factor if type(factor) is int and 1 <= factor <= n else None
-
-
 def request_sizes(n: int, dim: int, factor: int | None, outputs: tuple[str, ...] | None, *, objective: object,
                   dtype: object, objectives: Mapping[str, Objective]) -> Sizes:
-    """Sizes as sent; an objective or dtype left out, or one that conversion will refuse, is
-    predicted as the default (a refusal is near)."""
+    """Sizes as sent; a factor outside 1..N is None, and an objective or dtype left out, or one
+    that conversion will refuse, is predicted as the default (conversion refuses it)."""
+    factor = factor if factor_refusal(factor, n) is None else None
     dtype = dtype if isinstance(dtype, str) and dtype in DTYPES else DEFAULT_DTYPE
     objective = objective if isinstance(objective, str) and objective in objectives else DEFAULT_OBJECTIVE
     return Sizes(n, dim, factor, outputs, objective=objective, dtype=dtype,
@@ -86,8 +82,12 @@ def ordered_outputs(names) -> tuple[str, ...]:
     return tuple(name for name in OUTPUTS if name in names)
 
 
-def factor_out_of_range(n: int) -> str:
-    return f"Must be between 1 and N = {n}."
+def factor_refusal(factor: int | None, n: int | None) -> str | None:
+    """Why `factor` is refused for N vectors, or None (a factor of None stands for the default);
+    with N not known (the vectors are refused) only its lower bound is checked."""
+    if factor is None or 1 <= factor <= (factor if n is None else n):
+        return None
+    return "Must be at least 1." if n is None else f"Must be between 1 and N = {n}."
 
 
 def unknown_objective(objectives: Mapping[str, Objective]) -> str:
@@ -115,9 +115,8 @@ def build_request(vectors: np.ndarray, *, objectives: Mapping[str, Objective] = 
     """A checked GradientRequest from values of the right types (the front ends check types);
     `objectives`: this server's (objectives.served_objectives)."""
     n = vectors.shape[0]
-    errors: dict[str, list[str]] = {}
-    if factor is not None and not 1 <= factor <= n:
-        errors["factor"] = [factor_out_of_range(n)]
+    refusal = factor_refusal(factor, n)
+    errors: dict[str, list[str]] = {} if refusal is None else {"factor": [refusal]}
     if objective not in objectives:
         errors["objective"] = [unknown_objective(objectives)]
     else:

@@ -1,8 +1,8 @@
 """Reading a request's body: from the client's socket, within its time and memory, to a document.
 
-- the socket (environ["gunicorn.socket"]; outside gunicorn there is none and these do
+- the socket (record.client_socket; outside gunicorn there is none and these do
   nothing): `client_gone` peeks for end-of-file, so that a computation stops when its client
-  leaves (`cancel_probe`, for the request's Deadline); `ReadAlarm` bounds the whole body by
+  leaves (the request's Deadline asks it); `ReadAlarm` bounds the whole body by
   BLOCKGRAD_READ_TIMEOUT_S (a socket timeout bounds one recv, not a body sent a byte at a time,
   so one watchdog thread per process shuts the read side at the deadline);
 - the memory: one reservation per request in the worker's ledger, grown with its body as it
@@ -30,13 +30,10 @@ from flask import Request, current_app, g
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from ..core.admission import MemoryLedger, body_parse_bytes, upload_bytes
+from ..core.host import CONN_STARTED_KEY
 from ..extensions import KEY
-from .sending import SOCKET_KEY
+from .record import client_socket
 from .errors import BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, incomplete_body, read_timeout
-
-# When the request's clock started (time.monotonic(): accept, or a kept-alive connection's
-# first new byte), set by the worker class (app/serving/worker.py); the read alarm counts from it.
-CONN_STARTED_KEY = "blockgrad.conn_started"
 
 
 def client_gone(sock: socket.socket) -> bool:
@@ -55,12 +52,6 @@ def client_gone(sock: socket.socket) -> bool:
         return False
     except (OSError, ValueError):  # reset, or already closed
         return True
-
-
-def cancel_probe(environ: dict[str, Any]) -> Callable[[], bool] | None:
-    """Whether the request's client has gone, for its Deadline; None outside gunicorn."""
-    sock = environ.get(SOCKET_KEY)
-    return (lambda: client_gone(sock)) if isinstance(sock, socket.socket) else None
 
 
 class Alarm:
@@ -141,12 +132,11 @@ def shut_reading(sock: socket.socket) -> Callable[[], None]:
 
 
 class ReadAlarm:
-    """`with ReadAlarm(environ, seconds) as alarm:` read the body; `alarm.fired` if it took too long."""
+    """`with ReadAlarm(sock, seconds, started) as alarm:` read the body; `alarm.fired` if it took
+    too long (`seconds` from `started`, when given; no alarm without a socket)."""
 
-    def __init__(self, environ: dict[str, Any], seconds: float):
-        sock = environ.get(SOCKET_KEY)
-        self.sock = sock if isinstance(sock, socket.socket) else None
-        started = environ.get(CONN_STARTED_KEY)
+    def __init__(self, sock: socket.socket | None, seconds: float, started: float | None):
+        self.sock = sock
         self.seconds = seconds if started is None else max(0.0, started + seconds - time.monotonic())
         self.alarm: Alarm | None = None
 
@@ -164,33 +154,18 @@ class ReadAlarm:
             WATCHDOG.cancel(self.alarm)
 
 
-def reserve_for_request(ledger: MemoryLedger, nbytes: int) -> None:
+def reserve_for_request(ledger: MemoryLedger, nbytes: int, upload: bool = False) -> None:
     """Hold `nbytes` for this request (replacing what it held): limit_exceeded (413) over the
-    budget alone, overloaded (503, Retry-After) when only the other requests are in the way."""
+    budget alone, overloaded (503, Retry-After) when only the other requests are in the way.
+    `upload`: a body with more to come, held within the uploads' share too; without it, the
+    body has arrived and the reservation counts against the budget only."""
     held = g.get("memory_reservation")
     if held is None:
-        g.memory_reservation = ledger.reserve(nbytes)
-    else:
-        held.resize(nbytes)
-
-
-def hold_for_upload(ledger: MemoryLedger, nbytes: int) -> None:
-    """Hold `nbytes` for this request's body while more of it is to come: within the budget and
-    the uploads' share (overloaded when other bodies still arriving fill it)."""
-    held = g.get("memory_reservation")
-    if held is None:
-        g.memory_reservation = ledger.reserve_upload(nbytes)
-    else:
-        held.resize(nbytes)
-
-
-def reserve_for_body(ledger: MemoryLedger, nbytes: int) -> None:
-    """The body has arrived: hold `nbytes` (what parsing it may take) against the budget only."""
-    held = g.get("memory_reservation")
-    if held is not None:
+        g.memory_reservation = ledger.reserve_upload(nbytes) if upload else ledger.reserve(nbytes)
+        return
+    if not upload:
         held.settle()
-    reserve_for_request(ledger, nbytes)
-
+    held.resize(nbytes)
 
 
 SLICE_BYTES = 1024 * 1024
@@ -273,7 +248,8 @@ def read_body(request: Request) -> bytes:
     if parse_bytes is not None:  # the request's own size alone: what others hold plays no part
         ledger.check_budget(parse_bytes)
     seconds = served.settings.read_timeout_s
-    with ReadAlarm(request.environ, seconds) as alarm:
+    environ = request.environ
+    with ReadAlarm(client_socket(environ), seconds, environ.get(CONN_STARTED_KEY)) as alarm:
         try:
             data, more = read_arriving(request, ledger)
         except Exception as exc:
@@ -290,7 +266,7 @@ def read_body(request: Request) -> bytes:
         raise incomplete_body(len(data), declared)
     if parse_bytes is None or len(data) != declared:  # else what was checked above
         parse_bytes = body_parse_bytes(len(data), binary=binary)
-    reserve_for_body(ledger, parse_bytes)
+    reserve_for_request(ledger, parse_bytes)  # what parsing it may take
     return data
 
 
@@ -303,7 +279,7 @@ def read_arriving(request: Request, ledger: MemoryLedger) -> tuple[bytes, bool]:
     """The body, a piece at a time, and whether a chunked body goes on past the limit.
 
     After each whole piece with more to come, the request holds `upload_bytes` of what has
-    arrived (hold_for_upload); a short piece is the body's end (or the client's EOF).
+    arrived (reserve_for_request, as an upload); a short piece is the body's end (or the client's EOF).
     A chunked body has no Content-Length: werkzeug would stop at the limit without a word,
     handing over a truncated document; one byte more from the server's stream tells a body
     exactly at the limit from a longer one.
@@ -320,7 +296,7 @@ def read_arriving(request: Request, ledger: MemoryLedger) -> tuple[bytes, bool]:
         if len(piece) < step:
             break
         if end is None or len(buffer) < end:
-            hold_for_upload(ledger, upload_bytes(len(buffer)))
+            reserve_for_request(ledger, upload_bytes(len(buffer)), upload=True)
     more = (declared is None and limit is not None and len(buffer) >= limit
             and request.environ.get("wsgi.input_terminated") and request.environ["wsgi.input"].read(1))
     return bytes(buffer), bool(more)

@@ -20,7 +20,7 @@ from werkzeug.exceptions import HTTPException
 from ..core import errors as core
 from ..core.errors import BlockgradError, cut_text
 from ..extensions import services_of
-from .sending import drop_connection
+from .record import drop_connection
 
 log = logging.getLogger("blockgrad")
 

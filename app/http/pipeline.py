@@ -28,17 +28,14 @@ from ..core.admission import AnswerCost, admit
 from ..core.device import ready_device
 from ..core.errors import validation_error
 from ..core.objectives import Objective
-from ..core.request import (GradientRequest, Sizes, admissible_factor, build_request, default_factor,
-                            factor_out_of_range, ordered_outputs, request_sizes)
+from ..core.request import (GradientRequest, Sizes, build_request, default_factor, factor_refusal, ordered_outputs,
+                            request_sizes)
 from ..core.run import Result, run
 from ..core.slots import Gate
 from ..core.vectors import MatrixError, to_matrix
 from ..extensions import KEY, Services
-from .body import cancel_probe, reserve_for_request
-from .record import RequestRecord
-
-# marshmallow's Range message: a factor under 1 when N is not known (the vectors are refused).
-FACTOR_AT_LEAST_ONE = "Must be greater than or equal to 1."
+from .body import client_gone, reserve_for_request
+from .record import RequestRecord, client_socket
 
 
 @dataclass(frozen=True)
@@ -86,7 +83,7 @@ def validated_sizes(described: Described, objectives: Mapping[str, Objective]) -
         return None
     factor = fields.get("factor", default_factor(n)) if "factor" not in errors else None
     outputs = ordered_outputs(fields["outputs"]) if "outputs" in fields and "outputs" not in errors else None
-    return request_sizes(n, described.dim, admissible_factor(factor, n), outputs,
+    return request_sizes(n, described.dim, factor, outputs,
                          objective=fields.get("objective"), dtype=fields.get("dtype"), objectives=objectives)
 
 
@@ -109,12 +106,8 @@ def convert(described: Described, objectives: Mapping[str, Objective]) -> Gradie
         except MatrixError as exc:
             errors["vectors"] = [str(exc)]
     if errors:  # the factor's range beside the other refusals (build_request checks it otherwise)
-        factor = described.fields.get("factor")
-        if type(factor) is int and matrix is not None and not 1 <= factor <= len(matrix):
-            errors["factor"] = [factor_out_of_range(len(matrix))]
-        elif type(factor) is int and matrix is None and factor < 1:
-            errors["factor"] = [FACTOR_AT_LEAST_ONE]
-        raise validation_error(errors)
+        refusal = factor_refusal(described.fields.get("factor"), None if matrix is None else len(matrix))
+        raise validation_error(errors if refusal is None else {**errors, "factor": [refusal]})
     return build_request(matrix, objectives=objectives, **described.fields)
 
 
@@ -143,8 +136,9 @@ def compute(req: GradientRequest, described: Described, served: Services) -> Com
 
 def request_deadline(served: Services) -> slots.Deadline:
     """This request's deadline, counted from its arrival; stops when its client goes away."""
+    sock = client_socket(request.environ)
     return slots.Deadline(served.settings.request_timeout_s, started=g.get("arrived"),
-                                    cancelled=cancel_probe(request.environ))
+                          cancelled=None if sock is None else (lambda: client_gone(sock)))
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,9 @@ Logs: one JSON object per line on stderr. The "blockgrad" logger (and its childr
 pytest's caplog sees them. Request payloads are never logged: the per-request line holds sizes
 and timings only. Metrics: prometheus-client's, defined in metrics.py.
 
+The client's socket is looked up here (`client_socket`), where the answer's writes get their
+send timeout; the deadline, the read alarm and a client_closed answer's drop use it too.
+
 `worker_timeout` is a code only the log line and the errors metric carry: gunicorn killed
 the worker past its timeout, and its worker_abort hook calls `abort_in_flight` to log every
 request still in flight with it, before the worker exits.
@@ -35,13 +38,29 @@ from ..core.admission import output_elements
 from ..core.slots import GateListener
 from ..extensions import KEY
 from . import metrics
-from .sending import PIECE_BYTES, SOCKET_KEY, WatchedBody
+from .sending import PIECE_BYTES, WatchedBody
 
+SOCKET_KEY = "gunicorn.socket"  # the client's socket, as gunicorn hands it to the app
 REQUEST_ID_HEADER = "X-Request-ID"
 # An incoming id is echoed into headers and logs, so only a short, plain token is kept.
 SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 
 request_log = logging.getLogger("blockgrad.request")
+
+
+def client_socket(environ: dict[str, Any]) -> socket.socket | None:
+    """The client's socket (to time out a write, see it gone, shut it); None outside gunicorn."""
+    sock = environ.get(SOCKET_KEY)
+    return sock if isinstance(sock, socket.socket) else None
+
+
+def drop_connection(environ: dict[str, Any]) -> None:
+    """Shut both directions of the client's connection, so that nothing more reaches it: the
+    server's next write fails (EPIPE), which servers take as the client gone, and they close."""
+    sock = client_socket(environ)
+    if sock is not None:
+        with suppress(OSError):  # already gone
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def request_id_from(header: str | None) -> str:
@@ -192,8 +211,8 @@ def after_request(response: Response) -> Response:
         state.request_id = request_id_from(req.headers.get(REQUEST_ID_HEADER))
     response.headers[REQUEST_ID_HEADER] = state.request_id
     send_timeout_s = current_app.extensions[KEY].settings.send_timeout_s
-    sock = req.environ.get(SOCKET_KEY)
-    if isinstance(sock, socket.socket):  # from here on it only writes: each write may wait this long
+    sock = client_socket(req.environ)
+    if sock is not None:  # from here on it only writes: each write may wait this long
         with suppress(OSError):
             sock.settimeout(send_timeout_s)
     finish = finisher(response.status_code, state, route_of(req), req.method)

@@ -3,23 +3,19 @@ handed to the server in pieces under a send timeout, and why a streamed body end
 
 With a socket timeout on writes (set by record.after_request) and no write larger than
 PIECE_BYTES, a write that times out made no progress for about BLOCKGRAD_SEND_TIMEOUT_S;
-`drop_connection` shuts a gone client's socket instead of writing (client_closed). Codes only the log line and the errors
+record.drop_connection shuts a gone client's socket instead of writing (client_closed). Codes only the log line and the errors
 metric carry (never an answer's body): `client_closed` (the client went away), `send_timeout`
 (a write made no progress for the send timeout), or the error that stopped the computation
 between two blocks.
 """
-import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
 
 import numpy as np
 import orjson
 import torch
 
 from ..core.errors import BlockgradError
-
-SOCKET_KEY = "gunicorn.socket"  # the client's socket, as gunicorn hands it to the app
 
 NUMPY = orjson.OPT_SERIALIZE_NUMPY
 
@@ -73,17 +69,6 @@ def gather(pieces: Iterator[bytes], chunk_bytes: int) -> Iterator[bytes]:
 
 
 PIECE_BYTES = 1024 * 1024
-
-
-def drop_connection(environ: dict[str, Any]) -> None:
-    """Shut both directions of the client's connection, so that nothing more reaches it: the
-    server's next write fails (EPIPE), which servers take as the client gone, and they close."""
-    sock = environ.get(SOCKET_KEY)
-    if isinstance(sock, socket.socket):
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # already gone
-            pass
 
 
 def pieces(item: bytes) -> Iterator[bytes]:

@@ -39,11 +39,9 @@ from gunicorn.http.message import DEFAULT_MAX_HEADERFIELD_SIZE, MAX_HEADERS, MAX
 from gunicorn.workers import gthread
 
 from app.core import host
+from app.core.host import CONN_STARTED_KEY
 from app.core.settings import Settings
 from app.serving.settings import ServingSettings
-
-# The instant (time.monotonic()) the request's clock started, read by app/http/body.py.
-CONN_STARTED_KEY = "blockgrad.conn_started"
 
 RECV_BYTES = 64 * 1024
 HEAD_END = b"\r\n\r\n"

@@ -20,7 +20,7 @@ from marshmallow import Schema, ValidationError
 from ...core.admission import AnswerCost, output_elements
 from ...core.dtypes import DEFAULT_DTYPE, DTYPES, WIDEST
 from ...core.engine import Block
-from ...core.errors import many_unknown, unknown_fields, validation_error
+from ...core.errors import many_unknown, not_an_object, unknown_fields
 from ...core.run import Result
 from ...http import body  # body.read_body looked up per request (tests replace it)
 from ...http.body import decode_document, is_json_mimetype
@@ -34,7 +34,6 @@ blp = Blueprint("gradients", __name__, url_prefix="/v1",
                 description="Per-block gradients of the pairwise feature matrix.")
 
 SCHEMA = GradientRequestSchema()  # one instance: not rebuilt (deep-copied fields) per request
-NOT_AN_OBJECT = "The body must be a JSON object with at least `vectors`."
 CHUNK_BYTES = 256 * 1024
 # An answer of at most this many numbers whose blocks were kept from pass one (computed and
 # proven finite) goes out whole, with a Content-Length, in one write instead of a chunk per
@@ -70,7 +69,7 @@ def decode(request: Request, schema: Schema = SCHEMA) -> Described:
     except ValidationError as exc:
         if not isinstance(exc.messages, dict) or set(exc.messages) == {"_schema"}:  # not an object
             messages = exc.messages["_schema"] if isinstance(exc.messages, dict) else exc.messages
-            raise validation_error({"_schema": messages}, NOT_AN_OBJECT) from None
+            raise not_an_object(messages) from None
         fields, errors = exc.valid_data, exc.messages
     vectors = fields.pop("vectors", None)
     n = dim = None
