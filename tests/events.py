@@ -4,6 +4,7 @@ test holding them all: HeldSlots). Read from the server's /metrics and from /pro
 loopback IPv4), each wait bounded by tools.server.wait_until."""
 import os
 import re
+import threading
 from pathlib import Path
 
 import requests
@@ -12,6 +13,19 @@ from app.serving.slots import SLOT_PREFIX, PodSlots
 
 LISTEN, ESTABLISHED = "0A", "01"  # the TCP state column of /proc/net/tcp
 HOLD_WAIT_S = 120  # bound on taking the pod's slots; reached only on failure
+
+
+def background(call) -> tuple[threading.Thread, list]:
+    """A daemon thread (not started) that runs `call` once; its answer, or what it raised, lands
+    in the list (read by the test's assertions)."""
+    results: list = []
+
+    def run():
+        try:
+            results.append(call())
+        except Exception as exc:  # noqa: BLE001 - the test reports it
+            results.append(exc)
+    return threading.Thread(target=run, daemon=True), results
 
 
 def in_flight(server) -> float:

@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import socket
-import threading
 
 import numpy as np
 import pytest
@@ -28,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.core.settings import available_cores
 from app.serving.slots import PodSlots
 from blockgrad_client import Client
-from tests.events import HeldSlots, connected_workers, connection_owner, slot_directory
+from tests.events import HeldSlots, background, connected_workers, connection_owner, slot_directory
 from tests.test_api import GOOD
 from tools.server import gunicorn_server, wait_until
 
@@ -244,14 +243,8 @@ def test_the_client_package_resends_the_killed_workers_request(server):
     request in flight, waiting for a slot the test holds, so certainly unanswered) was
     SIGKILLed; the resend is seen waiting on a live worker before the slots are let go."""
     vectors = np.asarray(PAIR["vectors"], dtype=np.float32)
-    results: list = []
-
-    def call():
-        try:
-            results.append(Client(server.url, timeout=WAIT_S).gradients(vectors, factor=32, outputs=["accumulated"]))
-        except Exception as exc:  # noqa: BLE001 - reported by the assertion below
-            results.append(exc)
-    thread = threading.Thread(target=call, daemon=True)
+    thread, results = background(lambda: Client(server.url, timeout=WAIT_S).gradients(vectors, factor=32,
+                                                                                        outputs=["accumulated"]))
     with HeldSlots(server) as held:
         thread.start()
         assert wait_until(lambda: held.waiting() == 1, WAIT_S), ("the request never waited for a slot", results)

@@ -17,13 +17,12 @@ import re
 import signal
 import socket
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
 import requests
 
-from tests.events import HeldSlots
+from tests.events import HeldSlots, background
 from tests.oracle import assert_matches_oracle, request_oracle
 from tools.server import ROOT, free_port, gunicorn_command, gunicorn_server, wait_until
 
@@ -48,14 +47,7 @@ def refused(port: int) -> bool:
 
 def test_sigterm_refuses_new_connections_and_answers_the_request_in_flight():
     with gunicorn_server(workers=2) as server:
-        answers: list = []
-
-        def call():
-            try:
-                answers.append(requests.post(server.url + "/v1/gradients", json=REQUEST, timeout=WAIT_S))
-            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
-                answers.append(exc)
-        thread = threading.Thread(target=call, daemon=True)
+        thread, answers = background(lambda: requests.post(server.url + "/v1/gradients", json=REQUEST, timeout=WAIT_S))
         with HeldSlots(server) as held:
             thread.start()
             assert wait_until(lambda: held.waiting() == 1, WAIT_S), ("the request never waited for a slot", answers)
