@@ -12,7 +12,7 @@ gthread's code. An answered kept-alive connection comes back to the poller.
 A connection's clock starts at accept, or at a kept-alive connection's first new byte: the head
 must arrive within BLOCKGRAD_HEADER_TIMEOUT_S (nothing sent: closed without a word; a partial
 head: 408 read_timeout), head and body within BLOCKGRAD_READ_TIMEOUT_S (the app's read alarm
-counts from environ[CONN_STARTED_KEY]). At most worker_connections (BLOCKGRAD_MAX_CONNECTIONS)
+counts from environ[host.CONN_STARTED_KEY]). At most worker_connections (BLOCKGRAD_MAX_CONNECTIONS)
 are open per worker; past it the connection that has waited longest without a complete head is
 closed, so that a new one (a probe) always gets in. docs/connections.md has the whole picture;
 docs/serving.md lists the gunicorn internals used here.
@@ -39,7 +39,6 @@ from gunicorn.http.message import DEFAULT_MAX_HEADERFIELD_SIZE, MAX_HEADERS, MAX
 from gunicorn.workers import gthread
 
 from app.core import host
-from app.core.host import CONN_STARTED_KEY
 from app.core.settings import Settings
 from app.serving.settings import ServingSettings
 
@@ -214,7 +213,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         def timed_app(environ, start_response):
             started = getattr(clock, "started", None)
             if started is not None:
-                environ[CONN_STARTED_KEY] = started
+                environ[host.CONN_STARTED_KEY] = started
             return app(environ, start_response)
         self.wsgi = timed_app
 

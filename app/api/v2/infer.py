@@ -16,7 +16,7 @@ from marshmallow import ValidationError
 
 from ...core.dtypes import DTYPES
 from ...core.engine import block_bounds
-from ...core.errors import BlockgradError, invalid_request as invalid, listed_names, many_unknown
+from ...core.errors import invalid_request as invalid, listed_names, many_unknown
 from ...core.admission import AnswerCost
 from ...core.request import GradientRequest, ordered_outputs
 from ...core.run import Result
