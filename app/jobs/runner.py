@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,12 +49,12 @@ def event(name: str, **fields) -> None:
 
 @dataclass
 class Attempt:
-    """One owned job's live attempt: its graph, and the blocks of its finished tiles."""
+    """One owned job's attempt: its graph (None until submitted), the blocks of its finished tiles."""
     job_id: str
     number: int
-    graph: Graph
-    result_bytes: int
-    outputs: list
+    graph: Graph | None = None
+    result_bytes: int = 0
+    outputs: list = field(default_factory=list)
     blocks_done: int = 0
 
 
@@ -137,7 +137,8 @@ class Runner:
         if client is None:
             return
         for attempt in list(self.attempts.values()):
-            self.check(client, attempt)
+            if attempt.graph is not None:
+                self.check(attempt)
         if not self.workers:  # a scatter would wait for one: nothing is claimed until a worker has joined
             self.down("workers", f"no Dask worker has joined {self.address} yet")
             return
@@ -147,18 +148,23 @@ class Runner:
         for job_id in db.claimable(self.engine, now, settings.max_jobs):
             number = db.claim(self.engine, job_id, self.owner, now, settings.job_lease_s, settings.job_attempts)
             if number is not None:
-                self.launch(client, job_id, number)
+                self.attempts[job_id] = Attempt(job_id, number)
+        for attempt in list(self.attempts.values()):
+            if attempt.graph is None:
+                self.launch(client, attempt)
 
-    def launch(self, client, job_id: str, number: int) -> None:
-        """Submit attempt `number` of the job (claimed), or hand it back if the cluster fails."""
+    def launch(self, client, attempt: Attempt) -> None:
+        """Submit the attempt's graph, or hand the job back if the cluster fails."""
+        job_id, number = attempt.job_id, attempt.number
         record, vectors = db.get_job(self.engine, job_id), db.load_input(self.engine, job_id)
         if record is None or vectors is None:
+            self.drop(attempt)
             return  # cancelled or deleted since
         objective = self.objectives.get(record["objective"])
         if objective is None:  # a model this service no longer serves
             error = {"code": "internal_error", "details": {"objective": record["objective"]},
                      "message": f"The objective {record['objective']!r} is not served by this service any more."}
-            db.finish_job(self.engine, job_id, self.owner, number, time.time(), None, error)
+            self.finish(attempt, None, error)
             return
         spec = JobSpec(record["n"], record["dim"], record["factor"], record["objective"], record["offset"],
                        record["dtype"], elements_per_chunk(self.settings.max_job_block_elements, objective,
@@ -168,10 +174,11 @@ class Runner:
             graph = submit(client, f"{job_id}-{number}", vectors, spec, tiles, objective,
                            SUBMIT_TIMEOUT_S + vectors.nbytes / TRANSFER_BYTES_PER_S)
         except DASK_ERRORS as exc:
+            self.drop(attempt)
             db.release(self.engine, job_id, self.owner, number)
             self.down("cluster", f"submitting job {job_id}: {exc}")
             return
-        attempt = self.attempts[job_id] = Attempt(job_id, number, graph, record["result_bytes"], record["outputs"])
+        attempt.graph, attempt.result_bytes, attempt.outputs = graph, record["result_bytes"], record["outputs"]
         for future, _ in list(graph.tiles.values()):
             future.add_done_callback(lambda f: self.tile_done(attempt, f))
         event("job_submitted", job=job_id, attempt=number, tiles=len(tiles), workers=self.workers,
@@ -185,7 +192,7 @@ class Runner:
         if future.status == "finished":
             attempt.blocks_done += blocks
 
-    def check(self, client, attempt: Attempt) -> None:
+    def check(self, attempt: Attempt) -> None:
         final = attempt.graph.final
         status = final.status
         if status in ("pending", "lost"):  # lost: Dask computes it again from the held vectors
@@ -193,14 +200,14 @@ class Runner:
         if status == "error":
             self.finish(attempt, None, TASK_FAILED)
         elif status == "cancelled":  # the scheduler restarted, or the data it needed are gone
-            self.again(client, attempt, status)
+            self.again(attempt, status)
         else:
             if self.before_finish is not None:
                 self.before_finish(attempt.job_id)
             try:
                 outcome = final.result(timeout=GATHER_TIMEOUT_S + attempt.result_bytes / TRANSFER_BYTES_PER_S)
             except Exception as exc:  # noqa: BLE001 - lost with its worker, or the scheduler: compute it again
-                self.again(client, attempt, f"gather failed: {exc!r}")
+                self.again(attempt, f"gather failed: {exc!r}")
                 return
             arrays = None if outcome.error else {name: getattr(outcome, name) for name in attempt.outputs}
             self.finish(attempt, arrays, outcome.error, outcome)
@@ -214,19 +221,19 @@ class Runner:
               status="failed" if error else "succeeded", error=(error or {}).get("code"), duration_s=seconds,
               bytes_moved=None if outcome is None else outcome.bytes_moved)
 
-    def again(self, client, attempt: Attempt, why: str) -> None:
-        """The attempt's graph is lost: the job's next attempt, if it has one left."""
+    def again(self, attempt: Attempt, why: str) -> None:
+        """The attempt's graph is lost: the job's next attempt, submitted at the next step, if it has one left."""
         self.drop(attempt)
         event("job_lost", job=attempt.job_id, attempt=attempt.number, why=why)
         number = db.claim(self.engine, attempt.job_id, self.owner, time.time(), self.settings.job_lease_s,
                           self.settings.job_attempts, held=attempt.number)
         if number is not None:
-            self.launch(client, attempt.job_id, number)
+            self.attempts[attempt.job_id] = Attempt(attempt.job_id, number)
 
     def drop(self, attempt: Attempt) -> None:
         """Forget the attempt and cancel what is left of its graph on the cluster."""
         self.attempts.pop(attempt.job_id, None)
-        if self.client is not None and self.client.status == "running":
+        if attempt.graph is not None and self.client is not None and self.client.status == "running":
             try:
                 self.client.cancel([attempt.graph.final, *(f for f, _ in list(attempt.graph.tiles.values()))],
                                    force=True)
