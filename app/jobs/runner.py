@@ -181,7 +181,7 @@ class Runner:
         attempt.graph, attempt.result_bytes, attempt.outputs = graph, record["result_bytes"], record["outputs"]
         for future, _ in list(graph.tiles.values()):
             future.add_done_callback(lambda f: self.tile_done(attempt, f))
-        event("job_submitted", job=job_id, attempt=number, tiles=len(tiles), workers=self.workers,
+        event("job_started", job=job_id, attempt=number, tiles=len(tiles), workers=self.workers,
               vector_bytes=vectors.nbytes)
 
     @staticmethod
