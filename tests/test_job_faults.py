@@ -6,6 +6,8 @@ that stalls past its lease while another takes the job over, a graph lost more o
 BLOCKGRAD_JOB_ATTEMPTS allows. Every result is checked against tests/oracle.py's literal loops."""
 import os
 import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -13,7 +15,8 @@ import numpy as np
 import pytest
 
 from app.jobs import db, runner as runner_module
-from tests.dask_cluster import (HeldTiles, cluster_client, insert_job, running, store_config, stored_result,
+from tests.dask_cluster import (JOB_S, TILE, TILE_BLOCKS, TILE_DIM, TILE_FACTOR, TILE_N, HeldTiles, cluster_client,
+                                input_copies, insert_job, stored_result, task_runs, tile_faults, tile_job,
                                 wait_for_stored, wait_for_workers)
 from tests.numeric import assert_matches
 from tests.oracle import expected, oracle
@@ -21,6 +24,7 @@ from tools.server import children, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 WAIT_S = 90
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def engine_of(tmp_path):
@@ -46,6 +50,8 @@ def dask_pids(cluster, role: str) -> list[int]:
 
     def line(pid):
         try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return ""  # exited, not yet reaped
             return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
         except OSError:
             return ""
@@ -80,6 +86,10 @@ def test_a_job_survives_its_scheduler_killed_under_it(cluster, runner, tmp_path)
         record = wait_for_stored(engine, job_id, WAIT_S)
     assert_exact(engine, record, vectors, 4)
     assert record["attempts"] == 2
+    nanny = dask_pids(cluster, "worker")[0]
+    os.kill(nanny, signal.SIGKILL)  # a worker's nanny itself: the supervisor starts another
+    assert wait_until(lambda: nanny not in (nannies := dask_pids(cluster, "worker")) and len(nannies) == 2,
+                      WAIT_S, 0.2)
     wait_for_workers(cluster.address, 2)
 
 
@@ -198,3 +208,71 @@ def test_a_job_whose_graph_is_lost_more_than_allowed_fails(cluster, runner, tmp_
     assert (record["status"], record["attempts"]) == ("failed", 2), record
     assert record["error"]["code"] == "job_attempts_exhausted"
     assert db.load_input(engine, job_id) is None
+
+
+def test_a_worker_killed_mid_tile_costs_no_attempt(cluster, runner, tmp_path):
+    """One of the two workers SIGKILLed while it holds a tile of the job (tiles held at their
+    start); the other holds a copy of the vectors (scattered to every worker, held by the runner
+    for the attempt) and Dask reruns the lost tile itself: the scheduler's log shows it processing
+    again, the job succeeds in its first attempt, exact. The nanny starts the worker again."""
+    runner()
+    engine = engine_of(tmp_path)
+    dask = cluster_client(cluster.address)
+    vectors = job_vectors(11, 256, 8)
+    with HeldTiles(cluster.address, tmp_path / "held") as held:
+        job_id = insert_job(engine, vectors, 16, "sum_of_squares")
+        [(victim, lost), *_] = held.wait_started(job_id)
+        copies = dask.run_on_scheduler(input_copies, lost)
+        assert copies and set(copies.values()) == {2}, copies  # the vectors: on the other worker too
+        os.kill(victim, signal.SIGKILL)
+        held.release()
+        record = wait_for_stored(engine, job_id)
+    assert_exact(engine, record, vectors, 16, "sum_of_squares")
+    assert record["attempts"] == 1
+    states = dask.run_on_scheduler(task_runs, job_id)[lost]  # the tile the victim held
+    runs = [i for i, state in enumerate(states) if state == "processing"]
+    assert len(runs) >= 2 and "memory" in states[runs[1]:], states  # lost with the worker, computed again
+    assert wait_until(lambda: victim not in (pids := worker_pids(dask)) and len(pids) == 2, WAIT_S, 0.5)
+
+
+TILE_PAIR_PAGES = TILE_BLOCKS * (TILE_N // TILE_FACTOR) ** 2 * 2 * TILE_DIM * 4 // os.sysconf("SC_PAGE_SIZE")
+# The unfixed case (MALLOC_TRIM_THRESHOLD_=65536, no restore), measured on 2026-12-01 in a
+# process of its own: 163,953 to 164,362 faults a tile, 5.0x TILE_PAIR_PAGES (32,768), every
+# chunk's tensors mapped afresh. Fixed, the fewest of three: 1 to 6,176 (a single tile up to
+# 22,528). The bound is half the unfixed figure: 2x below it, 13x above the fixed case seen.
+UNFIXED_FAULTS = 5 * TILE_PAIR_PAGES
+FAULTS_BOUND = UNFIXED_FAULTS // 2
+
+
+def test_the_embedded_workers_start_without_the_nannys_trim_threshold(cluster):
+    """A Dask nanny's MALLOC_TRIM_THRESHOLD_ would make every chunk's tensors fresh mmaps, each
+    page zeroed by the kernel on first touch (docs/jobs.md, "Throughput"): the embedded
+    nannies leave it out (cluster.NANNY_ENVIRON) and keep distributed's one-thread settings.
+    Counted, not timed: the minor page faults of one tile on one worker, the fewest of three
+    (the first ones warm its heap up), against the pages of the tile's pairs alone; without
+    the reuse every chunk maps all its tensors afresh (UNFIXED_FAULTS)."""
+    dask = cluster_client(cluster.address)
+    worker = sorted(dask.nthreads())[0]
+    names = ("MALLOC_TRIM_THRESHOLD_", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+    assert dask.run(lambda: [os.environ.get(name) for name in names], workers=[worker]) == {
+        worker: [None, "1", "1", "1"]}
+    vectors, spec = tile_job()
+    faults = [dask.submit(tile_faults, vectors, spec, *TILE, workers=[worker], pure=False)
+              .result(timeout=JOB_S) for _ in range(3)]
+    assert min(faults) < FAULTS_BOUND, (faults, FAULTS_BOUND)  # the margins: beside FAULTS_BOUND
+
+
+def test_a_tile_reuses_freed_memory_under_distributeds_default_trim_threshold():
+    """An external `dask worker` with distributed's defaults starts with MALLOC_TRIM_THRESHOLD_=65536:
+    its first tile task restores glibc's reuse (tasks.restore_malloc_reuse). Here in a process
+    of its own started so; without the restore every tile maps about 5x its pairs' pages."""
+    program = ("import torch\n"
+               "from tests.dask_cluster import TILE, tile_faults, tile_job\n"
+               "torch.set_num_threads(1)  # as on a worker\n"
+               "vectors, spec = tile_job()\n"
+               "print(min(tile_faults(vectors, spec, *TILE) for _ in range(3)))\n")
+    env = {**os.environ, "MALLOC_TRIM_THRESHOLD_": "65536", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", program], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=JOB_S)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout.split()[-1]) < FAULTS_BOUND, (done.stdout, FAULTS_BOUND)  # the margins: beside it
