@@ -134,6 +134,7 @@ def test_a_worker_lost_with_the_finished_outcome_loses_nothing(cluster, runner, 
     record = wait_for_stored(engine, job_id)
     assert killed, "the runner never reached before_finish"
     assert_exact(engine, record, vectors, 4)
+    assert record["attempts"] == 1  # Dask computed the outcome again from the vectors the runner holds
     assert wait_until(lambda: len(worker_pids(dask)) == 2, WAIT_S, 0.2)
     kill_worker(dask, min(worker_pids(dask)))
     assert_exact(engine, db.get_job(engine, job_id), vectors, 4)
