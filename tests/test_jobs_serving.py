@@ -126,6 +126,7 @@ def test_gunicorn_runs_jobs_which_a_restart_after_a_sigkill_of_everything_finish
         log = server.log()
         for event in ("job_submitted", "job_cancelled", "job_deleted"):  # the gunicorn workers' JSON lines
             assert f'"message":"{event}"' in log, event
+        assert "Traceback" not in log  # the first job was posted while the workers were still joining
         finished = [line for line in log.splitlines() if '"event": "job_finished"' in line]  # the runner's
         assert finished and '"stored": true' in finished[0] and '"bytes_moved"' in finished[0]
     with gunicorn_server(workers=2, env=env) as server:  # the same store, a new cluster
