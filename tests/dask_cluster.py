@@ -5,7 +5,6 @@ body, and `tile_faults`, the page faults of one tile computed as a Dask worker c
 import contextlib
 import dataclasses
 import io
-import os
 import secrets
 import time
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.jobs import db, runner as runner_module
+from app.jobs import db
 from tests.dask_cluster import (JOB_S, TILE, TILE_BLOCKS, TILE_DIM, TILE_FACTOR, TILE_N, HeldTiles, cluster_client,
                                 input_copies, insert_job, stored_result, task_runs, tile_faults, tile_job,
                                 wait_for_stored, wait_for_workers)

@@ -5,7 +5,6 @@ is SIGKILLed, and a new service on the same BLOCKGRAD_DATA_DIR finishes the job 
 running, exact."""
 import os
 import signal
-import time
 from pathlib import Path
 
 import numpy as np

@@ -68,7 +68,6 @@ class Runner:
         self.outage: str | None = None  # what is down, logged once until it is back
         self.next_beat = self.next_sweep = 0.0
         self.workers = 0  # Dask workers seen at the last step
-        self.release_on_stop = True
         # Tests: called with the job's id once its outcome is computed, before it is gathered and stored.
         self.before_finish: Callable[[str], None] | None = None
         self._stop = threading.Event()
@@ -79,9 +78,7 @@ class Runner:
         self._thread.start()
         return self
 
-    def stop(self, release: bool = True) -> None:
-        """`release=False`: leave as a dead runner would, the jobs still leased to it."""
-        self.release_on_stop = release
+    def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(60)
@@ -95,7 +92,7 @@ class Runner:
                     self.down("store", "the job store did not answer")
                 stop_event.wait(POLL_S)
         finally:
-            self.close(self.release_on_stop)
+            self.close()
 
     def down(self, what: str, why: str) -> None:
         if self.outage != what:
@@ -240,12 +237,11 @@ class Runner:
             except DASK_ERRORS:
                 pass
 
-    def close(self, release: bool) -> None:
+    def close(self) -> None:
         """Stop: hand every owned job back (queued, the attempt not counted), close the Client."""
         for attempt in list(self.attempts.values()):
             self.drop(attempt)
-            if release:
-                db.release(self.engine, attempt.job_id, self.owner, attempt.number)
+            db.release(self.engine, attempt.job_id, self.owner, attempt.number)
         if self.client is not None:
             self.client.close(timeout=CONNECT_TIMEOUT_S)
 

@@ -64,7 +64,8 @@ def supervise(port: int, workers: int, memory_limit: str, runner: bool) -> None:
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
     groups = [[Supervised("job runner", lambda: start_runner(address))] if runner else [],
-              [Supervised(f"worker {k}", lambda: start_worker(address, memory_limit)) for k in range(workers if port else 0)],
+              [Supervised(f"worker {k}", lambda: start_worker(address, memory_limit))
+               for k in range(workers if port else 0)],
               [Supervised("scheduler", lambda: start_scheduler(port))] if port else []]
     try:
         while not stopping:
