@@ -31,6 +31,22 @@ def engine_of(tmp_path):
     return db.open_store("sqlite:///" + str(tmp_path / "data" / "jobs.sqlite3"))
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    """The runner's store: the SQLite file of `runner`'s tmp_path, or a PostgreSQL database."""
+    if request.param == "sqlite":
+        return "sqlite:///" + str(tmp_path / "data" / "jobs.sqlite3")
+    try:
+        return request.getfixturevalue("postgres_url")
+    except pytest.FixtureLookupError:
+        pytest.skip("no `postgres_url` fixture yet (tests/postgres.py, on the jpg branch)")
+
+
+def start_on(runner, url: str, **settings):
+    """A runner thread on the store `url` (store_url's)."""
+    return runner(**({} if url.startswith("sqlite") else {"BLOCKGRAD_JOBS_DB": url}), **settings)
+
+
 def job_vectors(seed: int, n: int = 40, dim: int = 3) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, dim))
 
@@ -58,9 +74,9 @@ def dask_pids(cluster, role: str) -> list[int]:
     return [pid for pid in children(cluster.processes[0].pid) if dask_role(line(pid)) == role]
 
 
-def test_a_job_the_runner_computes_equals_the_oracle(runner, tmp_path):
-    started = runner()
-    engine = engine_of(tmp_path)
+def test_a_job_the_runner_computes_equals_the_oracle(runner, store_url):
+    started = start_on(runner, store_url)
+    engine = db.open_store(store_url)
     vectors = job_vectors(1)
     job_id = insert_job(engine, vectors, 4, "logsumexp")
     record = wait_for_stored(engine, job_id)
@@ -140,11 +156,11 @@ def test_a_worker_lost_with_the_finished_outcome_loses_nothing(cluster, runner, 
     assert_exact(engine, db.get_job(engine, job_id), vectors, 4)
 
 
-def test_a_runner_stopped_mid_job_hands_it_to_the_next(cluster, runner, tmp_path):
+def test_a_runner_stopped_mid_job_hands_it_to_the_next(cluster, runner, store_url, tmp_path):
     """SIGTERM's path: the runner releases its job (queued, the attempt not counted); another
     runner then computes it once."""
-    first = runner()
-    engine = engine_of(tmp_path)
+    first = start_on(runner, store_url)
+    engine = db.open_store(store_url)
     vectors = job_vectors(4)
     with HeldTiles(cluster.address, tmp_path / "held") as held:
         job_id = insert_job(engine, vectors, 4)
@@ -154,15 +170,16 @@ def test_a_runner_stopped_mid_job_hands_it_to_the_next(cluster, runner, tmp_path
         row = db.get_job(engine, job_id)
         assert (row["status"], row["attempts"], row["owner"], row["lease_until"]) == ("queued", 0, None, None)
         held.release()
-        runner()
+        start_on(runner, store_url)
         record = wait_for_stored(engine, job_id)
     assert_exact(engine, record, vectors, 4)
     assert record["attempts"] == 1
 
 
-def test_a_runner_past_its_lease_is_fenced_out(cluster, runner, tmp_path, monkeypatch):
+def test_a_runner_past_its_lease_is_fenced_out(cluster, runner, store_url, monkeypatch):
     """A runner stalls with the job's outcome in hand (before_finish) past its lease: another
-    takes the job over and commits it; the stalled one's commit then writes nothing."""
+    (another pod's, on PostgreSQL) takes the job over and commits it; the stalled one's commit
+    then writes nothing."""
     commits = []
     real_finish = db.finish_job
 
@@ -171,14 +188,14 @@ def test_a_runner_past_its_lease_is_fenced_out(cluster, runner, tmp_path, monkey
         commits.append((owner, attempt, stored))
         return stored
     monkeypatch.setattr(db, "finish_job", recorded)
-    stalled = runner()
+    stalled = start_on(runner, store_url)
     entered, resume = threading.Event(), threading.Event()
     stalled.before_finish = lambda job_id: entered.set() or resume.wait(WAIT_S)
-    engine = engine_of(tmp_path)
+    engine = db.open_store(store_url)
     vectors = job_vectors(5)
     job_id = insert_job(engine, vectors, 4)
     assert entered.wait(WAIT_S), "the first runner never reached before_finish"
-    other = runner()
+    other = start_on(runner, store_url)
     record = wait_for_stored(engine, job_id)
     resume.set()
     assert wait_until(lambda: len(commits) == 2, WAIT_S, 0.1), commits
