@@ -4,6 +4,7 @@ runner's before_finish hook) rather than raced: the scheduler SIGKILLed mid-job,
 holding a finished outcome SIGKILLed before it is stored, a runner stopped mid-job, a runner
 that stalls past its lease while another takes the job over, a graph lost more often than
 BLOCKGRAD_JOB_ATTEMPTS allows. Every result is checked against tests/oracle.py's literal loops."""
+import logging
 import os
 import signal
 import subprocess
@@ -294,3 +295,27 @@ def test_a_tile_reuses_freed_memory_under_distributeds_default_trim_threshold():
                           timeout=JOB_S)
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout.split()[-1]) < FAULTS_BOUND, (done.stdout, FAULTS_BOUND)  # the margins: beside it
+
+
+def test_with_the_cluster_unreachable_jobs_stay_queued_and_one_line_is_logged(tmp_path, monkeypatch, caplog):
+    """A runner whose scheduler does not answer (nothing listens at its address): every step tries
+    to connect again, the job stays queued with no attempt spent, and the outage is one warning
+    line without a traceback, however many tries it takes."""
+    from app.jobs import runner as runner_module
+    from app.jobs.cluster import free_port
+    from tests.dask_cluster import running, store_config
+
+    monkeypatch.setattr(runner_module, "CONNECT_TIMEOUT_S", 0.5)
+    tries = []
+    real_connected = runner_module.Runner.connected
+    monkeypatch.setattr(runner_module.Runner, "connected", lambda self: tries.append(1) or real_connected(self))
+    caplog.set_level(logging.INFO, logger="blockgrad.jobs")
+    with running(f"tcp://127.0.0.1:{free_port()}", store_config(tmp_path)):
+        engine = engine_of(tmp_path)
+        job_id = insert_job(engine, job_vectors(7), 4)
+        assert wait_until(lambda: len(tries) >= 4, WAIT_S, 0.1), tries
+        row = db.get_job(engine, job_id)
+    assert (row["status"], row["attempts"], row["owner"]) == ("queued", 0, None)
+    waiting = [r for r in caplog.records if '"jobs_waiting"' in r.getMessage()]
+    assert len(waiting) == 1 and waiting[0].exc_info is None, [r.getMessage() for r in caplog.records]
+    assert '"on": "cluster"' in waiting[0].getMessage()

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,7 +39,8 @@ CONNECT_TIMEOUT_S = 10.0  # also how long a Client tries to reconnect to a resta
 SUBMIT_TIMEOUT_S = 10.0  # a scatter's bound, plus the vectors' size at TRANSFER_BYTES_PER_S
 GATHER_TIMEOUT_S = 30.0
 TRANSFER_BYTES_PER_S = 20e6
-DASK_ERRORS = (OSError, TimeoutError, ValueError)  # CommClosedError is an OSError; "No valid workers found"
+# CommClosedError is an OSError; a scatter cut short by a scheduler restart is cancelled
+DASK_ERRORS = (OSError, TimeoutError, ValueError, CancelledError)
 TASK_FAILED = {"code": "internal_error", "message": "A task of this job failed on the cluster; the cluster's log "
                                                     "has the traceback.", "details": {}}
 
