@@ -319,3 +319,23 @@ def test_with_the_cluster_unreachable_jobs_stay_queued_and_one_line_is_logged(tm
     waiting = [r for r in caplog.records if '"jobs_waiting"' in r.getMessage()]
     assert len(waiting) == 1 and waiting[0].exc_info is None, [r.getMessage() for r in caplog.records]
     assert '"on": "cluster"' in waiting[0].getMessage()
+
+
+def test_progress_counts_the_blocks_of_finished_tiles(cluster, runner, tmp_path):
+    """blocks_done in the store is the blocks of the attempt's finished tiles (a tile's
+    done-callback, written at the next renewal): 0 while every tile is held, one tile's 4 blocks
+    once that one is released, still 4 while the next is held."""
+    runner()
+    engine = engine_of(tmp_path)
+    with HeldTiles(cluster.address, tmp_path / "held") as held:
+        job_id = insert_job(engine, job_vectors(8), 4)  # 4 tiles of 2 x 2 blocks, one per worker at a time
+        (_, first), _ = held.wait_started(job_id, 2)
+        assert db.get_job(engine, job_id)["blocks_done"] == 0
+        held.release_tile(first)
+        assert wait_until(lambda: db.get_job(engine, job_id)["blocks_done"] == 4, WAIT_S, 0.1), \
+            db.get_job(engine, job_id)
+        held.wait_started(job_id, 3)  # the freed worker's next tile, held
+        assert db.get_job(engine, job_id)["blocks_done"] == 4
+        held.release()
+        record = wait_for_stored(engine, job_id)
+    assert (record["status"], record["blocks_done"]) == ("succeeded", 16)
