@@ -2,7 +2,7 @@
 a supervisor of the runner, a Dask scheduler and niced workers as plain subprocesses; the
 first POST after the start is accepted; everything dies with the master even when the master
 is SIGKILLed, and a new service on the same BLOCKGRAD_DATA_DIR finishes the job that was
-running, exact."""
+running, exact; a stop hands a running job back to the store."""
 import os
 import signal
 from pathlib import Path
@@ -13,6 +13,7 @@ import requests
 import torch
 from blockgrad_client import BlockgradError, Client
 
+from app.jobs import db
 from tests.dask_cluster import HeldTiles, close_clients, dask_role
 from tests.numeric import assert_matches
 from tools.reference import reference_accumulated
@@ -138,6 +139,16 @@ def test_gunicorn_runs_jobs_which_a_restart_after_a_sigkill_of_everything_finish
             assert_matches(result["accumulated"], reference_accumulated(torch.tensor(vectors), factor, "sum").numpy(),
                            "float64", what=f"accumulated, factor {factor}")
         assert requests.get(location, timeout=30).json()["attempts"] == 2  # the killed service's attempt counted
+        [supervisor] = [pid for pid in children(server.pid) if " -m app.jobs.supervisor " in cmdline(pid)]
+        address = f"tcp://127.0.0.1:{cmdline(supervisor).split(' -m app.jobs.supervisor ')[1].split()[0]}"
+        held = HeldTiles(address, tmp_path / "held-at-stop").__enter__()  # never left: the cluster stops holding it
+        stopped = requests.post(server.url + "/v1/jobs", json={**body, "factor": 2}, timeout=30).json()
+        held.wait_started(stopped["id"])
+        close_clients(address)
+    # A stop (SIGTERM, as tools/server.py sends it): the supervisor stops the runner first, which
+    # hands its job back to the store, queued, its attempt not spent.
+    row = db.get_job(db.open_store(f"sqlite:///{tmp_path}/data/jobs.sqlite3"), stopped["id"])
+    assert (row["status"], row["attempts"], row["owner"]) == ("queued", 0, None), row
 
 
 def check_the_client_package(url: str, vectors: np.ndarray, expected: np.ndarray, held: HeldTiles) -> None:
