@@ -27,18 +27,37 @@ def one_thread():
 @pytest.fixture(scope="module")
 def cluster():
     """A real local Dask cluster for one test module: app/jobs/cluster.py's embedded one, a
-    scheduler and two single-threaded workers on 127.0.0.1, stopped after the module."""
-    from app.jobs.client import close_clients
+    scheduler and two single-threaded workers on 127.0.0.1 under their supervisor (which starts
+    again whichever exits), without its job runner (tests run theirs: `runner`), stopped after
+    the module."""
     from app.jobs.cluster import start_embedded, stop_embedded
-    from tests.dask_cluster import wait_for_workers
+    from tests.dask_cluster import close_clients, wait_for_workers
 
-    cluster = start_embedded(2)
+    cluster = start_embedded(2, runner=False)
     try:
         wait_for_workers(cluster.address, 2)
         yield cluster
     finally:
         close_clients()
         stop_embedded(cluster)
+
+
+@pytest.fixture
+def runner(cluster, tmp_path):
+    """start(app=None, **settings) -> a job runner thread (app/jobs/runner.py) of the module's
+    cluster, on the SQLite store in this test's tmp_path (`store_config`), with `app`'s objectives
+    (else the built-ins); every one started is stopped after the test. Give create_app the same
+    `store_config` so that the app and the runner share the store."""
+    from contextlib import ExitStack
+
+    from app.extensions import services_of
+    from tests.dask_cluster import running, store_config
+
+    with ExitStack() as stack:
+        def start(app=None, **settings):
+            objectives = services_of(app).objectives if app is not None else None
+            return stack.enter_context(running(cluster.address, store_config(tmp_path, **settings), objectives))
+        yield start
 
 
 # --- The service as users run it (issue 27): one gunicorn for the whole session ------------

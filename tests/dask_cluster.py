@@ -1,26 +1,99 @@
-"""Helpers of the job tests: waiting for a local Dask cluster's workers (the `cluster` fixture
-in conftest.py, and tests that start a cluster of their own) and for a job, a .npy body, and
-`tile_faults`, the page faults of one tile computed as a Dask worker computes it."""
+"""Helpers of the job tests: this process's own Dask Client (app/ has only the runner's), waiting
+for a local Dask cluster's workers (the `cluster` fixture in conftest.py, and tests that start
+a cluster of their own) and for a job, a job runner thread on a store (`running`), a .npy
+body, and `tile_faults`, the page faults of one tile computed as a Dask worker computes it."""
+import contextlib
 import dataclasses
 import io
+import secrets
+import time
 
 import numpy as np
 
-from app.jobs.client import cluster_client
-from app.jobs.on_scheduler import workers_count
 from tools.server import wait_until
 
 CLUSTER_START_S = 90  # bounded: two workers importing torch on a loaded 2-core machine
 JOB_S = 90  # a small job's bound, far above its time
+_clients: dict = {}
+
+
+def cluster_client(address: str):
+    """This test process's Client of `address`, made on first use (again once closed)."""
+    from distributed import Client
+
+    client = _clients.get(address)
+    if client is None or client.status not in ("running", "connecting"):
+        client = _clients[address] = Client(address, timeout=30, set_as_default=False)
+    return client
+
+
+def close_clients(address: str | None = None) -> None:
+    for known in [a for a in _clients if address in (None, a)]:
+        _clients.pop(known).close(timeout=10)
 
 
 def wait_for_workers(address: str, count: int, timeout_s: float = CLUSTER_START_S) -> None:
     def ready():
         try:
-            return cluster_client(address).run_on_scheduler(workers_count) >= count
+            return len(cluster_client(address).nthreads()) >= count
         except Exception:  # noqa: BLE001 - not up yet
             return False
     assert wait_until(ready, timeout_s, 0.5), f"{count} Dask workers did not join within {timeout_s} s"
+
+
+def store_config(directory, **settings) -> dict:
+    """The BLOCKGRAD_* values of a job store in `directory` (SQLite) with short leases, over `settings`."""
+    return {"BLOCKGRAD_DATA_DIR": str(directory / "data"), "BLOCKGRAD_JOB_LEASE_S": "2", **settings}
+
+
+@contextlib.contextmanager
+def running(address: str, config: dict, objectives=None):
+    """A job runner thread (app/jobs/runner.py) of the cluster at `address`, on the store that
+    `config` (BLOCKGRAD_* values over the environment, as create_app takes them) names; stopped
+    (its jobs released) on exit. `objectives`: an app's (services_of(app).objectives), else the built-ins."""
+    from app.core.objectives import OBJECTIVES
+    from app.core.settings import environment
+    from app.jobs import db
+    from app.jobs.runner import Runner
+    from app.jobs.settings import JobSettings
+
+    settings = JobSettings.from_env(environment(config))
+    runner = Runner(settings, OBJECTIVES if objectives is None else objectives,
+                    db.open_store(settings.database_url()), address).start()
+    try:
+        yield runner
+    finally:
+        runner.stop()
+
+
+def insert_job(engine, vectors: np.ndarray, factor: int, objective: str = "sum", offset: float = 5.0,
+               outputs=("accumulated", "losses")) -> str:
+    """A job written into the store as POST /v1/jobs writes it (queued, with its input): its id."""
+    from app.jobs import db
+
+    job_id = secrets.token_hex(16)
+    row = {"id": job_id, "n": len(vectors), "dim": vectors.shape[1], "factor": factor, "objective": objective,
+           "offset": offset, "dtype": str(vectors.dtype), "outputs": list(outputs), "blocks_total": factor ** 2,
+           "result_bytes": vectors.nbytes + factor ** 2 * vectors.itemsize, "idempotency_key": None,
+           "created_at": time.time()}
+    db.insert_job(engine, row, npy(vectors), max_active=64)
+    return job_id
+
+
+def wait_for_stored(engine, job_id: str, timeout_s: float = JOB_S) -> dict:
+    """The job's row in the store once it has finished."""
+    from app.jobs import db
+
+    rows = []
+    assert wait_until(lambda: rows.append(db.get_job(engine, job_id)) or rows[-1]["status"] not in (
+        "queued", "running"), timeout_s, 0.1), rows[-1]
+    return rows[-1]
+
+
+def stored_result(engine, record: dict, output: str) -> np.ndarray:
+    from app.jobs import db
+
+    return np.concatenate(list(db.result_chunks(engine, record, output)))
 
 
 def wait_for_job(client, job_id: str, timeout_s: float = JOB_S) -> dict:

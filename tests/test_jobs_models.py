@@ -1,6 +1,7 @@
 """Jobs with a model objective (examples/export_scorer.py's scorer) on a real local Dask
-cluster of two workers: the same numbers as /v1, the program shipped by content and
-loaded once per worker, and a program that fails its checks there fails the job."""
+cluster of two workers, run by a job runner with the app's objectives: the same numbers as
+/v1, the program shipped by content and loaded once per worker, and a program that fails its
+checks there fails the job."""
 import io
 import shutil
 from pathlib import Path
@@ -12,12 +13,10 @@ import torch
 from app import create_app
 from app.core.job_models import ProgramError, job_objective, program_hash, program_loads
 from app.extensions import services_of
-from app.jobs.client import cluster_client
-from app.jobs import programs
 from app.jobs.programs import program_key
 from examples.export_scorer import export_scorer
 from tests.numeric import assert_matches, largest
-from tests.dask_cluster import npy, wait_for_job
+from tests.dask_cluster import cluster_client, npy, running, store_config, wait_for_job
 
 DIM = 4
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -32,16 +31,17 @@ def scorers(tmp_path_factory):
     return root
 
 
-def served_app(directory: Path, scheduler: str | None = None, **settings):
-    config = {"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(directory), **settings}
-    if scheduler:
-        config["BLOCKGRAD_DASK_SCHEDULER"] = scheduler
-    return create_app(config)
+def served_app(directory: Path, store: Path, **settings):
+    """An app serving the models in `directory`, its job store in `store`."""
+    return create_app({"TESTING": True, "BLOCKGRAD_MODEL_DIR": str(directory), **store_config(store), **settings})
 
 
 @pytest.fixture(scope="module")
-def client(cluster, scorers):
-    return served_app(scorers, cluster.address).test_client()
+def client(cluster, scorers, tmp_path_factory):
+    store = tmp_path_factory.mktemp("store")
+    app = served_app(scorers, store)
+    with running(cluster.address, store_config(store), services_of(app).objectives):
+        yield app.test_client()
 
 
 def sync_answer(client, body: dict) -> dict:
@@ -54,18 +54,23 @@ def loads_on_workers(address: str, sha256: str) -> dict[str, int]:
     return {worker: loads.get(sha256, 0) for worker, loads in cluster_client(address).run(program_loads).items()}
 
 
-def test_model_jobs_equal_v1_and_load_the_program_once_per_worker(cluster, tmp_path, monkeypatch):
+def test_model_jobs_equal_v1_and_load_the_program_once_per_worker(cluster, runner, tmp_path, monkeypatch):
     """A program of its own (no other test ships its bytes): shipped once for two jobs."""
+    from distributed import Client
+
     export_scorer(tmp_path / "relnet.pt2", DIM, 16, torch.float32, seed=7)
-    client = served_app(tmp_path, cluster.address).test_client()
+    app = served_app(tmp_path, tmp_path)
+    client = app.test_client()
     programs_before = {key for key in cluster_client(cluster.address).who_has() if key.startswith("blockgrad-program-")}
     scatters = []
-    real_call = programs.call
+    real_scatter = Client.scatter
 
-    def counted(dask, method, *args, **kwargs):
-        scatters.append(args[0])
-        return real_call(dask, method, *args, **kwargs)
-    monkeypatch.setattr(programs, "call", counted)
+    def counted(dask, data, *args, **kwargs):
+        if isinstance(data, dict):  # a program, by its key (a job's vectors go as a list)
+            scatters.append(data)
+        return real_scatter(dask, data, *args, **kwargs)
+    monkeypatch.setattr(Client, "scatter", counted)
+    runner(app)
     vectors = np.random.default_rng(4).standard_normal((48, DIM)).astype(np.float32)
     body = {"vectors": vectors.tolist(), "factor": 6, "objective": "relnet", "dtype": "float32"}
     first = client.post("/v1/jobs", json=body)
@@ -111,13 +116,15 @@ def test_a_float64_model_job_equals_v1_in_its_losses(client):
     assert_matches(job["accumulated"], accumulated, "float64", scale=largest(accumulated), what="accumulated")
 
 
-def test_a_job_ships_the_program_the_service_loaded_even_if_its_file_is_replaced(cluster, scorers, tmp_path):
+def test_a_job_ships_the_program_the_service_loaded_even_if_its_file_is_replaced(runner, scorers, tmp_path):
     """The file is replaced after the service loaded it: /v1 serves the program it loaded, and so
     does a job (its bytes kept at load, not read again), so the two still answer alike."""
     directory = tmp_path / "models"
     directory.mkdir()
     shutil.copy(scorers / "relnet.pt2", directory / "swapped.pt2")
-    client = served_app(directory, cluster.address).test_client()
+    app = served_app(directory, tmp_path)
+    runner(app)
+    client = app.test_client()
     (directory / "swapped.pt2").write_bytes(b"not an exported program any more")
     vectors = np.random.default_rng(6).standard_normal((12, DIM)).astype(np.float32)
     body = {"vectors": vectors.tolist(), "factor": 3, "objective": "swapped", "dtype": "float32"}
@@ -127,13 +134,14 @@ def test_a_job_ships_the_program_the_service_loaded_even_if_its_file_is_replaced
     assert job["losses"] == sync_answer(client, body)["losses"]
 
 
-def test_a_program_that_fails_its_checks_on_the_workers_fails_the_job(cluster, scorers, tmp_path):
+def test_a_program_that_fails_its_checks_on_the_workers_fails_the_job(runner, scorers, tmp_path):
     """Bytes the workers refuse (not an exported program): the job fails with the error table's
     code, the workers' paths stay theirs, and the service still serves its own copy."""
     directory = tmp_path / "models"
     directory.mkdir()
     shutil.copy(scorers / "relnet.pt2", directory / "swapped.pt2")
-    app = served_app(directory, cluster.address)
+    app = served_app(directory, tmp_path)
+    runner(app)
     client = app.test_client()
     services_of(app).objectives["swapped"].program = b"not an exported program any more"
     vectors = np.random.default_rng(6).standard_normal((12, DIM)).astype(np.float32)
@@ -147,13 +155,13 @@ def test_a_program_that_fails_its_checks_on_the_workers_fails_the_job(cluster, s
     assert client.post("/v1/gradients", json=body).status_code == 200
 
 
-def test_model_job_requests_follow_v1s_rules(scorers):
-    client = served_app(scorers).test_client()  # refused before any cluster is asked
+def test_model_job_requests_follow_v1s_rules(scorers, tmp_path):
+    client = served_app(scorers, tmp_path).test_client()  # refused before anything is stored
     wrong_dim = client.post("/v1/jobs", json={"vectors": [[1.0, 2.0]] * 4, "objective": "relnet"})
     assert wrong_dim.status_code == 422 and "vectors" in wrong_dim.get_json()["error"]["details"]["fields"]
     wrong_dtype = client.post("/v1/jobs?objective=relnet", data=npy(np.ones((4, DIM))), content_type="application/x-npy")
     assert wrong_dtype.status_code == 422 and "dtype" in wrong_dtype.get_json()["error"]["details"]["fields"]
-    small = served_app(scorers, BLOCKGRAD_MAX_ACTIVATION_BYTES="1000").test_client()
+    small = served_app(scorers, tmp_path, BLOCKGRAD_MAX_ACTIVATION_BYTES="1000").test_client()
     big_block = small.post("/v1/jobs", json={"vectors": [[0.5] * DIM] * 16, "factor": 1, "objective": "relnet"})
     assert big_block.status_code == 413
     assert big_block.get_json()["error"]["details"]["limit"] == "BLOCKGRAD_MAX_ACTIVATION_BYTES"

@@ -1,17 +1,18 @@
-"""The embedded Dask cluster: `dask scheduler` and `dask worker` processes on 127.0.0.1.
+"""The job runner and the embedded Dask cluster: `dask scheduler` and `dask worker` processes
+on 127.0.0.1.
 
-Standard library only: gunicorn's master calls `start_embedded` from on_starting and
+Standard library only: gunicorn's master calls `start_for_gunicorn` from on_starting and
 `stop_embedded` from on_exit, and must create no Dask object and no thread (it forks
-workers at every recycle), so the cluster is plain subprocesses under one supervisor
-process (app/jobs/supervisor.py) that starts again whichever of them exits. They run in a
+workers at every recycle), so the runner and the cluster are plain subprocesses under one
+supervisor process (app/jobs/supervisor.py) that starts again whichever of them exits. They run in a
 session of their own (a signal to the server's process group does not reach them; the
 supervisor stops them in order) and get SIGKILL from the kernel when their parent dies, SIGKILL
 included (PR_SET_PDEATHSIG): a niced worker's graceful shutdown can take long on a busy
 machine, and a dead master's jobs are gone anyway. Each `dask worker` is a nanny that
 restarts its worker process when it dies (the worker process exits when its nanny does).
-Workers run at nice 19, so that job tasks yield the CPU to synchronous requests. Each
-gunicorn worker connects its own Client after the fork (app/jobs/client.py), to the address
-this exports as BLOCKGRAD_DASK_SCHEDULER.
+Workers run at nice 19, so that job tasks yield the CPU to synchronous requests. The runner
+(app/jobs/runner.py) holds the service's only Client, to the address on its command line;
+gunicorn's workers never talk to Dask.
 """
 import ctypes
 import os
@@ -23,11 +24,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .settings import JobSettings
+from .settings import OFF, JobSettings
 
 DASK = [sys.executable, "-m", "dask"]  # `dask` with this interpreter, whatever the PATH
 ROOT = Path(__file__).resolve().parent.parent.parent  # the repository: tasks import app.core there
-SCHEDULER_ENV = "BLOCKGRAD_DASK_SCHEDULER"
+DATA_DIR_ENV = "BLOCKGRAD_DATA_DIR"
 WORKER_NICE = 19
 PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 10
@@ -96,6 +97,12 @@ def start_worker(address: str, memory_limit: str) -> subprocess.Popen:
         env=env, cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(WORKER_NICE))
 
 
+def start_runner(address: str | None) -> subprocess.Popen:
+    """`python -m app.jobs.runner`, of `address` (None: BLOCKGRAD_DASK_SCHEDULER's)."""
+    return subprocess.Popen([sys.executable, "-m", "app.jobs.runner", *([address] if address else [])],
+                            env=cluster_env(), cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent())
+
+
 def stop_processes(processes: list[subprocess.Popen], timeout_s: float) -> None:
     """SIGTERM every process (the last first), then SIGKILL what is left after timeout_s."""
     for process in reversed(processes):
@@ -110,31 +117,32 @@ def stop_processes(processes: list[subprocess.Popen], timeout_s: float) -> None:
             process.wait(5)
 
 
-def start_embedded(workers: int, memory_limit: str = "auto") -> EmbeddedCluster:
-    """Spawn the supervisor (app/jobs/supervisor.py) of a scheduler and `workers` nannied
-    workers; returns at once (workers join within seconds; a job route before that sees a
-    cluster with no workers yet)."""
-    port = free_port()
+def start_embedded(workers: int, memory_limit: str = "auto", runner: bool = True,
+                   embedded: bool = True) -> EmbeddedCluster:
+    """Spawn the supervisor (app/jobs/supervisor.py) of a scheduler, `workers` nannied workers
+    and (`runner`) the job runner; returns at once (workers join within seconds). Not
+    `embedded`: the runner alone, of BLOCKGRAD_DASK_SCHEDULER's cluster."""
+    port = free_port() if embedded else 0
     # A session of its own: a signal to the server's process group (Ctrl-C) reaches only the
-    # supervisor's parent, and the supervisor stops the cluster in order (a nanny's worker
+    # supervisor's parent, and the supervisor stops the rest in order (a nanny's worker
     # killed by the group's signal instead leaks its semaphores).
-    supervisor = subprocess.Popen([sys.executable, "-m", "app.jobs.supervisor", str(port), str(workers), memory_limit],
-                                  env=cluster_env(), cwd=ROOT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(),
-                                  start_new_session=True)
+    supervisor = subprocess.Popen([sys.executable, "-m", "app.jobs.supervisor", str(port), str(workers), memory_limit,
+                                   str(int(runner))], env=cluster_env(), cwd=ROOT, stdin=subprocess.DEVNULL,
+                                  preexec_fn=die_with_parent(), start_new_session=True)
     return EmbeddedCluster(f"tcp://127.0.0.1:{port}", [supervisor])
 
 
 def stop_embedded(cluster: EmbeddedCluster | None, timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """Stop the supervisor, which stops the cluster (SIGKILL after timeout_s; its children then die with it)."""
+    """Stop the supervisor, which stops the rest (SIGKILL after timeout_s; its children then die with it)."""
     if cluster is not None:
         stop_processes(cluster.processes, timeout_s + 5)
 
 
 def start_for_gunicorn(settings: JobSettings) -> EmbeddedCluster | None:
-    """on_starting: with BLOCKGRAD_DASK_SCHEDULER unset, start the embedded cluster and
-    export its address to the workers gunicorn forks; set (or `off`), start nothing."""
-    if settings.dask_scheduler:
+    """on_starting: with BLOCKGRAD_DASK_SCHEDULER unset, the embedded cluster and its runner; set
+    to an address, the runner alone; `off`, nothing. The data directory is exported absolute:
+    the runner runs in the repository, and gunicorn's workers must open the same store."""
+    if settings.dask_scheduler == OFF:
         return None
-    cluster = start_embedded(settings.dask_workers)
-    os.environ[SCHEDULER_ENV] = cluster.address
-    return cluster
+    os.environ[DATA_DIR_ENV] = settings.data_dir
+    return start_embedded(settings.dask_workers, embedded=not settings.dask_scheduler)

@@ -1,20 +1,22 @@
-"""`python -m app.jobs.supervisor PORT WORKERS MEMORY_LIMIT`: keeps the embedded cluster up.
+"""`python -m app.jobs.supervisor PORT WORKERS MEMORY_LIMIT RUNNER`: keeps the job runner and
+the embedded cluster up.
 
 gunicorn's master may start no thread and reaps every child of its own (it forks workers
-at every recycle), so it spawns this one process and leaves the cluster to it: a `dask
-scheduler` on 127.0.0.1:PORT and WORKERS nannied `dask worker`s, each started again when
-it exits (a scheduler at the same address: the gunicorn workers' Clients reconnect to it;
-the workers it lost with the old one rejoin). Restarts of one process are spaced out, so a
-process that cannot start does not spin. On SIGTERM it stops the cluster (workers first)
-and exits. Its children get SIGKILL when it dies, and it when the master dies
-(cluster.die_with_parent), so nothing outlives the service.
+at every recycle), so it spawns this one process and leaves the rest to it: the job runner
+(`python -m app.jobs.runner`, RUNNER 1) and, PORT not 0, a `dask scheduler` on
+127.0.0.1:PORT and WORKERS nannied `dask worker`s; each is started again when it exits (a
+scheduler at the same address: the runner's Client reconnects to it; the workers it lost
+with the old one rejoin). Restarts of one process are spaced out, so a process that cannot
+start does not spin. On SIGTERM it stops the runner (which hands its jobs back), the
+workers, then the scheduler, and exits. Its children get SIGKILL when it dies, and it when
+the master dies (cluster.die_with_parent), so nothing outlives the service.
 """
 import signal
 import subprocess
 import sys
 import time
 
-from .cluster import STOP_TIMEOUT_S, start_scheduler, start_worker, stop_processes
+from .cluster import STOP_TIMEOUT_S, start_runner, start_scheduler, start_worker, stop_processes
 
 POLL_S = 0.5
 FIRST_BACKOFF_S = 1.0
@@ -56,24 +58,26 @@ class Supervised:
                       f"{self.backoff:.1f} s", file=sys.stderr, flush=True)
 
 
-def supervise(port: int, workers: int, memory_limit: str) -> None:
-    address = f"tcp://127.0.0.1:{port}"
+def supervise(port: int, workers: int, memory_limit: str, runner: bool) -> None:
+    address = f"tcp://127.0.0.1:{port}" if port else None  # None: the runner's is BLOCKGRAD_DASK_SCHEDULER
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
-    members = [Supervised("scheduler", lambda: start_scheduler(port))]
-    members += [Supervised(f"worker {k}", lambda: start_worker(address, memory_limit)) for k in range(workers)]
+    groups = [[Supervised("job runner", lambda: start_runner(address))] if runner else [],
+              [Supervised(f"worker {k}", lambda: start_worker(address, memory_limit))
+               for k in range(workers if port else 0)],
+              [Supervised("scheduler", lambda: start_scheduler(port))] if port else []]
     try:
         while not stopping:
             now = time.monotonic()
-            for member in members:
+            for member in reversed(sum(groups, [])):  # the scheduler first
                 member.check(now)
             time.sleep(POLL_S)
-    finally:  # the workers first, then their scheduler: a worker that loses it mid-close logs tracebacks
-        scheduler, *workers = [m.process for m in members]
-        stop_processes([p for p in workers if p is not None], STOP_TIMEOUT_S)
-        stop_processes([scheduler] if scheduler is not None else [], STOP_TIMEOUT_S)
+    finally:  # the runner (it hands its jobs back), the workers, then their scheduler (a worker
+        # that loses it mid-close logs tracebacks)
+        for group in groups:
+            stop_processes([m.process for m in group if m.process is not None], STOP_TIMEOUT_S)
 
 
 if __name__ == "__main__":
-    supervise(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    supervise(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4] == "1")

@@ -5,25 +5,10 @@ wrappers and their arguments import nothing heavy, so the scheduler never loads 
 (it would stall its event loop for seconds); the workers import app.core.job_tasks on
 the first task they run.
 """
-import json
-import logging
-
 from ..core.heap import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, mallopt
-from .on_scheduler import JOBS, OUTCOMES
 
-log = logging.getLogger("blockgrad.jobs")
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # the ceiling of glibc's own dynamic threshold (64-bit)
 _malloc_restored = False
-
-
-def worker_log() -> logging.Logger:
-    """The job log on a Dask worker, whose logging configures only distributed's loggers: to
-    its stderr (the service's, for the embedded cluster)."""
-    if not log.handlers:
-        log.addHandler(logging.StreamHandler())
-        log.setLevel(logging.INFO)
-        log.propagate = False
-    return log
 
 
 def restore_malloc_reuse() -> None:
@@ -67,22 +52,3 @@ def finish_task(spec: dict, *bands):
     from ..core.job_tasks import JobSpec, finish
 
     return finish(JobSpec(**spec), *bands)
-
-
-def outcome_task(job_id: str, spec: dict, outcome) -> dict:
-    """After the last sum, on a worker: the job's end, into the scheduler's metadata, where
-    every gunicorn worker reads it."""
-    from distributed import get_client
-
-    summary = {"status": "failed" if outcome.error else "succeeded", "error": outcome.error,
-               "started_at": outcome.started_at, "finished_at": outcome.finished_at,
-               "bytes_moved": outcome.bytes_moved}
-    client = get_client()
-    if client.get_metadata([JOBS, job_id], None) is None:  # cancelled and forgotten meanwhile
-        return summary
-    client.set_metadata([OUTCOMES, job_id], summary)
-    seconds = max(1e-9, outcome.finished_at - outcome.started_at)
-    worker_log().info(json.dumps({"event": "job_finished", "job": job_id, "status": summary["status"],
-                         "duration_s": round(seconds, 3), "pairs_per_s": round(spec["n"] ** 2 / seconds),
-                         "bytes_moved": outcome.bytes_moved, "error": (outcome.error or {}).get("code")}))
-    return summary

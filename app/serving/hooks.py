@@ -33,7 +33,7 @@ class Process:
     settings: Settings | None = None
     metrics: MetricsDir | None = None
     pod_slots: slots.PodSlots | None = None
-    cluster: dask_cluster.EmbeddedCluster | None = None  # the embedded Dask cluster (docs/jobs.md)
+    cluster: dask_cluster.EmbeddedCluster | None = None  # the job runner and embedded Dask cluster (docs/jobs.md)
 
 
 process = Process()
@@ -53,7 +53,7 @@ def on_starting(server):
     host.scrape_lock = metrics_archive.scrape_lock(process.metrics.path)  # scrapes lock it against folds
     # Before the app is built (below, or in each worker after fork): every worker shares them.
     process.pod_slots = host.slots = slots.create(available_cores(), parent=server.cfg.worker_tmp_dir)
-    # Before the app is built: the workers' settings carry the embedded cluster's address.
+    # Before the app is built: the workers' settings carry the data directory, made absolute.
     process.cluster = dask_cluster.start_for_gunicorn(JobSettings.from_env())
     if warmup.warm_start(process.settings.device):
         server.app.wsgi()  # no torch op runs here

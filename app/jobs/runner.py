@@ -1,0 +1,266 @@
+"""`python -m app.jobs.runner [SCHEDULER]`: the service's job runner, the one process that talks
+to Dask (the supervisor keeps it up; tests run the same Runner as a thread).
+
+It claims the store's queued jobs, and those whose runner stopped renewing its lease,
+submits each as a task graph (graph.py), renews the lease with the blocks done, and writes
+the result into the store itself: the database stays in the service, the cluster computes
+only, and the commit is fenced on (owner, attempt) in the result's own transaction, so a
+runner that lost the job writes nothing. A graph Dask lost (a scheduler restart, every copy
+of its data gone) is submitted again as a new attempt, at most BLOCKGRAD_JOB_ATTEMPTS times.
+While the cluster is unreachable jobs stay queued.
+"""
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import CancelledError
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..core.engine import elements_per_chunk
+from ..core.errors import BlockgradError
+from ..core.job_tasks import JobSpec, plan_tiles
+from ..core.objectives import Objective
+from . import db
+from .graph import Graph, submit
+from .settings import JobSettings
+
+log = logging.getLogger("blockgrad.jobs")
+POLL_S = 0.5
+SWEEP_S = 10.0
+CONNECT_TIMEOUT_S = 10.0  # also how long a Client tries to reconnect to a restarted scheduler
+SUBMIT_TIMEOUT_S = 10.0  # a scatter's bound, plus the vectors' size at TRANSFER_BYTES_PER_S
+GATHER_TIMEOUT_S = 30.0
+TRANSFER_BYTES_PER_S = 20e6
+# CommClosedError is an OSError; a scatter cut short by a scheduler restart is cancelled
+DASK_ERRORS = (OSError, TimeoutError, ValueError, CancelledError)
+TASK_FAILED = {"code": "internal_error", "message": "A task of this job failed on the cluster; the cluster's log "
+                                                    "has the traceback.", "details": {}}
+
+
+def event(name: str, **fields) -> None:
+    log.info(json.dumps({"event": name, **fields}))
+
+
+@dataclass
+class Attempt:
+    """One owned job's attempt: its graph (None until submitted), the blocks of its finished tiles."""
+    job_id: str
+    number: int
+    graph: Graph | None = None
+    result_bytes: int = 0
+    outputs: list = field(default_factory=list)
+    blocks_done: int = 0
+
+
+class Runner:
+    def __init__(self, settings: JobSettings, objectives: Mapping[str, Objective], engine, address: str | None = None):
+        self.settings, self.objectives, self.engine = settings, objectives, engine
+        self.address = address or settings.dask_scheduler
+        self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        self.client = None
+        self.attempts: dict[str, Attempt] = {}
+        self.outage: str | None = None  # what is down, logged once until it is back
+        self.next_beat = self.next_sweep = 0.0
+        self.workers = 0  # Dask workers seen at the last step
+        # Tests: called with the job's id once its outcome is computed, before it is gathered and stored.
+        self.before_finish: Callable[[str], None] | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "Runner":
+        self._thread = threading.Thread(target=self.run, args=(self._stop,), name="blockgrad-runner", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)
+
+    def run(self, stop_event: threading.Event) -> None:
+        try:
+            while not stop_event.is_set():
+                try:
+                    self.step(time.time())
+                except BlockgradError:  # store_unavailable: the same work next time
+                    self.down("store", "the job store did not answer")
+                stop_event.wait(POLL_S)
+        finally:
+            self.close()
+
+    def down(self, what: str, why: str) -> None:
+        if self.outage != what:
+            log.warning(json.dumps({"event": "jobs_waiting", "on": what, "why": why}))
+        self.outage = what
+
+    def connected(self):
+        """This runner's Client, connected now if it has none; None while the cluster is down."""
+        if self.client is not None and self.client.status in ("running", "connecting"):
+            return self.client if self.client.status == "running" else None
+        from distributed import Client  # here: importing the module loads no Dask
+
+        try:
+            self.client = Client(self.address, timeout=CONNECT_TIMEOUT_S, set_as_default=False, name="blockgrad-runner")
+        except DASK_ERRORS as exc:
+            self.down("cluster", f"{self.address}: {exc}")
+            return None
+        return self.client
+
+    def step(self, now: float) -> None:
+        settings = self.settings
+        if now >= self.next_sweep:
+            db.sweep(self.engine, now, settings.job_ttl_s, settings.max_job_results_bytes)
+            self.next_sweep = now + SWEEP_S
+        if now >= self.next_beat:  # before any cluster call: a slow cluster never costs a lease
+            for attempt in list(self.attempts.values()):
+                if not db.renew(self.engine, attempt.job_id, self.owner, attempt.number, now, settings.job_lease_s,
+                                attempt.blocks_done):  # cancelled, deleted, or taken over
+                    self.drop(attempt)
+            db.beat(self.engine, self.owner, self.address, self.workers, now)
+            self.next_beat = now + settings.job_lease_s / 5
+        client = self.connected()
+        try:
+            self.workers = len(client.nthreads()) if client is not None else 0
+        except DASK_ERRORS as exc:
+            self.workers = 0
+            self.down("cluster", str(exc))
+            return
+        if client is None:
+            return
+        for attempt in list(self.attempts.values()):
+            if attempt.graph is not None:
+                self.check(attempt)
+        if not self.workers:  # a scatter would wait for one: nothing is claimed until a worker has joined
+            self.down("workers", f"no Dask worker has joined {self.address} yet")
+            return
+        if self.outage is not None:
+            event("jobs_resumed", after=self.outage)
+            self.outage = None
+        for job_id in db.claimable(self.engine, now, settings.max_jobs):
+            number = db.claim(self.engine, job_id, self.owner, now, settings.job_lease_s, settings.job_attempts)
+            if number is not None:
+                self.attempts[job_id] = Attempt(job_id, number)
+        for attempt in list(self.attempts.values()):
+            if attempt.graph is None:
+                self.launch(client, attempt)
+
+    def launch(self, client, attempt: Attempt) -> None:
+        """Submit the attempt's graph, or hand the job back if the cluster fails."""
+        job_id, number = attempt.job_id, attempt.number
+        record, vectors = db.get_job(self.engine, job_id), db.load_input(self.engine, job_id)
+        if record is None or vectors is None:
+            self.drop(attempt)
+            return  # cancelled or deleted since
+        objective = self.objectives.get(record["objective"])
+        if objective is None:  # a model this service no longer serves
+            error = {"code": "internal_error", "details": {"objective": record["objective"]},
+                     "message": f"The objective {record['objective']!r} is not served by this service any more."}
+            self.finish(attempt, None, error)
+            return
+        spec = JobSpec(record["n"], record["dim"], record["factor"], record["objective"], record["offset"],
+                       record["dtype"], elements_per_chunk(self.settings.max_job_block_elements, objective,
+                                                           record["dim"], vectors.itemsize))
+        tiles = plan_tiles(spec.n, spec.dim, spec.factor, self.workers or 1)
+        try:
+            graph = submit(client, f"{job_id}-{number}", vectors, spec, tiles, objective,
+                           SUBMIT_TIMEOUT_S + vectors.nbytes / TRANSFER_BYTES_PER_S)
+        except DASK_ERRORS as exc:
+            self.drop(attempt)
+            db.release(self.engine, job_id, self.owner, number)
+            self.down("cluster", f"submitting job {job_id}: {exc}")
+            return
+        attempt.graph, attempt.result_bytes, attempt.outputs = graph, record["result_bytes"], record["outputs"]
+        for future, _ in list(graph.tiles.values()):
+            future.add_done_callback(lambda f: self.tile_done(attempt, f))
+        event("job_started", job=job_id, attempt=number, tiles=len(tiles), workers=self.workers,
+              vector_bytes=vectors.nbytes)
+
+    @staticmethod
+    def tile_done(attempt: Attempt, future) -> None:
+        """On Dask's one callback thread. The reference dropped: a finished tile's data then
+        lives only as long as the sums that need it."""
+        _, blocks = attempt.graph.tiles.pop(future.key, (None, 0))
+        if future.status == "finished":
+            attempt.blocks_done += blocks
+
+    def check(self, attempt: Attempt) -> None:
+        final = attempt.graph.final
+        status = final.status
+        if status in ("pending", "lost"):  # lost: Dask computes it again from the held vectors
+            return
+        if status == "error":
+            self.finish(attempt, None, TASK_FAILED)
+        elif status == "cancelled":  # the scheduler restarted, or the data it needed are gone
+            self.again(attempt, status)
+        else:
+            if self.before_finish is not None:
+                self.before_finish(attempt.job_id)
+            try:
+                outcome = final.result(timeout=GATHER_TIMEOUT_S + attempt.result_bytes / TRANSFER_BYTES_PER_S)
+            except Exception as exc:  # noqa: BLE001 - lost with its worker, or the scheduler: compute it again
+                self.again(attempt, f"gather failed: {exc!r}")
+                return
+            arrays = None if outcome.error else {name: getattr(outcome, name) for name in attempt.outputs}
+            self.finish(attempt, arrays, outcome.error, outcome)
+
+    def finish(self, attempt: Attempt, arrays: dict[str, np.ndarray] | None, error: dict | None,
+               outcome=None) -> None:
+        self.drop(attempt)
+        stored = db.finish_job(self.engine, attempt.job_id, self.owner, attempt.number, time.time(), arrays, error)
+        seconds = None if outcome is None else round(outcome.finished_at - outcome.started_at, 3)
+        event("job_finished", job=attempt.job_id, attempt=attempt.number, stored=stored,
+              status="failed" if error else "succeeded", error=(error or {}).get("code"), duration_s=seconds,
+              bytes_moved=None if outcome is None else outcome.bytes_moved)
+
+    def again(self, attempt: Attempt, why: str) -> None:
+        """The attempt's graph is lost: the job's next attempt, submitted at the next step, if it has one left."""
+        self.drop(attempt)
+        event("job_lost", job=attempt.job_id, attempt=attempt.number, why=why)
+        number = db.claim(self.engine, attempt.job_id, self.owner, time.time(), self.settings.job_lease_s,
+                          self.settings.job_attempts, held=attempt.number)
+        if number is not None:
+            self.attempts[attempt.job_id] = Attempt(attempt.job_id, number)
+
+    def drop(self, attempt: Attempt) -> None:
+        """Forget the attempt and cancel what is left of its graph on the cluster."""
+        self.attempts.pop(attempt.job_id, None)
+        if attempt.graph is not None and self.client is not None and self.client.status == "running":
+            try:
+                self.client.cancel([attempt.graph.final, *(f for f, _ in list(attempt.graph.tiles.values()))],
+                                   force=True)
+            except DASK_ERRORS:
+                pass
+
+    def close(self) -> None:
+        """Stop: hand every owned job back (queued, the attempt not counted), close the Client."""
+        for attempt in list(self.attempts.values()):
+            self.drop(attempt)
+            db.release(self.engine, attempt.job_id, self.owner, attempt.number)
+        if self.client is not None:
+            self.client.close(timeout=CONNECT_TIMEOUT_S)
+
+
+def main(argv: list[str]) -> None:
+    from ..core.objectives import served_objectives
+    from ..core.settings import Settings
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    settings = JobSettings.from_env()
+    runner = Runner(settings, served_objectives(Settings.from_env()), db.open_store(settings.database_url()),
+                    argv[0] if argv else None)
+    stopping = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    runner.run(stopping)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
