@@ -165,15 +165,39 @@ def no_cluster() -> BlockgradError:
 def job_not_found(job_id: str) -> BlockgradError:
     return BlockgradError(
         "job_not_found",
-        f"There is no job {job_id}: unknown, forgotten after BLOCKGRAD_JOB_TTL_S or DELETE, or lost with "
-        "a restarted scheduler.", {"id": job_id})
+        f"There is no job {job_id}: unknown, deleted, or expired (BLOCKGRAD_JOB_TTL_S after it finished).",
+        {"id": job_id})
 
 
 def job_not_done(job_id: str, status: str) -> BlockgradError:
     waiting = status in ("queued", "running")
-    advice = "retry after the Retry-After seconds" if waiting else "it has no result; GET the job for its error"
+    advice = ("retry after the Retry-After seconds" if waiting else "it was cancelled and has no result"
+              if status == "cancelled" else "it has no result; GET the job for its error")
     return BlockgradError("job_not_done", f"Job {job_id} is {status}; {advice}.", {"status": status},
                           retry_after_s=JOB_RETRY_AFTER_S if waiting else None)
+
+
+def job_done(job_id: str, status: str) -> BlockgradError:
+    return BlockgradError("job_done", f"Job {job_id} has {status}: there is nothing to cancel (DELETE forgets it).",
+                          {"status": status})
+
+
+def job_attempts_exhausted(attempts: int) -> BlockgradError:
+    return BlockgradError(
+        "job_attempts_exhausted",
+        f"The cluster lost this job's work {attempts} times (BLOCKGRAD_JOB_ATTEMPTS = {attempts}): workers or "
+        "the scheduler kept dying under it. Submit it again.", {"limit": "BLOCKGRAD_JOB_ATTEMPTS", "allowed": attempts})
+
+
+STORE_RETRY_AFTER_S = 2
+
+
+def store_unavailable() -> BlockgradError:
+    return BlockgradError(
+        "store_unavailable",
+        "The job store (its database) did not answer in time; job routes are unavailable until it does "
+        "(synchronous routes are unaffected). Retry after the Retry-After seconds.", {},
+        retry_after_s=STORE_RETRY_AFTER_S)
 
 
 def too_many_jobs(active: int, allowed: int) -> BlockgradError:

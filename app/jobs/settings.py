@@ -2,6 +2,7 @@
 
 Standard library only: gunicorn's master reads them to start the embedded cluster.
 """
+import os
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,6 +31,21 @@ def parse_scheduler(name: str, raw: Any) -> str:
     return address
 
 
+DATABASE_SCHEMES = ("postgresql://", "postgresql+psycopg://")
+
+
+def parse_database(name: str, raw: Any) -> str:
+    url = str(raw).strip()
+    if not url.startswith(DATABASE_SCHEMES):
+        raise ValueError(f"{name} must be a PostgreSQL URL such as postgresql://user:password@host:5432/blockgrad "
+                         "(unset: SQLite under BLOCKGRAD_DATA_DIR)")
+    return url
+
+
+def parse_dir(name: str, raw: Any) -> str:
+    return os.path.abspath(str(raw))
+
+
 @dataclass(frozen=True)
 class JobSettings(FromEnv):
     # An existing Dask scheduler's address; None: gunicorn starts an embedded cluster of
@@ -42,3 +58,18 @@ class JobSettings(FromEnv):
     max_jobs: int = 16  # queued + running, all workers and pods sharing the scheduler
     job_ttl_s: float = 3600.0  # how long a finished job and its result are kept
     max_job_results_bytes: int = 2 * 1024 * 1024 * 1024  # retained results; the oldest finished go first
+    # The job store (app/jobs/db.py): PostgreSQL when jobs_db names one, else SQLite in data_dir,
+    # absolute from the start (the runner process runs in the repository, not the caller's directory).
+    data_dir: str = field(default_factory=lambda: os.path.abspath("data"), metadata={"parse": parse_dir})
+    jobs_db: str | None = field(default=None, metadata={"parse": parse_database})
+    job_attempts: int = 3  # submissions of one job's graph before it fails job_attempts_exhausted
+    job_lease_s: float = 30.0  # a runner that stops renewing its job's lease loses it after this
+
+    def __post_init__(self):
+        if self.dask_scheduler not in (None, OFF) and self.jobs_db is None:
+            raise ValueError("BLOCKGRAD_DASK_SCHEDULER names an external cluster, which other pods share: their jobs "
+                             "must be in one database, not this pod's SQLite file. Set BLOCKGRAD_JOBS_DB to a "
+                             "postgresql:// URL, or unset BLOCKGRAD_DASK_SCHEDULER for the embedded cluster.")
+
+    def database_url(self) -> str:
+        return self.jobs_db or "sqlite:///" + os.path.join(self.data_dir, "jobs.sqlite3")

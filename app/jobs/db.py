@@ -1,0 +1,345 @@
+"""The job store: every job's record, input and result in one database, the source of truth
+(docs/jobs.md). SQLite under BLOCKGRAD_DATA_DIR, or PostgreSQL (BLOCKGRAD_JOBS_DB), through
+SQLAlchemy Core: one SQL text for both, a pool, timeouts.
+
+Web workers insert, read, cancel and delete rows; the job runner (runner.py) claims a job
+with a lease, renews it, and commits its result fenced on (owner, attempt), so that of two
+runners sharing one database at most one finishes a job. Every function answers
+store_unavailable when the database does not answer within its timeouts.
+"""
+import io
+import json
+import os
+from collections.abc import Iterator
+from functools import wraps
+
+import numpy as np
+import sqlalchemy as sa
+from sqlalchemy import and_, event, exc, func, or_, select
+
+from ..core.errors import job_attempts_exhausted, store_unavailable, too_many_jobs
+
+TIMEOUT_S = 3  # connecting, a pool checkout, a locked SQLite: a job route still answers within 5 s
+STATEMENT_TIMEOUT_MS = 4000
+RESULT_CHUNK_BYTES = 1024 * 1024  # whole rows of an output per stored chunk: a download holds a few
+RUNNER_SEEN_S = 60.0  # a runner not seen for this long no longer counts (cluster_workers)
+MIGRATION_LOCK, ADMISSION_LOCK = 29_001, 29_002  # PostgreSQL advisory locks
+ACTIVE = ("queued", "running")
+FINISHED = ("succeeded", "failed", "cancelled")
+
+meta = sa.MetaData()
+jobs = sa.Table(
+    "jobs", meta,
+    sa.Column("id", sa.String(32), primary_key=True),
+    sa.Column("status", sa.String(16), nullable=False, index=True),
+    *(sa.Column(name, sa.Integer, nullable=False) for name in ("n", "dim", "factor")),
+    sa.Column("objective", sa.Text, nullable=False),
+    sa.Column("offset", sa.Float, nullable=False),
+    sa.Column("dtype", sa.String(16), nullable=False),
+    sa.Column("outputs", sa.Text, nullable=False),  # comma-joined
+    sa.Column("idempotency_key", sa.Text, unique=True),
+    *(sa.Column(name, sa.BigInteger, nullable=False) for name in ("blocks_total", "result_bytes")),
+    sa.Column("blocks_done", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("started_at", sa.Float),
+    sa.Column("finished_at", sa.Float, index=True),
+    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("owner", sa.Text),
+    sa.Column("lease_until", sa.Float),
+    sa.Column("error", sa.Text))  # JSON {code, message, details}
+inputs = sa.Table(
+    "job_inputs", meta,
+    sa.Column("job_id", sa.String(32), primary_key=True),
+    sa.Column("vectors", sa.LargeBinary, nullable=False))  # .npy bytes, the job's dtype
+results = sa.Table(
+    "job_results", meta,
+    sa.Column("job_id", sa.String(32), primary_key=True),
+    sa.Column("output", sa.String(16), primary_key=True),  # accumulated (N, D) or losses (F, F)
+    sa.Column("seq", sa.Integer, primary_key=True),
+    sa.Column("data", sa.LargeBinary, nullable=False))  # whole rows, C order
+runners = sa.Table(
+    "job_runners", meta,
+    sa.Column("owner", sa.Text, primary_key=True),
+    sa.Column("scheduler", sa.Text),
+    sa.Column("workers", sa.Integer, nullable=False),
+    sa.Column("seen_at", sa.Float, nullable=False))
+versions = sa.Table("schema_version", meta, sa.Column("version", sa.Integer, nullable=False))
+
+# Each step only adds (a table, a nullable or defaulted column): the previous release's
+# readers keep working against the newer schema during a rolling upgrade.
+MIGRATIONS = [lambda conn: meta.create_all(conn, tables=[jobs, inputs, results, runners])]
+
+
+def guarded(function):
+    """The database unreachable, too slow or locked: store_unavailable (503, Retry-After)."""
+    @wraps(function)
+    def call(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except (exc.OperationalError, exc.InterfaceError, exc.TimeoutError):
+            raise store_unavailable() from None
+    return call
+
+
+def sqlite_connection(dbapi_connection, _record) -> None:
+    dbapi_connection.isolation_level = None  # SQLAlchemy's "begin" event starts every transaction
+    dbapi_connection.execute("PRAGMA auto_vacuum = INCREMENTAL")  # takes effect on a new file only
+    dbapi_connection.execute("PRAGMA journal_mode = WAL")  # readers never wait for the writer
+
+
+@guarded
+def open_store(url: str) -> sa.Engine:
+    """An engine on the store, its schema brought up to date. Never shared across a fork."""
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
+    if url.startswith("sqlite"):
+        os.makedirs(os.path.dirname(sa.make_url(url).database) or ".", exist_ok=True)
+        engine = sa.create_engine(url, pool_timeout=TIMEOUT_S,
+                                  connect_args={"timeout": TIMEOUT_S, "check_same_thread": False})
+        event.listen(engine, "connect", sqlite_connection)
+        # One writer at a time, taken at the start: no deadlock upgrading a read lock.
+        event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+    else:
+        engine = sa.create_engine(url, pool_pre_ping=True, pool_timeout=TIMEOUT_S, connect_args={
+            "connect_timeout": TIMEOUT_S, "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"})
+    migrate(engine)
+    return engine
+
+
+def migrate(engine: sa.Engine) -> None:
+    """Run the steps this database lacks, under a lock: pods starting together do not race."""
+    with engine.begin() as conn:  # SQLite: BEGIN IMMEDIATE is the lock
+        if conn.dialect.name == "postgresql":
+            conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": MIGRATION_LOCK})
+        versions.create(conn, checkfirst=True)
+        done = conn.execute(select(func.max(versions.c.version))).scalar() or 0
+        for step in MIGRATIONS[done:]:
+            step(conn)
+        if len(MIGRATIONS) > done:
+            conn.execute(versions.delete())
+            conn.execute(versions.insert().values(version=len(MIGRATIONS)))
+
+
+def as_record(row) -> dict | None:
+    if row is None:
+        return None
+    record = dict(row._mapping)
+    record["outputs"] = record["outputs"].split(",")
+    record["error"] = json.loads(record["error"]) if record["error"] else None
+    return record
+
+
+def by_key(conn, key: str):
+    return conn.execute(select(jobs).where(jobs.c.idempotency_key == key)).first()
+
+
+@guarded
+def insert_job(engine: sa.Engine, row: dict, vectors_npy: bytes, max_active: int) -> tuple[dict, bool]:
+    """A new job, queued, with its input: (its record, True); the job a known Idempotency-Key
+    made: (that record, False). too_many_jobs when max_active are queued or running."""
+    key = row.get("idempotency_key")
+    try:
+        with engine.begin() as conn:
+            if conn.dialect.name == "postgresql":  # the count and the insert, one at a time
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMISSION_LOCK})
+            known = by_key(conn, key) if key else None
+            if known is not None:
+                return as_record(known), False
+            active = conn.execute(select(func.count()).where(jobs.c.status.in_(ACTIVE))).scalar()
+            if active >= max_active:
+                raise too_many_jobs(active, max_active)
+            conn.execute(jobs.insert().values(**{**row, "outputs": ",".join(row["outputs"])}, status="queued"))
+            conn.execute(inputs.insert().values(job_id=row["id"], vectors=vectors_npy))
+            return as_record(conn.execute(select(jobs).where(jobs.c.id == row["id"])).first()), True
+    except exc.IntegrityError:  # the same key's POST committed first
+        with engine.begin() as conn:
+            return as_record(by_key(conn, key)), False
+
+
+@guarded
+def get_job(engine: sa.Engine, job_id: str) -> dict | None:
+    with engine.begin() as conn:
+        return as_record(conn.execute(select(jobs).where(jobs.c.id == job_id)).first())
+
+
+@guarded
+def cancel_job(engine: sa.Engine, job_id: str, now: float) -> dict | None:
+    """Queued or running: cancelled (its runner sees it at its next renewal). The record after."""
+    with engine.begin() as conn:
+        ended = conn.execute(sa.update(jobs).where(jobs.c.id == job_id, jobs.c.status.in_(ACTIVE)).values(
+            status="cancelled", finished_at=now, owner=None, lease_until=None)).rowcount
+        if ended:
+            conn.execute(inputs.delete().where(inputs.c.job_id == job_id))
+        return as_record(conn.execute(select(jobs).where(jobs.c.id == job_id)).first())
+
+
+def delete_rows(conn, job_ids: list[str]) -> None:
+    for table, column in ((results, results.c.job_id), (inputs, inputs.c.job_id), (jobs, jobs.c.id)):
+        conn.execute(table.delete().where(column.in_(job_ids)))
+
+
+@guarded
+def delete_job(engine: sa.Engine, job_id: str) -> bool:
+    with engine.begin() as conn:
+        known = conn.execute(select(jobs.c.id).where(jobs.c.id == job_id)).first() is not None
+        delete_rows(conn, [job_id])
+        return known
+
+
+@guarded
+def status_counts(engine: sa.Engine) -> dict[str, int]:
+    """Jobs by status, and the blocks done of the active ones (one indexed scan)."""
+    counts = dict.fromkeys((*ACTIVE, *FINISHED), 0) | {"blocks_done": 0}
+    with engine.begin() as conn:
+        for status, count, done in conn.execute(
+                select(jobs.c.status, func.count(), func.sum(jobs.c.blocks_done)).group_by(jobs.c.status)):
+            counts[status] = count
+            if status in ACTIVE:
+                counts["blocks_done"] += done or 0
+    return counts
+
+
+def claimable_now(now: float):
+    return or_(jobs.c.status == "queued",
+               and_(jobs.c.status == "running", or_(jobs.c.lease_until.is_(None), jobs.c.lease_until < now)))
+
+
+@guarded
+def claimable(engine: sa.Engine, now: float, limit: int) -> list[str]:
+    """Queued jobs and running ones whose runner stopped renewing, oldest first."""
+    with engine.begin() as conn:
+        return list(conn.execute(select(jobs.c.id).where(claimable_now(now)).order_by(jobs.c.created_at)
+                                 .limit(limit)).scalars())
+
+
+@guarded
+def claim(engine: sa.Engine, job_id: str, owner: str, now: float, lease_s: float, max_attempts: int,
+          held: int | None = None) -> int | None:
+    """The job's next attempt, this owner's until its lease expires: its number; None if
+    another runner has it. `held`: the attempt this owner holds and lost (its graph gone):
+    submitted again under a new number. After max_attempts the job fails
+    job_attempts_exhausted (None)."""
+    which = claimable_now(now) if held is None else and_(
+        jobs.c.owner == owner, jobs.c.attempts == held, jobs.c.status == "running")
+    with engine.begin() as conn:
+        error = json.dumps(error_dict(job_attempts_exhausted(max_attempts)))
+        if conn.execute(sa.update(jobs).where(jobs.c.id == job_id, which, jobs.c.attempts >= max_attempts).values(
+                status="failed", error=error, finished_at=now, owner=None, lease_until=None)).rowcount:
+            conn.execute(inputs.delete().where(inputs.c.job_id == job_id))
+            return None
+        return conn.execute(sa.update(jobs).where(jobs.c.id == job_id, which).values(
+            status="running", owner=owner, lease_until=now + lease_s, attempts=jobs.c.attempts + 1, blocks_done=0,
+            started_at=func.coalesce(jobs.c.started_at, now)).returning(jobs.c.attempts)).scalar()
+
+
+def error_dict(error) -> dict:
+    return {"code": error.code, "message": error.message, "details": error.details}
+
+
+def fence(job_id: str, owner: str, attempt: int):
+    return and_(jobs.c.id == job_id, jobs.c.owner == owner, jobs.c.attempts == attempt, jobs.c.status == "running")
+
+
+@guarded
+def load_input(engine: sa.Engine, job_id: str) -> np.ndarray | None:
+    with engine.begin() as conn:
+        data = conn.execute(select(inputs.c.vectors).where(inputs.c.job_id == job_id)).scalar()
+    return None if data is None else np.load(io.BytesIO(data), allow_pickle=False)
+
+
+@guarded
+def renew(engine: sa.Engine, job_id: str, owner: str, attempt: int, now: float, lease_s: float,
+          blocks_done: int) -> bool:
+    """The lease extended and the progress written; False: no longer this attempt's job."""
+    with engine.begin() as conn:
+        return conn.execute(sa.update(jobs).where(fence(job_id, owner, attempt)).values(
+            lease_until=now + lease_s, blocks_done=blocks_done)).rowcount == 1
+
+
+def row_chunks(array: np.ndarray) -> Iterator[bytes]:
+    rows = max(1, RESULT_CHUNK_BYTES // max(1, array[:1].nbytes))
+    for start in range(0, array.shape[0], rows):
+        yield np.ascontiguousarray(array[start:start + rows]).tobytes()
+
+
+@guarded
+def finish_job(engine: sa.Engine, job_id: str, owner: str, attempt: int, now: float,
+               arrays: dict[str, np.ndarray] | None, error: dict | None) -> bool:
+    """The result's rows and the job's end in one transaction, fenced on (owner, attempt):
+    a job is succeeded only with its result stored. False: fenced out, nothing written."""
+    with engine.begin() as conn:
+        succeeded = error is None
+        if not conn.execute(sa.update(jobs).where(fence(job_id, owner, attempt)).values(
+                status="succeeded" if succeeded else "failed", finished_at=now, owner=None, lease_until=None,
+                error=None if succeeded else json.dumps(error),
+                **({"blocks_done": jobs.c.blocks_total} if succeeded else {}))).rowcount:
+            return False
+        for output, array in (arrays or {}).items():
+            for seq, data in enumerate(row_chunks(array)):
+                conn.execute(results.insert().values(job_id=job_id, output=output, seq=seq, data=data))
+        conn.execute(inputs.delete().where(inputs.c.job_id == job_id))
+        return True
+
+
+@guarded
+def release(engine: sa.Engine, job_id: str, owner: str, attempt: int) -> None:
+    """A stopping runner hands its job back, queued; the attempt does not count."""
+    with engine.begin() as conn:
+        conn.execute(sa.update(jobs).where(fence(job_id, owner, attempt)).values(
+            status="queued", owner=None, lease_until=None, attempts=jobs.c.attempts - 1, blocks_done=0))
+
+
+@guarded
+def sweep(engine: sa.Engine, now: float, ttl_s: float, max_result_bytes: int) -> int:
+    """Finished jobs past their TTL, then the oldest results over max_result_bytes, deleted;
+    SQLite gives their pages back. Returns how many jobs went."""
+    with engine.begin() as conn:
+        gone = list(conn.execute(select(jobs.c.id).where(jobs.c.status.in_(FINISHED),
+                                                         jobs.c.finished_at < now - ttl_s)).scalars())
+        kept = 0
+        for job_id, nbytes in conn.execute(select(jobs.c.id, jobs.c.result_bytes).where(
+                jobs.c.status == "succeeded", jobs.c.finished_at >= now - ttl_s).order_by(jobs.c.finished_at.desc())):
+            kept += nbytes
+            if kept > max_result_bytes:
+                gone.append(job_id)
+        if gone:
+            delete_rows(conn, gone)
+    if gone and engine.dialect.name == "sqlite":
+        with engine.begin() as conn:
+            conn.exec_driver_sql("PRAGMA incremental_vacuum")
+    return len(gone)
+
+
+@guarded
+def result_chunk(engine: sa.Engine, job_id: str, output: str, seq: int) -> bytes | None:
+    with engine.begin() as conn:
+        return conn.execute(select(results.c.data).where(
+            results.c.job_id == job_id, results.c.output == output, results.c.seq == seq)).scalar()
+
+
+def result_chunks(engine: sa.Engine, record: dict, output: str) -> Iterator[np.ndarray]:
+    """A succeeded job's output (its record's), whole rows at a time: one short query per
+    chunk, no connection held while a client reads. Ends early if the job is deleted meanwhile."""
+    columns = record["dim"] if output == "accumulated" else record["factor"]
+    seq = 0
+    while (data := result_chunk(engine, record["id"], output, seq)) is not None:
+        yield np.frombuffer(data, dtype=record["dtype"]).reshape(-1, columns)
+        seq += 1
+
+
+@guarded
+def beat(engine: sa.Engine, owner: str, scheduler: str | None, workers: int, now: float) -> None:
+    """A runner's heartbeat: what it sees of its cluster."""
+    with engine.begin() as conn:
+        values = {"scheduler": scheduler, "workers": workers, "seen_at": now}
+        if not conn.execute(sa.update(runners).where(runners.c.owner == owner).values(**values)).rowcount:
+            conn.execute(runners.insert().values(owner=owner, **values))
+        conn.execute(runners.delete().where(runners.c.seen_at < now - 10 * RUNNER_SEEN_S))
+
+
+@guarded
+def cluster_workers(engine: sa.Engine, now: float) -> int:
+    """Dask workers the runners seen lately see (the most any of them sees)."""
+    with engine.begin() as conn:
+        return conn.execute(select(func.max(runners.c.workers)).where(
+            runners.c.seen_at >= now - RUNNER_SEEN_S)).scalar() or 0
