@@ -154,12 +154,12 @@ class JobStore:
             raise job_not_done(job_id, found["status"])
         return found
 
-    def chunks(self, job_id: str, output: str, rows: int) -> Iterator[np.ndarray]:
-        """The output's rows, chunk by chunk; 404 job_not_found if it was deleted meanwhile (the
-        stream is then cut, never completed wrong)."""
+    def chunks(self, row: dict, output: str, rows: int) -> Iterator[np.ndarray]:
+        """The output's `rows` rows, chunk by chunk; 404 job_not_found if the job was deleted
+        meanwhile (the stream is then cut, never completed wrong)."""
         seen = 0
-        for chunk in db.result_chunks(self.engine, job_id, output):
+        for chunk in db.result_chunks(self.engine, row, output):
             seen += len(chunk)
             yield chunk
         if seen != rows:
-            raise job_not_found(job_id)
+            raise job_not_found(row["id"])

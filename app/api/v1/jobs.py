@@ -212,7 +212,7 @@ def json_stream(jobs: JobStore, row: dict) -> Iterator[bytes]:
     yield orjson.dumps(head)[:-1]
     for name, (rows, _) in shapes(row).items():
         yield b"," + orjson.dumps(name) + b":["
-        for k, chunk in enumerate(jobs.chunks(row["id"], name, rows)):
+        for k, chunk in enumerate(jobs.chunks(row, name, rows)):
             yield b"," * (k > 0) + orjson.dumps(chunk, option=NUMPY)[1:-1]
         yield b"]"
     yield b"}"
@@ -226,7 +226,7 @@ class Sink:
 
     def write(self, data) -> int:
         self.pieces.append(bytes(data))
-        return len(data)
+        return len(self.pieces[-1])  # bytes: `data` may be a 2-d memoryview
 
     def flush(self) -> None:
         pass
@@ -249,7 +249,7 @@ def npz_stream(jobs: JobStore, row: dict) -> Iterator[bytes]:
             with archive.open(f"{name}.npy", "w", force_zip64=True) as file:
                 np.lib.format.write_array_header_1_0(file, {"descr": dtype.str, "fortran_order": False,
                                                             "shape": shape})
-                for chunk in jobs.chunks(row["id"], name, shape[0]):
+                for chunk in jobs.chunks(row, name, shape[0]):
                     file.write(np.ascontiguousarray(chunk, dtype=dtype).data)
                     yield sink.take()
     yield sink.take()
