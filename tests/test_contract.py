@@ -180,6 +180,8 @@ PRODUCED = {
     "cluster_unavailable": "test_cluster_unavailable_on_a_get",
 }
 INJECTED = {"internal_error", "device_out_of_memory"}  # tests/test_error_table.py, by patching
+# The job store's codes, made in process by tests/test_error_table.py (job_attempts_exhausted: a job's error).
+INJECTED |= {"store_unavailable", "job_done", "job_attempts_exhausted"}
 
 
 def test_every_code_is_produced():
