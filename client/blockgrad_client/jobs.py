@@ -41,7 +41,7 @@ class Job:
         self.id = record["id"]
 
     def __repr__(self) -> str:
-        return f"<Job {self.id} {self.record['status']}>"
+        return f"<Job {self.id} {self.record.get('status', 'unknown')}>"
 
     @property
     def path(self) -> str:
