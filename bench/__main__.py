@@ -48,6 +48,7 @@ ROWS = [
     jobs.job_scaling,
     jobs.job_size,
     jobs.job_model,
+    jobs.result_download,
 ]
 
 

@@ -1,4 +1,4 @@
-"""Job rows J1-J4 (docs/jobs.md, "Benchmarks"): each starts gunicorn as `make serve` does,
+"""Job rows J1-J5 (docs/jobs.md, "Benchmarks"): each starts gunicorn as `make serve` does,
 with its embedded Dask cluster (BLOCKGRAD_DASK_WORKERS workers at nice 19), and stops it.
 
 A job's compute time is its record's finished_at - started_at (the first tile's start to the
@@ -12,7 +12,9 @@ BLOCKGRAD_BENCH_J3=1, and otherwise reports that it was not run.
 
 `python -m bench.jobs TP` profiles one tile (in this process, on a Dask worker untuned and tuned).
 
-Usage: python -m bench.jobs [J1 J2 J3 J4 TP]
+J5 downloads a stored result with four clients at once and reads the web worker's peak memory.
+
+Usage: python -m bench.jobs [J1 J2 J3 J4 J5 TP]
 """
 import contextlib
 import io
@@ -29,7 +31,7 @@ import numpy as np
 import requests
 import torch
 
-from tools.server import children, cpu_ticks, gunicorn_server, peak_rss_kib, wait_until
+from tools.server import children, cpu_ticks, gunicorn_server, peak_rss_kib, rss_kib, wait_until
 
 from .measure import Result, all_started_together, at_least, at_most
 from .workloads import body as json_body
@@ -364,7 +366,58 @@ def tile_profile() -> list[Result]:
                    f"{costs}; {load()}") for where, costs in found.items()]
 
 
-ROWS = {"J1": job_overhead, "J2": job_scaling, "J3": lambda: job_size(named=True), "J4": job_model}
+# J5 ---------------------------------------------------------------------------------------
+def reset_peak_rss(pid: int) -> None:
+    """VmHWM back to the current RSS (Linux's clear_refs), so that the next peak is this row's."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
+def stored_result(data_dir: str, n: int, dim: int) -> str:
+    """A succeeded job with an (n, dim) float32 accumulated gradient, written into a new store
+    as the runner writes one (db.finish_job); its id."""
+    from app.jobs import db
+
+    engine = db.open_store(f"sqlite:///{data_dir}/jobs.sqlite3")
+    job_id, now = "5" * 32, time.time()
+    accumulated = np.random.default_rng(5).standard_normal((n, dim)).astype(np.float32)
+    db.insert_job(engine, {"id": job_id, "n": n, "dim": dim, "factor": 64, "objective": "sum_of_squares",
+                           "offset": 5.0, "dtype": "float32", "outputs": ["accumulated"], "blocks_total": 64 * 64,
+                           "result_bytes": accumulated.nbytes, "idempotency_key": None, "created_at": now},
+                  b"", 1)
+    attempt = db.claim(engine, job_id, "bench", now, 3600, 1)
+    db.finish_job(engine, job_id, "bench", attempt, now, {"accumulated": accumulated}, None)
+    engine.dispose()
+    return job_id
+
+
+def result_download(bench=None, n: int = 65536, dim: int = 64, clients: int = 4) -> list[Result]:
+    """A stored result downloaded by `clients` at once from one web worker, as .npz and as JSON:
+    that worker's peak RSS above its RSS before, against the result's size."""
+    result_bytes = n * dim * 4
+    rows = []
+    with tempfile.TemporaryDirectory() as data_dir:
+        job_id = stored_result(data_dir, n, dim)
+        with gunicorn_server(workers=1, env={"BLOCKGRAD_DATA_DIR": data_dir, "BLOCKGRAD_DASK_SCHEDULER": ""}) as server:
+            [worker] = server.worker_pids()
+            url = f"{server.url}/v1/jobs/{job_id}/result"
+            for form, accept in (("npz", "application/x-npz"), ("JSON", "application/json")):
+                requests.get(url, headers={"Accept": accept}, timeout=300).raise_for_status()  # warm
+                before, sizes = rss_kib(worker), []
+                reset_peak_rss(worker)
+                all_started_together([lambda: sizes.append(len(requests.get(
+                    url, headers={"Accept": accept}, timeout=600).content))] * clients)
+                grown = (peak_rss_kib(worker) - before) * 1024
+                rows.append(Result(f"J5. a stored result of N={n} D={dim} float32 ({result_bytes >> 20} MiB), {clients} "
+                                   f"clients downloading it at once as {form}: the web worker's peak RSS growth / "
+                                   "the result's size", "<= 1x", f"{grown / result_bytes:.2f}x",
+                                   at_most(grown / result_bytes, 1.0),
+                                   f"grew {grown / 2**20:.1f} MiB from {before / 1024:.0f} MiB; bodies "
+                                   f"{sizes[0] / 2**20:.1f} MiB each; {load()}"))
+    return rows
+
+
+ROWS = {"J1": job_overhead, "J2": job_scaling, "J3": lambda: job_size(named=True), "J4": job_model,
+        "J5": result_download}
 NAMED_ONLY = {"TP": tile_profile}
 
 

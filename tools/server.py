@@ -179,8 +179,8 @@ def gunicorn_server(workers: int | None = 2, env: dict[str, str] | None = None, 
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "gunicorn.log"
         with open(log_path, "wb") as log_file:
-            process = subprocess.Popen(
-                gunicorn_command(app), cwd=ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT,
+            process = subprocess.Popen(  # a job store of its own, unless a test shares one between servers
+                gunicorn_command(app), cwd=ROOT, env={"BLOCKGRAD_DATA_DIR": f"{tmp}/data", **full_env}, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True)  # its own process group, so teardown reaches the workers
         try:
             server = Server(process, port, expected_workers, log_path)

@@ -1,0 +1,250 @@
+"""The job store's rows (app/jobs/db.py) on SQLite and on a real PostgreSQL: admission,
+idempotency, leases, the fenced commit, release, cancel, delete, retention, migrations and
+an unreachable database."""
+import io
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import sqlalchemy as sa
+
+from app.core.errors import BlockgradError
+from app.jobs import db
+
+NOW = 1_000_000.0
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path}/data/jobs.sqlite3"
+    try:
+        return request.getfixturevalue("postgres_url")
+    except pytest.FixtureLookupError:
+        pytest.skip("no postgres_url fixture (tests/postgres.py)")
+
+
+@pytest.fixture
+def engine(store_url):
+    engine = db.open_store(store_url)
+    yield engine
+    engine.dispose()
+
+
+def npy(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+VECTORS = np.arange(12, dtype=np.float64).reshape(4, 3)
+
+
+def new_job(engine, job_id: str, key: str | None = None, max_active: int = 16, created_at: float = NOW):
+    row = {"id": job_id, "n": 4, "dim": 3, "factor": 2, "objective": "sum_of_squares", "offset": 0.5,
+           "dtype": "float64", "outputs": ["accumulated", "losses"], "blocks_total": 4, "result_bytes": 128,
+           "idempotency_key": key, "created_at": created_at}
+    return db.insert_job(engine, row, npy(VECTORS), max_active)
+
+
+def code_of(call) -> str:
+    with pytest.raises(BlockgradError) as caught:
+        call()
+    return caught.value.code
+
+
+def test_a_job_is_stored_queued_with_its_input(engine):
+    record, created = new_job(engine, "a" * 32)
+    assert created and record["status"] == "queued" and record["attempts"] == 0
+    assert record["outputs"] == ["accumulated", "losses"] and record["offset"] == 0.5
+    assert db.get_job(engine, "a" * 32) == record
+    np.testing.assert_array_equal(db.load_input(engine, "a" * 32), VECTORS)
+    assert db.get_job(engine, "b" * 32) is None
+
+
+def test_an_idempotency_key_names_one_job_and_admission_counts_active_jobs(engine):
+    first, _ = new_job(engine, "a" * 32, key="k")
+    again, created = new_job(engine, "b" * 32, key="k")
+    assert not created and again["id"] == "a" * 32 and db.get_job(engine, "b" * 32) is None
+    new_job(engine, "c" * 32, max_active=2)
+    assert code_of(lambda: new_job(engine, "d" * 32, max_active=2)) == "overloaded"
+    db.cancel_job(engine, "c" * 32, NOW)  # no longer active: room again
+    assert new_job(engine, "d" * 32, max_active=2)[1]
+
+
+def test_a_claim_is_exclusive_until_its_lease_expires(engine):
+    new_job(engine, "a" * 32)
+    assert db.claimable(engine, NOW, 10) == ["a" * 32]
+    assert db.claim(engine, "a" * 32, "one", NOW, 10, 3) == 1
+    assert db.claim(engine, "a" * 32, "two", NOW + 5, 10, 3) is None
+    assert db.claimable(engine, NOW + 5, 10) == []
+    assert db.renew(engine, "a" * 32, "one", 1, NOW + 5, 10, 2)  # lease now ends at NOW + 15
+    assert db.claim(engine, "a" * 32, "two", NOW + 14, 10, 3) is None
+    assert db.claim(engine, "a" * 32, "two", NOW + 16, 10, 3) == 2  # expired: taken over
+    record = db.get_job(engine, "a" * 32)
+    assert (record["owner"], record["attempts"], record["blocks_done"], record["started_at"]) == ("two", 2, 0, NOW)
+    assert not db.renew(engine, "a" * 32, "one", 1, NOW + 16, 10, 3)  # the first runner learns it lost it
+
+
+def test_one_result_is_committed_fenced_on_owner_and_attempt(engine, monkeypatch):
+    monkeypatch.setattr(db, "RESULT_CHUNK_BYTES", 2 * 3 * 8)  # two rows a chunk: several chunks
+    new_job(engine, "a" * 32)
+    db.claim(engine, "a" * 32, "one", NOW, 10, 3)
+    db.claim(engine, "a" * 32, "two", NOW + 11, 10, 3)
+    losses = np.array([[1.5, -0.0], [np.pi, 2.0]])
+    assert not db.finish_job(engine, "a" * 32, "one", 1, NOW + 12, {"accumulated": VECTORS * 2}, None)
+    assert not db.finish_job(engine, "a" * 32, "two", 1, NOW + 12, {"accumulated": VECTORS * 2}, None)
+    assert db.get_job(engine, "a" * 32)["status"] == "running"
+    assert db.finish_job(engine, "a" * 32, "two", 2, NOW + 12, {"accumulated": VECTORS, "losses": losses}, None)
+    assert not db.finish_job(engine, "a" * 32, "two", 2, NOW + 13, {"accumulated": VECTORS}, None)  # once
+    record = db.get_job(engine, "a" * 32)
+    assert (record["status"], record["blocks_done"], record["finished_at"]) == ("succeeded", 4, NOW + 12)
+    chunks = list(db.result_chunks(engine, record, "accumulated"))
+    assert [len(chunk) for chunk in chunks] == [2, 2]
+    np.testing.assert_array_equal(np.concatenate(chunks), VECTORS)
+    stored = np.concatenate(list(db.result_chunks(engine, record, "losses")))
+    assert stored.tobytes() == losses.tobytes()  # bit for bit, -0.0 included
+    assert db.load_input(engine, "a" * 32) is None  # a finished job's input is not kept
+
+
+def test_a_failed_job_keeps_its_error_and_no_result(engine):
+    new_job(engine, "a" * 32)
+    db.claim(engine, "a" * 32, "one", NOW, 10, 3)
+    error = {"code": "non_finite_result", "message": "m", "details": {"block": [0, 1]}}
+    assert db.finish_job(engine, "a" * 32, "one", 1, NOW, None, error)
+    record = db.get_job(engine, "a" * 32)
+    assert record["status"] == "failed" and record["error"] == error
+    assert list(db.result_chunks(engine, record, "accumulated")) == []
+
+
+def test_a_lost_attempt_is_submitted_again_until_attempts_run_out(engine):
+    new_job(engine, "a" * 32)
+    attempt = db.claim(engine, "a" * 32, "one", NOW, 10, 2)
+    assert db.claim(engine, "a" * 32, "one", NOW, 10, 2, held=attempt + 1) is None  # not the attempt it holds
+    attempt = db.claim(engine, "a" * 32, "one", NOW, 10, 2, held=attempt)
+    assert attempt == 2
+    assert db.claim(engine, "a" * 32, "one", NOW, 10, 2, held=attempt) is None
+    record = db.get_job(engine, "a" * 32)
+    assert record["status"] == "failed" and record["error"]["code"] == "job_attempts_exhausted"
+    assert record["attempts"] == 2 and record["finished_at"] == NOW
+
+
+def test_a_released_job_is_queued_again_without_spending_an_attempt(engine):
+    new_job(engine, "a" * 32)
+    db.claim(engine, "a" * 32, "one", NOW, 10, 3)
+    db.renew(engine, "a" * 32, "one", 1, NOW, 10, 3)
+    db.release(engine, "a" * 32, "one", 1)
+    record = db.get_job(engine, "a" * 32)
+    assert (record["status"], record["attempts"], record["owner"], record["blocks_done"]) == ("queued", 0, None, 0)
+    assert db.claim(engine, "a" * 32, "two", NOW, 10, 3) == 1
+
+
+def test_cancel_ends_the_attempt_and_delete_forgets_everything(engine):
+    new_job(engine, "a" * 32)
+    db.claim(engine, "a" * 32, "one", NOW, 10, 3)
+    record = db.cancel_job(engine, "a" * 32, NOW + 1)
+    assert (record["status"], record["finished_at"], record["owner"]) == ("cancelled", NOW + 1, None)
+    assert not db.renew(engine, "a" * 32, "one", 1, NOW + 2, 10, 1)
+    assert not db.finish_job(engine, "a" * 32, "one", 1, NOW + 2, {"accumulated": VECTORS}, None)
+    assert db.cancel_job(engine, "a" * 32, NOW + 3)["finished_at"] == NOW + 1  # idempotent
+    assert db.delete_job(engine, "a" * 32) and not db.delete_job(engine, "a" * 32)
+    assert db.get_job(engine, "a" * 32) is None and db.cancel_job(engine, "a" * 32, NOW) is None
+    with engine.connect() as conn:
+        for table in (db.jobs, db.inputs, db.results):
+            assert conn.execute(sa.select(sa.func.count()).select_from(table)).scalar() == 0
+
+
+def succeed(engine, job_id: str, finished_at: float, result_bytes: int = 128) -> None:
+    new_job(engine, job_id, created_at=finished_at)
+    with engine.begin() as conn:
+        conn.execute(sa.update(db.jobs).where(db.jobs.c.id == job_id).values(result_bytes=result_bytes))
+    db.claim(engine, job_id, "one", finished_at, 10, 3)
+    db.finish_job(engine, job_id, "one", 1, finished_at, {"accumulated": VECTORS}, None)
+
+
+def test_sweep_deletes_expired_jobs_then_the_oldest_results_over_the_cap(engine):
+    succeed(engine, "a" * 32, NOW)
+    succeed(engine, "b" * 32, NOW + 50, result_bytes=100)
+    succeed(engine, "c" * 32, NOW + 60, result_bytes=100)
+    new_job(engine, "d" * 32, created_at=NOW)  # queued jobs never expire
+    assert db.sweep(engine, NOW + 70, 30, 1000) == 1  # a finished 70 s ago, the TTL is 30
+    assert db.get_job(engine, "a" * 32) is None and db.get_job(engine, "b" * 32) is not None
+    assert db.sweep(engine, NOW + 70, 30, 150) == 1  # b, the older, goes over the cap
+    assert [db.get_job(engine, x * 32) is not None for x in "bcd"] == [False, True, True]
+
+
+def test_sqlite_reuses_the_space_of_expired_results(tmp_path):
+    engine = db.open_store(f"sqlite:///{tmp_path}/jobs.sqlite3")
+    big = np.ones((512, 512))  # 2 MiB a result
+    sizes = []
+    for k in range(6):
+        new_job(engine, f"{k:032x}", created_at=NOW + k)
+        db.claim(engine, f"{k:032x}", "one", NOW + k, 10, 3)
+        db.finish_job(engine, f"{k:032x}", "one", 1, NOW + k, {"accumulated": big}, None)
+        db.sweep(engine, NOW + k + 1, 0.5, 1 << 40)  # each result expires before the next
+        with engine.connect() as conn:
+            sizes.append(conn.exec_driver_sql("PRAGMA page_count").scalar())
+    assert max(sizes[1:]) <= sizes[0] + 8, sizes  # the store does not grow with history
+
+
+def test_status_counts_and_the_runners_heartbeat(engine):
+    new_job(engine, "a" * 32)
+    new_job(engine, "b" * 32)
+    db.claim(engine, "a" * 32, "one", NOW, 10, 3)
+    db.renew(engine, "a" * 32, "one", 1, NOW, 10, 3)
+    counts = db.status_counts(engine)
+    assert (counts["queued"], counts["running"], counts["succeeded"], counts["blocks_done"]) == (1, 1, 0, 3)
+    assert db.cluster_workers(engine, NOW) == 0
+    db.beat(engine, "one", "tcp://127.0.0.1:1", 2, NOW)
+    db.beat(engine, "two", "tcp://127.0.0.1:1", 3, NOW)
+    db.beat(engine, "one", "tcp://127.0.0.1:1", 4, NOW + 1)
+    assert db.cluster_workers(engine, NOW + 1) == 4
+    assert db.cluster_workers(engine, NOW + 1 + db.RUNNER_SEEN_S + 1) == 0  # runners not seen lately
+
+
+def test_migrations_run_once_under_the_lock_and_only_add(store_url, monkeypatch):
+    step = []
+    added = sa.Table("jobs_extra", sa.MetaData(), sa.Column("job_id", sa.String(32)))
+    monkeypatch.setattr(db, "MIGRATIONS", [*db.MIGRATIONS, lambda conn: (step.append(1), added.create(conn))])
+    engines, errors = [], []
+
+    def start():
+        try:
+            engines.append(db.open_store(store_url))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=start) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors and len(engines) == 4 and step == [1]
+    with engines[0].connect() as conn:
+        assert conn.execute(sa.select(db.versions.c.version)).scalars().all() == [2]
+    new_job(engines[0], "a" * 32)  # the previous release's statements still work
+    for engine in engines:
+        engine.dispose()
+
+
+def test_a_locked_sqlite_store_is_unavailable_not_hung(tmp_path):
+    url = f"sqlite:///{tmp_path}/jobs.sqlite3"
+    engine, holder = db.open_store(url), db.open_store(url)
+    with holder.begin():  # BEGIN IMMEDIATE: the write lock, held
+        assert code_of(lambda: new_job(engine, "a" * 32)) == "store_unavailable"
+
+
+def test_an_unreachable_postgresql_is_unavailable():
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens once closed
+    assert code_of(lambda: db.open_store(f"postgresql://blockgrad@127.0.0.1:{port}/jobs")) == "store_unavailable"
+    assert db.store_unavailable().retry_after_s > 0
+
+
+def test_time_is_never_read_by_the_store(engine, monkeypatch):
+    """Every function takes `now`: a test's clock is the store's (no sleeping in these tests)."""
+    monkeypatch.setattr(time, "time", lambda: pytest.fail("the store read the clock"))
+    new_job(engine, "a" * 32)
+    db.claim(engine, "a" * 32, "one", NOW, 10, 3)
