@@ -16,6 +16,7 @@ import orjson
 import pytest
 
 from app import create_app
+from app.api.v1 import jobs as jobs_api
 from app.extensions import services_of
 from app.jobs import db
 from tests.oracle import assert_matches_oracle, request_oracle
@@ -247,6 +248,7 @@ def test_a_stored_result_streams_as_json_and_npz_chunk_by_chunk(client, engine, 
     body = {"vectors": np.zeros((n, dim)).tolist(), "factor": factor, "dtype": dtype, "outputs": outputs}
     job = submit(client, body)
     monkeypatch.setattr(db, "RESULT_CHUNK_BYTES", 64)  # whole rows: 2 to 8 of them per stored chunk
+    monkeypatch.setattr(jobs_api, "PIECE_BYTES", 24)  # each sent in pieces of 1 to 3 rows
     finish(engine, job["id"], {name: arrays[name] for name in outputs})
     chunks = sum(-(-len(arrays[name]) // max(1, 64 // arrays[name][:1].nbytes)) for name in outputs)
     reads = []

@@ -42,8 +42,10 @@ NPZ = "application/x-npz"
 QUERY_FIELDS = ("factor", "objective", "offset", "outputs", "dtype")
 JOB_SCHEMA = JobRequestSchema()
 DTYPE_OF_ITEM_BYTES = {dtype.item_bytes: name for name, dtype in DTYPES.items()}  # a .npy's float width
-# A result streamed holds one chunk read from the store at a time: the chunk, its text (JSON) or
-# its copy in the zip stream (.npz), and the piece handed on; run-to-run noise on top.
+# A result streamed holds one chunk read from the store at a time, sent in pieces of about
+# PIECE_BYTES of numbers: each piece's text (JSON) or copy in the zip stream (.npz), and the
+# bytes handed on; run-to-run noise on top.
+PIECE_BYTES = 256 * 1024
 STREAM_MARGIN = 1.5
 REQUEST_BODY = {"required": True, "content": {
     "application/json": {"schema": JobRequestSchema},
@@ -205,17 +207,24 @@ def shapes(row: dict) -> dict[str, tuple[int, int]]:
 
 
 def json_stream(jobs: JobStore, row: dict) -> Iterator[bytes]:
-    """The bytes orjson writes for the whole answer (/v1's head, then each output), a chunk of
+    """The bytes orjson writes for the whole answer (/v1's head, then each output), a piece of
     rows at a time: a 2-d array's text is its rows' texts joined by commas."""
     head = {"n": row["n"], "dim": row["dim"], "factor": row["factor"], "bounds": block_bounds(row["n"], row["factor"]),
             "objective": row["objective"], "dtype": row["dtype"], "device": "cpu"}
     yield orjson.dumps(head)[:-1]
     for name, (rows, _) in shapes(row).items():
         yield b"," + orjson.dumps(name) + b":["
-        for k, chunk in enumerate(jobs.chunks(row, name, rows)):
-            yield b"," * (k > 0) + orjson.dumps(chunk, option=NUMPY)[1:-1]
+        for k, part in enumerate(pieces(jobs, row, name, rows)):
+            yield b"," * (k > 0) + orjson.dumps(part, option=NUMPY)[1:-1]
         yield b"]"
     yield b"}"
+
+
+def pieces(jobs: JobStore, row: dict, output: str, rows: int) -> Iterator[np.ndarray]:
+    """The output's rows as stored, in views of about PIECE_BYTES: each rendered and sent alone."""
+    for chunk in jobs.chunks(row, output, rows):
+        step = max(1, PIECE_BYTES // max(1, chunk[:1].nbytes))
+        yield from (chunk[start:start + step] for start in range(0, len(chunk), step))
 
 
 class Sink:
@@ -249,14 +258,14 @@ def npz_stream(jobs: JobStore, row: dict) -> Iterator[bytes]:
             with archive.open(f"{name}.npy", "w", force_zip64=True) as file:
                 np.lib.format.write_array_header_1_0(file, {"descr": dtype.str, "fortran_order": False,
                                                             "shape": shape})
-                for chunk in jobs.chunks(row, name, shape[0]):
-                    file.write(np.ascontiguousarray(chunk, dtype=dtype).data)
+                for part in pieces(jobs, row, name, shape[0]):
+                    file.write(np.ascontiguousarray(part, dtype=dtype).data)
                     yield sink.take()
     yield sink.take()
 
 
 def stream_bytes(dtype: str, binary: bool) -> int:
-    """What streaming a job's result holds at its peak: a chunk and its rendering, whatever its size."""
+    """What streaming a job's result holds at its peak: a chunk and a piece's rendering, whatever its size."""
     item = DTYPES[dtype]
-    body = RESULT_CHUNK_BYTES if binary else RESULT_CHUNK_BYTES // item.item_bytes * item.text_bytes
-    return int((RESULT_CHUNK_BYTES + 2 * body) * STREAM_MARGIN)
+    piece = PIECE_BYTES if binary else PIECE_BYTES // item.item_bytes * item.text_bytes
+    return int((RESULT_CHUNK_BYTES + 2 * piece) * STREAM_MARGIN)
