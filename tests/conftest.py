@@ -1,23 +1,12 @@
-import atexit
-import os
-import shutil
-import tempfile
-
 import pytest
 import torch
 
 from app import create_app
 
-# The job store of every app and server the tests start (they read the environment): a
-# directory of this session's own, never ./data, so no run sees another's jobs.
-if "BLOCKGRAD_DATA_DIR" not in os.environ:
-    os.environ["BLOCKGRAD_DATA_DIR"] = tempfile.mkdtemp(prefix="blockgrad-test-data-")
-    atexit.register(shutil.rmtree, os.environ["BLOCKGRAD_DATA_DIR"], True)
-
 
 @pytest.fixture
-def app():
-    return create_app({"TESTING": True})
+def app(tmp_path):
+    return create_app({"TESTING": True, "BLOCKGRAD_DATA_DIR": str(tmp_path)})  # its job store: never ./data
 
 
 @pytest.fixture
