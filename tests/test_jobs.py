@@ -14,13 +14,14 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
+import requests
 
 from app import create_app
 from app.api.v1 import jobs as jobs_api
 from app.extensions import services_of
 from app.jobs import db
 from tests.oracle import assert_matches_oracle, request_oracle
-from tools.server import wait_until
+from tools.server import free_port, gunicorn_server, wait_until
 
 HEX_ID = "0123456789abcdef" * 2
 OWNER = "test-runner"  # the runner these tests play
@@ -405,6 +406,31 @@ def test_job_limits_are_their_own(tmp_path):
     # N over BLOCKGRAD_MAX_N is a synchronous limit only: a job of N = 9 is accepted.
     open_client = create_app({"TESTING": True, "BLOCKGRAD_MAX_N": "8", "BLOCKGRAD_DATA_DIR": str(tmp_path)})
     submit(open_client.test_client(), {"vectors": [[1.0]] * 9})
+
+
+@pytest.mark.slow
+def test_gunicorn_accepts_jobs_while_no_scheduler_answers(request):
+    """The server users run (tools/server.py: gunicorn -c gunicorn.conf.py) on a PostgreSQL store
+    with an external scheduler nobody listens on: the very first POST is 202 (no retry), the
+    job stays queued, and cancel, DELETE and /v1/gradients answer as ever."""
+    try:
+        store_url = request.getfixturevalue("postgres_url")
+    except pytest.FixtureLookupError:
+        pytest.skip("no `postgres_url` fixture yet (tests/postgres.py, on the jpg branch)")
+    scheduler = f"tcp://127.0.0.1:{free_port()}"
+    with gunicorn_server(workers=1, env={"BLOCKGRAD_DASK_SCHEDULER": scheduler, "BLOCKGRAD_JOBS_DB": store_url}) as server:
+        posted = requests.post(server.url + "/v1/jobs", json=SMALL, timeout=HANG_S)
+        assert posted.status_code == 202, posted.text
+        job = f"{server.url}/v1/jobs/{posted.json()['id']}"
+        record = requests.get(job, timeout=HANG_S).json()
+        assert (record["status"], record["attempts"]) == ("queued", 0), record
+        assert requests.get(server.url + "/readyz", timeout=HANG_S).json()["cluster"] == {
+            "scheduler": scheduler, "store": "postgresql"}
+        cancelled = requests.post(job + "/cancel", timeout=HANG_S)
+        assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+        assert requests.delete(job, timeout=HANG_S).status_code == 204
+        assert requests.get(job + "/result", timeout=HANG_S).status_code == 404
+        assert requests.post(server.url + "/v1/gradients", json=SMALL, timeout=HANG_S).status_code == 200
 
 
 # -- computed by the runner on a real local Dask cluster ------------------------------------------
