@@ -13,8 +13,9 @@ FROM python:3.11-slim
 # image); a CUDA index (e.g. .../whl/cu128, one your driver supports) for GPU nodes.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
-# The writable places are all under /tmp (an emptyDir on Kubernetes): the metrics files, and
-# gunicorn's control socket, which otherwise goes to $HOME/.gunicorn and fails to start.
+# The writable places are /data (the job store's volume, below) and /tmp (an emptyDir on
+# Kubernetes): the metrics files, and gunicorn's control socket, which otherwise goes to
+# $HOME/.gunicorn and fails to start.
 # A bind beyond loopback: the start refuses without BLOCKGRAD_API_TOKEN (pass it at run time,
 # from a Kubernetes Secret in deploy/; never baked in) unless BLOCKGRAD_AUTH=off.
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -26,15 +27,22 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     BLOCKGRAD_BIND=0.0.0.0:8000 \
     PROMETHEUS_MULTIPROC_DIR=/tmp/blockgrad-metrics \
     XDG_RUNTIME_DIR=/tmp \
-    BLOCKGRAD_MODEL_DIR=/models
+    BLOCKGRAD_MODEL_DIR=/models \
+    BLOCKGRAD_DATA_DIR=/data
 
 # Unprivileged user with a fixed numeric id, so Kubernetes' runAsNonRoot can verify it.
 # /models is BLOCKGRAD_MODEL_DIR, empty in the image (built-in objectives only): mount the
 # operator's exported programs over it read-only, docker run -v "$PWD/models:/models:ro" ...
+# /data is BLOCKGRAD_DATA_DIR, the job store's SQLite file when BLOCKGRAD_JOBS_DB names no
+# PostgreSQL (one container with its embedded Dask cluster): the user's, and a volume below.
 RUN groupadd --system --gid 10001 blockgrad \
  && useradd --system --no-log-init --uid 10001 --gid blockgrad --no-create-home \
       --home-dir /nonexistent --shell /usr/sbin/nologin blockgrad \
- && mkdir /models
+ && mkdir /models /data \
+ && chown 10001:10001 /data
+# After the chown (later build steps' changes to a volume are discarded): a new named volume
+# starts as this directory, the user's; without -v the jobs live in an anonymous volume.
+VOLUME ["/data"]
 
 WORKDIR /srv/blockgrad
 

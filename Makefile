@@ -62,7 +62,7 @@ gpu-wheels:
 	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	  --platform manylinux2014_x86_64 -d .whl Flask==3.1.3 Werkzeug==3.1.9 flask-smorest==0.47.0 \
 	  marshmallow==4.4.0 webargs==8.7.1 apispec==6.10.1 gunicorn==27.0.1 orjson==3.13.0 blinker==1.9.0 \
-	  itsdangerous==2.2.0 swagger-ui-bundle==1.1.0
+	  itsdangerous==2.2.0 swagger-ui-bundle==1.1.0 SQLAlchemy==2.1.9 psycopg==3.3.9 psycopg-binary==3.3.9
 
 clean:
 	rm -rf $(VENV)

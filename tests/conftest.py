@@ -56,4 +56,4 @@ def served():
         yield server
 
 
-pytest_plugins = ["tests._guard"]
+pytest_plugins = ["tests._guard", "tests.postgres"]

