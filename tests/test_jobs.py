@@ -6,7 +6,6 @@ the service; the runner's own results (a real Dask cluster) are held to tests/or
 literal loops in the last tests."""
 import io
 import pickle
-import socket
 import threading
 import time
 from pathlib import Path
@@ -34,10 +33,7 @@ HANG_S = 120  # far above any answer's bound: reached only by a call that hangs
 def store_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/jobs.sqlite3"
-    try:
-        return request.getfixturevalue("postgres_url")
-    except pytest.FixtureLookupError:
-        pytest.skip("no `postgres_url` fixture yet (tests/postgres.py, on the jpg branch)")
+    return request.getfixturevalue("postgres_url")  # a fresh database of a real server (tests/postgres.py)
 
 
 def store_settings(store_url: str) -> dict:
@@ -322,15 +318,6 @@ def test_without_jobs_every_job_route_is_cluster_unavailable(tmp_path):
     assert not list(tmp_path.iterdir())  # no store opened
 
 
-@pytest.fixture
-def unanswering_database():
-    """A PostgreSQL URL where the kernel completes the handshake and nobody ever answers."""
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(64)
-        yield f"postgresql://blockgrad:blockgrad@127.0.0.1:{listener.getsockname()[1]}/blockgrad"
-
-
 def answered(call):
     """call()'s value, failing the test if it has not returned after HANG_S (a hang)."""
     outcome = []
@@ -341,10 +328,10 @@ def answered(call):
     return outcome[0]
 
 
-def test_a_store_that_does_not_answer_is_503_store_unavailable_and_v1_unaffected(unanswering_database):
+def test_a_store_that_does_not_answer_is_503_store_unavailable_and_v1_unaffected(dead_postgres_url):
     """Every job route answers (the store's own timeouts bound it: db.py), 503 with Retry-After;
     /v1/gradients, /readyz and /metrics answer as ever."""
-    client = create_app({"TESTING": True, "BLOCKGRAD_JOBS_DB": unanswering_database}).test_client()
+    client = create_app({"TESTING": True, "BLOCKGRAD_JOBS_DB": dead_postgres_url}).test_client()
     calls = [lambda: client.post("/v1/jobs", json=SMALL), lambda: client.get(f"/v1/jobs/{HEX_ID}"),
              lambda: client.get(f"/v1/jobs/{HEX_ID}/result"), lambda: client.post(f"/v1/jobs/{HEX_ID}/cancel"),
              lambda: client.delete(f"/v1/jobs/{HEX_ID}")]
@@ -409,16 +396,12 @@ def test_job_limits_are_their_own(tmp_path):
 
 
 @pytest.mark.slow
-def test_gunicorn_accepts_jobs_while_no_scheduler_answers(request):
+def test_gunicorn_accepts_jobs_while_no_scheduler_answers(postgres_url):
     """The server users run (tools/server.py: gunicorn -c gunicorn.conf.py) on a PostgreSQL store
     with an external scheduler nobody listens on: the very first POST is 202 (no retry), the
     job stays queued, and cancel, DELETE and /v1/gradients answer as ever."""
-    try:
-        store_url = request.getfixturevalue("postgres_url")
-    except pytest.FixtureLookupError:
-        pytest.skip("no `postgres_url` fixture yet (tests/postgres.py, on the jpg branch)")
     scheduler = f"tcp://127.0.0.1:{free_port()}"
-    with gunicorn_server(workers=1, env={"BLOCKGRAD_DASK_SCHEDULER": scheduler, "BLOCKGRAD_JOBS_DB": store_url}) as server:
+    with gunicorn_server(workers=1, env={"BLOCKGRAD_DASK_SCHEDULER": scheduler, "BLOCKGRAD_JOBS_DB": postgres_url}) as server:
         posted = requests.post(server.url + "/v1/jobs", json=SMALL, timeout=HANG_S)
         assert posted.status_code == 202, posted.text
         job = f"{server.url}/v1/jobs/{posted.json()['id']}"
