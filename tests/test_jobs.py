@@ -91,9 +91,12 @@ def every_route(client, job_id: str) -> dict:
             "cancel": client.post(f"/v1/jobs/{job_id}/cancel"), "DELETE": client.delete(f"/v1/jobs/{job_id}")}
 
 
-def test_a_job_is_accepted_with_no_cluster_at_all_and_stays_queued(client):
+def test_a_job_is_accepted_with_no_cluster_at_all_and_stays_queued(client, tmp_path):
     """No scheduler runs anywhere (BLOCKGRAD_DASK_SCHEDULER unset, no gunicorn to start one):
-    the POST is 202 at once, the job queued with its input stored, as a .npy body too."""
+    the POST is 202 at once, the job queued with its input stored, as a .npy body too. The
+    store is opened by the first job route, not when the app is made (gunicorn's master must
+    not hold an engine that its workers inherit)."""
+    assert not list(tmp_path.iterdir())
     record = submit(client)
     assert len(record["id"]) == 32 and int(record["id"], 16) >= 0  # 128 random bits, hex
     assert {key: record[key] for key in ("status", "n", "dim", "factor", "attempts", "progress", "started_at",
