@@ -20,7 +20,7 @@ class ReadySchema(Schema):
         "example": "cpu", "description": "The device this worker computes on (BLOCKGRAD_DEVICE resolved)."})
     cluster = fields.Dict(metadata={
         "description": "Where jobs live, asking neither (readiness is about synchronous serving): `scheduler`, the "
-                     "Dask scheduler's address (`off`: no jobs), and `store`, the job store's kind (sqlite or "
+                     "external Dask scheduler's address (null: the embedded cluster; `off`: no jobs), and `store`, the job store's kind (sqlite or "
                      "postgresql). Informational: it never makes /readyz fail."})
 
 @blp.route("/healthz", methods=["GET"])
