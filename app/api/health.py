@@ -20,8 +20,8 @@ class ReadySchema(Schema):
         "example": "cpu", "description": "The device this worker computes on (BLOCKGRAD_DEVICE resolved)."})
     cluster = fields.Dict(metadata={
         "description": "Where jobs live, asking neither (readiness is about synchronous serving): `scheduler`, the "
-                     "external Dask scheduler's address (null: the embedded cluster; `off`: no jobs), and `store`, the job store's kind (sqlite or "
-                     "postgresql). Informational: it never makes /readyz fail."})
+                     "external Dask scheduler's address (null: the embedded cluster; `off`: no jobs), and `store`, "
+                     "the job store's kind (sqlite or postgresql). Informational: it never makes /readyz fail."})
 
 @blp.route("/healthz", methods=["GET"])
 @blp.doc(**OPEN_ROUTE)
