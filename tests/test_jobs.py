@@ -404,7 +404,8 @@ def test_gunicorn_accepts_jobs_while_no_scheduler_answers(postgres_url):
     with an external scheduler nobody listens on: the very first POST is 202 (no retry), the
     job stays queued, and cancel, DELETE and /v1/gradients answer as ever."""
     scheduler = f"tcp://127.0.0.1:{free_port()}"
-    with gunicorn_server(workers=1, env={"BLOCKGRAD_DASK_SCHEDULER": scheduler, "BLOCKGRAD_JOBS_DB": postgres_url}) as server:
+    env = {"BLOCKGRAD_DASK_SCHEDULER": scheduler, "BLOCKGRAD_JOBS_DB": postgres_url}
+    with gunicorn_server(workers=1, env=env) as server:
         posted = requests.post(server.url + "/v1/jobs", json=SMALL, timeout=HANG_S)
         assert posted.status_code == 202, posted.text
         job = f"{server.url}/v1/jobs/{posted.json()['id']}"

@@ -41,7 +41,8 @@ def public(row: dict) -> dict[str, Any]:
     """The job record of the API, from its row."""
     status, total = row["status"], row["blocks_total"]
     done = total if status == "succeeded" else min(total, row["blocks_done"])
-    return {"id": row["id"], "status": status, **{key: row[key] for key in ("n", "dim", "factor", "objective", "dtype")},
+    return {"id": row["id"], "status": status,
+            **{key: row[key] for key in ("n", "dim", "factor", "objective", "dtype")},
             "outputs": list(row["outputs"]), "progress": {"blocks_done": done, "blocks_total": total},
             "attempts": row["attempts"], "created_at": rfc3339(row["created_at"]),
             "started_at": rfc3339(row["started_at"]), "finished_at": rfc3339(row["finished_at"]), "error": row["error"]}
