@@ -28,8 +28,8 @@ class Services:
     executor: Executor  # runs a request's chunks over the free slots (one pool per worker)
     # URL prefix -> how errors under it look (app/http/errors.py's ErrorStyle), by front end.
     error_styles: dict[str, object] = field(default_factory=dict)
-    # The jobs on the Dask cluster: app/jobs/store.py's JobStore, built by the app factory (this
-    # module does not import the jobs layer); it holds no connection until the first job route.
+    # The job store: app/jobs/store.py's JobStore, built by the app factory (this module does not
+    # import the jobs layer); it opens its database at the first job route or scrape.
     jobs: Any = None
     # Held while /metrics reads every worker's value files (under gunicorn, against the master's folds).
     scrape_lock: Callable[[], AbstractContextManager] = nullcontext

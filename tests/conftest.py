@@ -5,8 +5,8 @@ from app import create_app
 
 
 @pytest.fixture
-def app():
-    return create_app({"TESTING": True})
+def app(tmp_path):
+    return create_app({"TESTING": True, "BLOCKGRAD_DATA_DIR": str(tmp_path)})  # its job store: never ./data
 
 
 @pytest.fixture

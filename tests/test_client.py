@@ -3,6 +3,8 @@ import json
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import tomllib
 import zipfile
 from pathlib import Path
@@ -10,11 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from werkzeug.serving import make_server
 
 import blockgrad_client
 from blockgrad_client import BlockgradError, Client
 from blockgrad_client import infer as codec
 from tools.reference import reference_accumulated, reference_blocks
+from app import create_app
+from app.extensions import services_of
+from app.jobs import db
 from tools.server import free_port, gunicorn_server
 
 from .numeric import assert_matches
@@ -224,6 +230,55 @@ def test_v2_error_body_and_header():
         client.infer(np.zeros((1, 1), np.float32))
     assert (info.value.status, info.value.code, info.value.message) == (400, "validation_error", "Unknown parameters ['factr']")
     assert info.value.details == {}
+
+
+# -- jobs: the app on a loopback server, its store in tmp_path, no cluster (jobs stay queued) ---
+@pytest.fixture
+def jobs_server(tmp_path):
+    app = create_app({"BLOCKGRAD_DATA_DIR": str(tmp_path)})
+    server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}", app
+    finally:
+        server.shutdown()
+        thread.join(60)
+
+
+def test_a_job_is_printed_cancelled_and_deleted(jobs_server):
+    url, app = jobs_server
+    with Client(url) as client:
+        job = client.submit_job(vectors(8, 2, "float32"), factor=2)
+        assert len(job.id) == 32 and repr(job) == str(job) == f"<Job {job.id} queued>"
+        assert job.cancel()["status"] == "cancelled" and str(job) == f"<Job {job.id} cancelled>"
+        assert job.cancel()["status"] == "cancelled"  # idempotent
+        assert job.status() == "cancelled"  # cancelling forgets nothing
+        job.delete()
+        with pytest.raises(BlockgradError) as info:
+            job.status()
+        assert (info.value.status, info.value.code) == (404, "job_not_found")
+
+
+def test_a_finished_job_cannot_be_cancelled_and_its_result_is_read(jobs_server):
+    url, app = jobs_server
+    accumulated = vectors(8, 2, "float64", seed=1)
+    with Client(url) as client:
+        job = client.submit_job(np.zeros((8, 2)), factor=2, dtype="float64", outputs=["accumulated"])
+        engine = services_of(app).jobs.engine  # the runner's part, played here
+        attempt = db.claim(engine, job.id, "runner", time.time(), 30.0, 3)
+        assert db.finish_job(engine, job.id, "runner", attempt, time.time(), {"accumulated": accumulated}, None)
+        with pytest.raises(BlockgradError) as info:
+            job.cancel()
+        assert (info.value.status, info.value.code, info.value.details) == (409, "job_done", {"status": "succeeded"})
+        assert job.wait(timeout=60)["status"] == "succeeded"
+        result = job.result()
+        assert set(result) == {"accumulated", "bounds"} and result["bounds"].tolist() == [0, 4, 8]
+        assert result["accumulated"].dtype == np.float64 and np.array_equal(result["accumulated"], accumulated)
+        job.delete()
+        with pytest.raises(BlockgradError) as info:
+            job.result()
+        assert info.value.code == "job_not_found"
 
 
 # -- the codec and the package ----------------------------------------------------------------

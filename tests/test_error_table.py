@@ -6,12 +6,18 @@ process: the codes whose condition a test client can make as it is, and the two 
 faults that no request can cause (`internal_error`: a bug; `device_out_of_memory`: a GPU out
 of memory), made by patching the call that fails.
 """
+import time
+
+import numpy as np
 import pytest
 import torch
 
 from app import create_app
 from app.api.v2.views import ERROR_STYLE as V2_STYLE
-from app.http.errors import ERROR_CODE_HEADER, ERRORS
+from app.core.errors import job_attempts_exhausted
+from app.extensions import services_of
+from app.http.errors import ERROR_CODE_HEADER, ERRORS, error_body
+from app.jobs import db
 
 from .test_contract import PRODUCED
 
@@ -26,6 +32,16 @@ def fail_with(exc):
     def fail(*args, **kwargs):
         raise exc
     return fail
+
+
+def finished_job(client) -> str:
+    """A job accepted, then claimed and finished in the store as the runner does."""
+    job_id = client.post("/v1/jobs", json={**V1, "factor": 1}).get_json()["id"]
+    engine = services_of(client.application).jobs.engine
+    attempt = db.claim(engine, job_id, "runner", time.time(), 30.0, 3)
+    arrays = {"accumulated": np.ones((3, 2), np.float32), "losses": np.ones((1, 1), np.float32)}
+    assert db.finish_job(engine, job_id, "runner", attempt, time.time(), arrays, None)
+    return job_id
 
 
 # code -> (settings, the request that triggers it, patches (target, value), error style)
@@ -47,9 +63,14 @@ TRIGGERS = {
                                               fail_with(torch.OutOfMemoryError("out of memory")))], None),
     "not_ready": ({"BLOCKGRAD_DEVICE": "cuda"}, lambda c: c.get("/readyz"), [], None),
     "job_not_found": ({}, lambda c: c.get("/v1/jobs/nope"), [], None),
-    "cluster_unavailable": ({"BLOCKGRAD_DASK_SCHEDULER": "tcp://127.0.0.1:1"}, lambda c: c.get(f"/v1/jobs/{'0' * 32}"),
-                            [], None),
+    "cluster_unavailable": ({"BLOCKGRAD_DASK_SCHEDULER": "off"}, lambda c: c.get(f"/v1/jobs/{'0' * 32}"), [], None),
+    "store_unavailable": ({"BLOCKGRAD_JOBS_DB": "postgresql://blockgrad:x@127.0.0.1:1/blockgrad"},  # refused
+                          lambda c: c.get(f"/v1/jobs/{'0' * 32}"), [], None),
+    "job_done": ({}, lambda c: c.post(f"/v1/jobs/{finished_job(c)}/cancel"),
+                 [("app.jobs.store.secrets.token_hex", lambda nbytes: "0" * 32)], None),  # the example's id
 }
+# A failed job's `error.code`, never an answer's: test_a_job_out_of_attempts_shows_the_tables_error below.
+RECORD_ONLY = {"job_attempts_exhausted"}
 
 
 # The contract, written out from the README's error table (not from the code under test):
@@ -60,7 +81,9 @@ CONTRACT = {
     "not_found": (404, None, ["/v1/gradient", "POST /v1/gradients"], {}),
     "model_not_found": (404, None, ["other", "blockgrad"], {}),
     "job_not_found": (404, {"id": "nope"}, ["nope"], {}),
-    "cluster_unavailable": (503, {"scheduler": "tcp://127.0.0.1:1"}, ["scheduler"], {"Retry-After": ""}),
+    "cluster_unavailable": (503, {"scheduler": None}, ["BLOCKGRAD_DASK_SCHEDULER"], {"Retry-After": ""}),
+    "store_unavailable": (503, {}, ["job store", "synchronous routes are unaffected"], {"Retry-After": ""}),
+    "job_done": (409, {"status": "succeeded"}, ["succeeded", "nothing to cancel"], {}),
     "method_not_allowed": (405, {"allowed": ["GET", "HEAD", "OPTIONS"]}, ["POST", "GET"], {"Allow": "GET"}),
     "too_large": (413, {"limit": "BLOCKGRAD_MAX_BODY_BYTES", "allowed": 32 * 1024 * 1024}, ["33554432"], {}),
     "limit_exceeded": (413, {"limit": "BLOCKGRAD_MAX_N", "value": 8193, "allowed": 8192},
@@ -77,10 +100,11 @@ CONTRACT = {
 # docs/api.md's error table: each code's status ((499): never sent, logged with it).
 STATUSES = {
     "bad_request": 400, "bad_json": 400, "unauthorized": 401, "not_found": 404, "model_not_found": 404,
-    "job_not_found": 404, "method_not_allowed": 405, "read_timeout": 408, "job_not_done": 409, "too_large": 413,
-    "limit_exceeded": 413, "unsupported_media_type": 415, "validation_error": 422, "non_finite_result": 422,
-    "internal_error": 500, "deadline_exceeded": 503, "device_out_of_memory": 503, "cluster_unavailable": 503,
-    "not_ready": 503, "overloaded": 503, "client_closed": 499,
+    "job_not_found": 404, "method_not_allowed": 405, "read_timeout": 408, "job_not_done": 409, "job_done": 409,
+    "too_large": 413, "limit_exceeded": 413, "unsupported_media_type": 415, "validation_error": 422,
+    "non_finite_result": 422, "internal_error": 500, "deadline_exceeded": 503, "device_out_of_memory": 503,
+    "cluster_unavailable": 503, "store_unavailable": 503, "job_attempts_exhausted": 503, "not_ready": 503,
+    "overloaded": 503, "client_closed": 499,
 }
 
 
@@ -91,7 +115,7 @@ def test_every_code_has_its_documented_status():
 def test_every_code_is_produced_somewhere():
     """In process here, or on a real server by tests/test_contract.py (the two injected faults only here)."""
     assert set(TRIGGERS) == set(CONTRACT)
-    assert set(TRIGGERS) | set(PRODUCED) == set(ERRORS)
+    assert set(TRIGGERS) | set(PRODUCED) | RECORD_ONLY == set(ERRORS)
     assert {"internal_error", "device_out_of_memory"} <= set(TRIGGERS) - set(PRODUCED)
 
 
@@ -111,11 +135,11 @@ def documented_examples(client) -> dict:
 
 
 @pytest.mark.parametrize("code", sorted(TRIGGERS))
-def test_the_service_sends_what_the_contract_says(code, monkeypatch):
+def test_the_service_sends_what_the_contract_says(code, monkeypatch, tmp_path):
     if code == "not_ready" and torch.cuda.is_available():
         pytest.skip("needs a machine without CUDA")
     settings, send, patches, style = TRIGGERS[code]
-    client = create_app({"TESTING": True, **settings}).test_client()
+    client = create_app({"TESTING": True, "BLOCKGRAD_DATA_DIR": str(tmp_path), **settings}).test_client()
     examples = documented_examples(client)
     for target, value in patches:
         monkeypatch.setattr(target, value)
@@ -164,3 +188,21 @@ def test_v2_documents_the_same_codes_in_its_own_shape():
     examples = infer["400"]["content"]["application/json"]["examples"]
     assert examples["validation_error"]["value"] == {"error": "The request is not valid; fix these fields: factor."}
     assert set(examples) >= {"bad_json", "validation_error", "non_finite_result"}  # 422s answered as 400
+
+
+def test_a_job_out_of_attempts_shows_the_tables_error(tmp_path):
+    """Its work lost BLOCKGRAD_JOB_ATTEMPTS times (each attempt claimed again by its runner):
+    the job fails with the error the table's example is."""
+    client = create_app({"TESTING": True, "BLOCKGRAD_DATA_DIR": str(tmp_path)}).test_client()
+    job_id = client.post("/v1/jobs", json=V1).get_json()["id"]
+    engine = services_of(client.application).jobs.engine
+    held = None
+    for attempt in (1, 2, 3):
+        held = db.claim(engine, job_id, "runner", time.time(), 30.0, 3, held)
+        assert held == attempt
+    assert db.claim(engine, job_id, "runner", time.time(), 30.0, 3, held) is None
+    record = client.get(f"/v1/jobs/{job_id}").get_json()
+    assert (record["status"], record["attempts"]) == ("failed", 3)
+    assert record["error"]["code"] == "job_attempts_exhausted" and "3 times" in record["error"]["message"]
+    assert {"error": record["error"]} == error_body(job_attempts_exhausted(3)) == error_body(
+        ERRORS["job_attempts_exhausted"].example())

@@ -4,7 +4,10 @@ and content types are documented, invalid data is refused, ...) against the WSGI
 directly, without a server. Every /v1/gradients answer to a JSON object is also held to the
 oracle (tests/oracle.py): the exact answer, or the refusal it demands, not merely a
 documented status."""
+import atexit
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 import schemathesis
@@ -24,14 +27,18 @@ CONFIG = SchemathesisConfig.from_dict({
     "checks": {"positive_data_acceptance": {"expected-statuses": ["2xx", "413", "422"]}},
     "operations": [{"include-path-regex": "^/v2/", "checks": {
         "positive_data_acceptance": {"expected-statuses": ["2xx", "400", "413"]}}},
-        # This app has no Dask cluster: job routes answer their documented 503
-        # cluster_unavailable, or 404 for an id no job has (tests/test_jobs.py uses a real cluster).
+        # This app has no Dask cluster: jobs are accepted and stay queued (503 overloaded past
+        # BLOCKGRAD_MAX_JOBS), job routes answer 404 for an id no job has.
         {"include-path-regex": "^/v1/jobs", "checks": {
             "positive_data_acceptance": {"expected-statuses": ["2xx", "404", "413", "422", "503"]},
             "not_a_server_error": {"enabled": False}}}],
 })
 
-schema = schemathesis.openapi.from_wsgi("/openapi.json", create_app({"TESTING": True}), config=CONFIG)
+# Its job store in a directory of its own (never ./data): POSTed jobs stay queued, no cluster runs them.
+STORE = tempfile.mkdtemp(prefix="blockgrad-fuzz-")
+atexit.register(shutil.rmtree, STORE, True)
+schema = schemathesis.openapi.from_wsgi("/openapi.json", create_app({"TESTING": True, "BLOCKGRAD_DATA_DIR": STORE}),
+                                        config=CONFIG)
 
 
 @dataclass(frozen=True)

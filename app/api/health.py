@@ -19,9 +19,9 @@ class ReadySchema(Schema):
     device = fields.String(required=True, metadata={
         "example": "cpu", "description": "The device this worker computes on (BLOCKGRAD_DEVICE resolved)."})
     cluster = fields.Dict(metadata={
-        "description": "The jobs' Dask cluster as this worker last saw it, never asked here (readiness is about "
-                     "synchronous serving): scheduler address, connected, workers (null before a job route "
-                     "connected this worker). Informational: it never makes /readyz fail."})
+        "description": "Where jobs live, asking neither (readiness is about synchronous serving): `scheduler`, the "
+                     "external Dask scheduler's address (null: the embedded cluster; `off`: no jobs), and `store`, "
+                     "the job store's kind (sqlite or postgresql). Informational: it never makes /readyz fail."})
 
 @blp.route("/healthz", methods=["GET"])
 @blp.doc(**OPEN_ROUTE)

@@ -218,15 +218,6 @@ def too_long_vectors(dim: int, allowed: int) -> BlockgradError:
                           "BLOCKGRAD_MAX_D", dim, allowed)
 
 
-def job_result_too_large(predicted: int, budget: int, binary: bool) -> BlockgradError:
-    """A job's result that this worker could not render within BLOCKGRAD_WORKER_MEMORY_BYTES, whatever else it held."""
-    advice = ("ask for fewer outputs in the job" if binary else
-              "ask for it with Accept: application/x-npz (binary numbers: a third of the JSON's text or less)")
-    return limit_exceeded(
-        f"This job's result takes about {predicted // 2 ** 20} MiB to send, over BLOCKGRAD_WORKER_MEMORY_BYTES "
-        f"= {budget // 2 ** 20} MiB per worker; {advice}.", "BLOCKGRAD_WORKER_MEMORY_BYTES", predicted, budget)
-
-
 # Memory (the worker's ledger, app/core/admission.py).
 def memory_limit_exceeded(predicted: int, budget: int) -> BlockgradError:
     return limit_exceeded(

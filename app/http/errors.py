@@ -191,14 +191,21 @@ ERRORS: dict[str, ErrorCode] = {
                                  "Retry-After (any replica)",
                             lambda: core.overloaded(4), RETRY_AFTER),
     # Jobs (docs/jobs.md).
-    "job_not_found": ErrorCode(404, "/v1/jobs: no such job (unknown, or forgotten after BLOCKGRAD_JOB_TTL_S, a DELETE "
-                                    "or a scheduler restart)", lambda: core.job_not_found("nope")),
+    "job_not_found": ErrorCode(404, "/v1/jobs: no such job (unknown, deleted, or finished longer than "
+                                    "BLOCKGRAD_JOB_TTL_S ago)", lambda: core.job_not_found("nope")),
     "job_not_done": ErrorCode(409, "/v1/jobs/{id}/result before the job succeeded; `details.status` says where it is "
                                    "(with Retry-After while queued or running)",
                               lambda: core.job_not_done("0" * 32, "running"), RETRY_AFTER),
-    "cluster_unavailable": ErrorCode(503, "/v1/jobs: the Dask scheduler did not answer within a few seconds "
-                                          "(synchronous routes are unaffected; see Retry-After)",
-                                     lambda: core.cluster_unavailable("tcp://127.0.0.1:1"), RETRY_AFTER),
+    "job_done": ErrorCode(409, "POST /v1/jobs/{id}/cancel of a job that has finished (`details.status`: succeeded "
+                               "or failed): nothing to cancel", lambda: core.job_done("0" * 32, "succeeded")),
+    "store_unavailable": ErrorCode(503, "/v1/jobs: the job store (its database) did not answer within a few seconds "
+                                        "(synchronous routes are unaffected; see Retry-After)",
+                                   core.store_unavailable, RETRY_AFTER),
+    "cluster_unavailable": ErrorCode(503, "/v1/jobs on a server without jobs (BLOCKGRAD_DASK_SCHEDULER=off)",
+                                     core.no_cluster, RETRY_AFTER),
+    "job_attempts_exhausted": ErrorCode(503, "never an answer's code: a failed job's `error.code` when its work on "
+                                             "the cluster was lost BLOCKGRAD_JOB_ATTEMPTS times",
+                                        lambda: core.job_attempts_exhausted(3)),
     "client_closed": ErrorCode(499, "never sent: the client closed (or half-closed) the connection before the "
                                     "answer was complete; the computation stopped and the connection is closed "
                                     "without a byte more (logged and counted under this code)",

@@ -1,5 +1,5 @@
 """Jobs (/v1/jobs): submit the vectors as a .npy body, poll the record, fetch the result as
-a .npz file, cancel. A submission carries an Idempotency-Key, so that the client's retry of
+a .npz file, cancel, delete. A submission carries an Idempotency-Key, so that the client's retry of
 a POST whose answer was lost returns the same job instead of making a second one."""
 import io
 import sys
@@ -33,12 +33,15 @@ def query(fields: dict) -> dict:
 
 
 class Job:
-    """One job of the service: `record` is its last known record."""
+    """One job of the service: `id` is its id (the path's {id}), `record` its last known record."""
 
     def __init__(self, client, record: dict):
         self.client = client
         self.record = record
         self.id = record["id"]
+
+    def __repr__(self) -> str:
+        return f"<Job {self.id} {self.record.get('status', 'unknown')}>"
 
     @property
     def path(self) -> str:
@@ -75,14 +78,17 @@ class Job:
         with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
             return {name: arrays[name] for name in arrays.files}
 
-    def cancel(self) -> dict | None:
-        """Cancel a queued or running job (its record, status cancelled); a finished one is
-        forgotten (None)."""
-        with self.client.request("DELETE", self.path) as response:
-            if response.status_code == 204:
-                return None
+    def cancel(self) -> dict:
+        """Cancel a queued or running job: its record, status cancelled (again for a cancelled
+        one); BlockgradError job_done for a job that has succeeded or failed."""
+        with self.client.request("POST", self.path + "/cancel") as response:
             self.record = response.json()
             return self.record
+
+    def delete(self) -> None:
+        """Forget the job, with its result (cancelled first if it runs); its routes are then 404."""
+        with self.client.request("DELETE", self.path):
+            pass
 
 
 def draw_bar(record: dict) -> None:

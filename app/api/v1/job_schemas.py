@@ -42,6 +42,9 @@ class JobSchema(Schema):
     dtype = fields.String(required=True)
     outputs = fields.List(fields.String(), required=True)
     progress = fields.Nested(ProgressSchema, required=True)
+    attempts = fields.Integer(required=True, metadata={
+        "description": "Times the job was started on the cluster: 0 while first queued; more than 1 after its work "
+                       "was lost and run again (at most BLOCKGRAD_JOB_ATTEMPTS)."})
     created_at = fields.String(required=True, metadata={"description": "RFC 3339, UTC."})
     started_at = fields.String(allow_none=True, required=True, metadata={"description": "RFC 3339 or null."})
     finished_at = fields.String(allow_none=True, required=True, metadata={"description": "RFC 3339 or null."})

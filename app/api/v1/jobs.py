@@ -1,10 +1,14 @@
-"""/v1/jobs: a computation too large for one request, run on the Dask cluster (docs/jobs.md).
+"""/v1/jobs: a computation too large for one request, kept in the job store and run on the
+Dask cluster by the job runner (docs/jobs.md).
 
 POST takes /v1/gradients' JSON body, or the vectors as a .npy file (application/x-npy)
-with the other fields as query parameters; GET reads the job record or its result;
-DELETE cancels a queued or running job and forgets a finished one.
+with the other fields as query parameters; GET reads the job record or its result (streamed
+from the store: JSON, or a .npz written as a zip stream); POST .../cancel cancels a queued or
+running job; DELETE forgets a job.
 """
 import io
+import zipfile
+from collections.abc import Iterator
 
 import numpy as np
 import orjson
@@ -16,15 +20,17 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from ...core.admission import check_activations
 from ...core.dtypes import DTYPES
 from ...core.engine import block_bounds
-from ...core.errors import field_error, job_result_too_large, validation_error
+from ...core.errors import field_error, validation_error
 from ...core.request import Sizes
 from ...extensions import Services, services
 from ...http.body import is_json_mimetype, read_body, reserve_for_request
-from ...http.docs import documents_errors
+from ...http.docs import documented, documents_errors
 from ...http.errors import bad_request, too_large, unsupported_media_type
 from ...http.pipeline import Described, pipeline
 from ...http.sending import NUMPY
+from ...jobs.db import RESULT_CHUNK_BYTES
 from ...jobs.limits import admit_job
+from ...jobs.store import JobStore
 from .gradients import decode
 from .job_schemas import JOB_OUTPUTS, JobRequestSchema, JobResultSchema, JobSchema, job_output
 
@@ -36,11 +42,11 @@ NPZ = "application/x-npz"
 QUERY_FIELDS = ("factor", "objective", "offset", "outputs", "dtype")
 JOB_SCHEMA = JobRequestSchema()
 DTYPE_OF_ITEM_BYTES = {dtype.item_bytes: name for name, dtype in DTYPES.items()}  # a .npy's float width
-# A result at its peak while it is sent: the arrays fetched and their transfer buffers, then
-# the body (the .npz's buffer and its copy, or the JSON text); run-to-run noise on top.
-RESULT_ARRAY_COPIES = 2
-NPZ_BODY_COPIES = 2
-RESULT_MARGIN = 1.5
+# A result streamed holds one chunk read from the store at a time, sent in pieces of about
+# PIECE_BYTES of numbers: each piece's text (JSON) or copy in the zip stream (.npz), and the
+# bytes handed on; run-to-run noise on top.
+PIECE_BYTES = 256 * 1024
+STREAM_MARGIN = 1.5
 REQUEST_BODY = {"required": True, "content": {
     "application/json": {"schema": JobRequestSchema},
     NPY: {"schema": {"type": "string", "format": "binary",
@@ -140,10 +146,10 @@ def admit_job_sizes(sizes: Sizes, described: Described, served: Services) -> Non
       for name in QUERY_FIELDS)])
 @blp.response(202, JobSchema, headers={"Location": {"description": "/v1/jobs/{id}", "schema": {"type": "string"}}})
 @documents_errors(blp, "bad_request", "bad_json", "unauthorized", "too_large", "limit_exceeded",
-                  "unsupported_media_type", "validation_error", "read_timeout", "overloaded", "cluster_unavailable",
-                  "internal_error")
+                  "unsupported_media_type", "validation_error", "read_timeout", "overloaded", "store_unavailable",
+                  "cluster_unavailable", "internal_error")
 def post_job():
-    """Submit a job: answered at once (202) with its record; the job is visible from every worker by then."""
+    """Submit a job: stored, then answered at once (202) with its record, whatever the cluster does."""
     key = request.headers.get("Idempotency-Key") or None  # a retried POST with it gets the same job
     # The pipeline's execute step for a job: the job store's submit.
     record, _ = pipeline(decode_job(request), lambda req, described, served: served.jobs.submit(req, key),
@@ -151,58 +157,115 @@ def post_job():
     return json_response(record, 202, {"Location": f"/v1/jobs/{record['id']}"})
 
 
+JOB_ERRORS = ("unauthorized", "job_not_found", "store_unavailable", "cluster_unavailable", "internal_error")
+
+
 @blp.route("/jobs/<job_id>", methods=["GET"])
 @blp.response(200, JobSchema)
-@documents_errors(blp, "unauthorized", "job_not_found", "cluster_unavailable", "internal_error")
+@documents_errors(blp, *JOB_ERRORS)
 def get_job(job_id: str):
-    """The job record: status, progress, times, error."""
+    """The job record: status, progress, attempts, times, error."""
     return json_response(services().jobs.view(job_id))
 
 
+@blp.route("/jobs/<job_id>/cancel", methods=["POST"])
+@blp.response(200, JobSchema, description="The job is cancelled (it was queued, running or cancelled already).")
+@documents_errors(blp, "job_done", *JOB_ERRORS)
+def cancel_job(job_id: str):
+    """Cancel a queued or running job; a succeeded or failed one is 409 job_done."""
+    return json_response(services().jobs.cancel(job_id))
+
+
 @blp.route("/jobs/<job_id>", methods=["DELETE"])
-@blp.response(200, JobSchema, description="The job was queued or running: now cancelled.")
-@blp.alt_response(204, description="The job had finished: forgotten, with its result.")
-@documents_errors(blp, "unauthorized", "job_not_found", "cluster_unavailable", "internal_error")
+@documented(blp.response(204, description="Forgotten, with its input and result (cancelled first if it ran); "
+                                          "every route of it is then 404."))
+@documents_errors(blp, *JOB_ERRORS)
 def delete_job(job_id: str):
-    """Cancel a queued or running job (200, its record); forget a finished one (204)."""
-    record = services().jobs.cancel(job_id)
-    return Response(status=204) if record is None else json_response(record)
+    """Forget a job, whatever its status."""
+    services().jobs.delete(job_id)
+    return Response(status=204)
 
 
 @blp.route("/jobs/<job_id>/result", methods=["GET"])
-@blp.response(200, JobResultSchema, description=f"JSON; or, when Accept is exactly {NPZ}, a .npz file of the "
-                                                "outputs asked for and bounds.")
-@documents_errors(blp, "unauthorized", "job_not_found", "job_not_done", "limit_exceeded", "overloaded",
-                  "cluster_unavailable", "internal_error")
+@documented(blp.response(200, JobResultSchema, description=f"JSON; or, when Accept is exactly {NPZ}, a .npz file "
+                                                           "of the outputs asked for and bounds. Streamed."))
+@documents_errors(blp, "job_not_done", "limit_exceeded", "overloaded", *JOB_ERRORS)
 def get_result(job_id: str):
     """A succeeded job's result: the shapes and number formatting of /v1/gradients."""
     binary = request.headers.get("Accept", "").strip() == NPZ
-    record, outcome = services().jobs.result(job_id, lambda record: reserve_result(record, binary))
-    outputs = list(record["outputs"])
-    bounds = block_bounds(record["n"], record["factor"])
-    arrays = {name: getattr(outcome, name) for name in outputs}
-    if binary:
-        buffer = io.BytesIO()
-        np.savez(buffer, bounds=np.asarray(bounds, dtype=np.int64), **arrays)
-        return Response(buffer.getvalue(), mimetype=NPZ)
-    head = {"n": record["n"], "dim": record["dim"], "factor": record["factor"], "bounds": bounds,
-            "objective": record["objective"], "dtype": record["dtype"], "device": "cpu", **arrays}
-    return json_response(head)
+    jobs = services().jobs
+    row = jobs.result(job_id)
+    reserve_for_request(services().ledger, stream_bytes(row["dtype"], binary))
+    body = npz_stream(jobs, row) if binary else json_stream(jobs, row)
+    return Response(body, mimetype=NPZ if binary else "application/json")
 
 
-def result_bytes(record: dict, binary: bool) -> int:
-    """What sending a job's result holds at its peak, from its record."""
-    dtype = DTYPES[record["dtype"]]
-    arrays = record["result_bytes"]
-    body = NPZ_BODY_COPIES * arrays if binary else arrays // dtype.item_bytes * dtype.text_bytes
-    return int((RESULT_ARRAY_COPIES * arrays + body) * RESULT_MARGIN)
+def shapes(row: dict) -> dict[str, tuple[int, int]]:
+    """Each output the job kept, with its shape."""
+    every = {"accumulated": (row["n"], row["dim"]), "losses": (row["factor"], row["factor"])}
+    return {name: every[name] for name in row["outputs"]}
 
 
-def reserve_result(record: dict, binary: bool) -> None:
-    """In this worker's memory ledger, as /v1's answers are, before the result is fetched:
-    413 limit_exceeded if it can never fit, 503 overloaded while other requests hold the memory."""
-    nbytes = result_bytes(record, binary)
-    budget = services().ledger.budget
-    if nbytes > budget:
-        raise job_result_too_large(nbytes, budget, binary)
-    reserve_for_request(services().ledger, nbytes)
+def json_stream(jobs: JobStore, row: dict) -> Iterator[bytes]:
+    """The bytes orjson writes for the whole answer (/v1's head, then each output), a piece of
+    rows at a time: a 2-d array's text is its rows' texts joined by commas."""
+    head = {"n": row["n"], "dim": row["dim"], "factor": row["factor"], "bounds": block_bounds(row["n"], row["factor"]),
+            "objective": row["objective"], "dtype": row["dtype"], "device": "cpu"}
+    yield orjson.dumps(head)[:-1]
+    for name, (rows, _) in shapes(row).items():
+        yield b"," + orjson.dumps(name) + b":["
+        for k, part in enumerate(pieces(jobs, row, name, rows)):
+            yield b"," * (k > 0) + orjson.dumps(part, option=NUMPY)[1:-1]
+        yield b"]"
+    yield b"}"
+
+
+def pieces(jobs: JobStore, row: dict, output: str, rows: int) -> Iterator[np.ndarray]:
+    """The output's rows as stored, in views of about PIECE_BYTES: each rendered and sent alone."""
+    for chunk in jobs.chunks(row, output, rows):
+        step = max(1, PIECE_BYTES // max(1, chunk[:1].nbytes))
+        yield from (chunk[start:start + step] for start in range(0, len(chunk), step))
+
+
+class Sink:
+    """A write-only file: zipfile writes the archive into it, the stream takes what was written."""
+
+    def __init__(self):
+        self.pieces: list[bytes] = []
+
+    def write(self, data) -> int:
+        self.pieces.append(bytes(data))
+        return len(self.pieces[-1])  # bytes: `data` may be a 2-d memoryview
+
+    def flush(self) -> None:
+        pass
+
+    def take(self) -> bytes:
+        data = b"".join(self.pieces)
+        self.pieces.clear()
+        return data
+
+
+def npz_stream(jobs: JobStore, row: dict) -> Iterator[bytes]:
+    """What np.savez writes (bounds, then the outputs), as a zip stream: each array's .npy header,
+    then its rows a chunk at a time (stored, sizes in data descriptors)."""
+    sink = Sink()
+    dtype = np.dtype(row["dtype"])
+    with zipfile.ZipFile(sink, "w", zipfile.ZIP_STORED) as archive:
+        with archive.open("bounds.npy", "w") as file:
+            np.lib.format.write_array(file, np.asarray(block_bounds(row["n"], row["factor"]), dtype=np.int64))
+        for name, shape in shapes(row).items():
+            with archive.open(f"{name}.npy", "w", force_zip64=True) as file:
+                np.lib.format.write_array_header_1_0(file, {"descr": dtype.str, "fortran_order": False,
+                                                            "shape": shape})
+                for part in pieces(jobs, row, name, shape[0]):
+                    file.write(np.ascontiguousarray(part, dtype=dtype).data)
+                    yield sink.take()
+    yield sink.take()
+
+
+def stream_bytes(dtype: str, binary: bool) -> int:
+    """What streaming a job's result holds at its peak: a chunk and a piece's rendering, whatever its size."""
+    item = DTYPES[dtype]
+    piece = PIECE_BYTES if binary else PIECE_BYTES // item.item_bytes * item.text_bytes
+    return int((RESULT_CHUNK_BYTES + 2 * piece) * STREAM_MARGIN)
