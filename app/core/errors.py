@@ -158,8 +158,8 @@ def cluster_unavailable(address: str) -> BlockgradError:
 def no_cluster() -> BlockgradError:
     return BlockgradError(
         "cluster_unavailable",
-        "This server has no Dask cluster: set BLOCKGRAD_DASK_SCHEDULER, or start it with gunicorn -c "
-        "gunicorn.conf.py, which starts an embedded one.", {"scheduler": None}, retry_after_s=CLUSTER_RETRY_AFTER_S)
+        "Jobs are off on this server (BLOCKGRAD_DASK_SCHEDULER=off): unset it for the embedded cluster, or "
+        "name a scheduler.", {"scheduler": None}, retry_after_s=CLUSTER_RETRY_AFTER_S)
 
 
 def job_not_found(job_id: str) -> BlockgradError:
