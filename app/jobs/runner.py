@@ -33,7 +33,7 @@ from .graph import Graph, submit
 from .settings import JobSettings
 
 log = logging.getLogger("blockgrad.jobs")
-POLL_S = 0.5
+POLL_S = 0.2  # new jobs are seen this often; a graph that ends wakes the loop at once
 SWEEP_S = 10.0
 CONNECT_TIMEOUT_S = 10.0  # also how long a Client tries to reconnect to a restarted scheduler
 SUBMIT_TIMEOUT_S = 10.0  # a scatter's bound, plus the vectors' size at TRANSFER_BYTES_PER_S
@@ -73,6 +73,7 @@ class Runner:
         # Tests: called with the job's id once its outcome is computed, before it is gathered and stored.
         self.before_finish: Callable[[str], None] | None = None
         self._stop = threading.Event()
+        self.wake = threading.Event()  # set when a graph ends, or to stop
         self._thread: threading.Thread | None = None
 
     def start(self) -> "Runner":
@@ -82,6 +83,7 @@ class Runner:
 
     def stop(self) -> None:
         self._stop.set()
+        self.wake.set()
         if self._thread is not None:
             self._thread.join(60)
 
@@ -92,7 +94,8 @@ class Runner:
                     self.step(time.time())
                 except BlockgradError:  # store_unavailable: the same work next time
                     self.down("store", "the job store did not answer")
-                stop_event.wait(POLL_S)
+                self.wake.wait(POLL_S)
+                self.wake.clear()
         finally:
             self.close()
 
@@ -180,6 +183,7 @@ class Runner:
         attempt.graph, attempt.result_bytes, attempt.outputs = graph, record["result_bytes"], record["outputs"]
         for future, _ in list(graph.tiles.values()):
             future.add_done_callback(lambda f: self.tile_done(attempt, f))
+        graph.final.add_done_callback(lambda f: self.wake.set())
         event("job_started", job=job_id, attempt=number, tiles=len(tiles), workers=self.workers,
               vector_bytes=vectors.nbytes)
 
@@ -257,8 +261,8 @@ def main(argv: list[str]) -> None:
     runner = Runner(settings, served_objectives(Settings.from_env()), db.open_store(settings.database_url()),
                     argv[0] if argv else None)
     stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
-    signal.signal(signal.SIGINT, lambda *_: stopping.set())
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, lambda *_: (stopping.set(), runner.wake.set()))
     runner.run(stopping)
 
 
