@@ -20,10 +20,7 @@ NOW = 1_000_000.0
 def store_url(request, tmp_path):
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path}/data/jobs.sqlite3"
-    try:
-        return request.getfixturevalue("postgres_url")
-    except pytest.FixtureLookupError:
-        pytest.skip("no postgres_url fixture (tests/postgres.py)")
+    return request.getfixturevalue("postgres_url")
 
 
 @pytest.fixture
@@ -248,3 +245,39 @@ def test_time_is_never_read_by_the_store(engine, monkeypatch):
     monkeypatch.setattr(time, "time", lambda: pytest.fail("the store read the clock"))
     new_job(engine, "a" * 32)
     db.claim(engine, "a" * 32, "one", NOW, 10, 3)
+
+
+def test_an_idempotency_key_of_any_length_names_one_job(engine):
+    key = "k" * 5000  # past PostgreSQL's index entry limit: the store keeps its sha256
+    assert new_job(engine, "a" * 32, key=key)[1]
+    again, created = new_job(engine, "b" * 32, key=key)
+    assert not created and again["id"] == "a" * 32
+    assert new_job(engine, "c" * 32, key=key[:-1])[1]
+
+
+def test_a_delete_waits_for_a_finishing_runner_instead_of_deadlocking(postgres_url):
+    """Every writer locks the job's row first: a DELETE that arrives while the runner's finish
+    holds it waits, and both commit (PostgreSQL would abort one of two crossed lock orders)."""
+    engine = db.open_store(postgres_url)
+    new_job(engine, "a" * 32)
+    db.claim(engine, "a" * 32, "one", NOW, 10, 3)
+    deleted = []
+    with engine.begin() as conn:  # the finish's statements, held open at their first one
+        assert conn.execute(sa.update(db.jobs).where(db.fence("a" * 32, "one", 1)).values(status="succeeded")).rowcount
+        deleter = threading.Thread(target=lambda: deleted.append(db.delete_job(engine, "a" * 32)))
+        deleter.start()
+        with engine.connect() as probe:  # the DELETE is waiting on the job's row lock
+            waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            for _ in range(600):
+                if probe.execute(sa.text(waiting)).scalar():
+                    break
+                time.sleep(0.05)
+            else:
+                pytest.fail("the DELETE never waited on the finish's lock")
+        conn.execute(db.results.insert().values(job_id="a" * 32, output="accumulated", seq=0, data=b"x"))
+        conn.execute(db.inputs.delete().where(db.inputs.c.job_id == "a" * 32))
+    deleter.join(60)
+    assert deleted == [True] and db.get_job(engine, "a" * 32) is None
+    with engine.connect() as conn:
+        assert conn.execute(sa.select(sa.func.count()).select_from(db.results)).scalar() == 0
+    engine.dispose()

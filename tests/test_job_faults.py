@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sqlalchemy as sa
 
 from app.jobs import db
 from tests.dask_cluster import (JOB_S, TILE, TILE_BLOCKS, TILE_DIM, TILE_FACTOR, TILE_N, HeldTiles, cluster_client,
@@ -37,10 +38,7 @@ def store_url(request, tmp_path):
     """The runner's store: the SQLite file of `runner`'s tmp_path, or a PostgreSQL database."""
     if request.param == "sqlite":
         return "sqlite:///" + str(tmp_path / "data" / "jobs.sqlite3")
-    try:
-        return request.getfixturevalue("postgres_url")
-    except pytest.FixtureLookupError:
-        pytest.skip("no `postgres_url` fixture yet (tests/postgres.py, on the jpg branch)")
+    return request.getfixturevalue("postgres_url")
 
 
 def start_on(runner, url: str, **settings):
@@ -86,6 +84,20 @@ def test_a_job_the_runner_computes_equals_the_oracle(runner, store_url):
     assert db.load_input(engine, job_id) is None  # the input goes once the result is in
     assert db.cluster_workers(engine, record["finished_at"] + 1) == 2  # the runner's heartbeat row
     assert started.attempts == {}
+
+
+def test_a_job_that_breaks_the_runner_fails_alone(runner, tmp_path):
+    """A job the runner cannot even start (its stored input is not a .npy) fails internal_error
+    and the runner goes on: the next job succeeds (before, the exception ended the runner)."""
+    started = runner()
+    engine = started.engine
+    broken = insert_job(engine, job_vectors(1), 4)
+    with engine.begin() as conn:
+        conn.execute(sa.update(db.inputs).where(db.inputs.c.job_id == broken).values(vectors=b"not a .npy"))
+    record = wait_for_stored(engine, broken)
+    assert record["status"] == "failed" and record["error"]["code"] == "internal_error", record
+    vectors = job_vectors(2)
+    assert_exact(engine, wait_for_stored(engine, insert_job(engine, vectors, 4, "logsumexp")), vectors, 4, "logsumexp")
 
 
 def test_a_job_survives_its_scheduler_killed_under_it(cluster, runner, tmp_path):

@@ -147,14 +147,6 @@ CLUSTER_RETRY_AFTER_S = 5
 JOB_RETRY_AFTER_S = 2
 
 
-def cluster_unavailable(address: str) -> BlockgradError:
-    return BlockgradError(
-        "cluster_unavailable",
-        f"The Dask scheduler at {address} did not answer in time; jobs are unavailable until it does "
-        "(synchronous routes are unaffected). Retry after the Retry-After seconds.",
-        {"scheduler": address}, retry_after_s=CLUSTER_RETRY_AFTER_S)
-
-
 def no_cluster() -> BlockgradError:
     return BlockgradError(
         "cluster_unavailable",

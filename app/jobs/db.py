@@ -11,7 +11,9 @@ import io
 import json
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import wraps
+from hashlib import sha256
 
 import numpy as np
 import sqlalchemy as sa
@@ -19,8 +21,11 @@ from sqlalchemy import and_, event, exc, func, or_, select
 
 from ..core.errors import job_attempts_exhausted, store_unavailable, too_many_jobs
 
-TIMEOUT_S = 3  # connecting, a pool checkout, a locked SQLite: a job route still answers within 5 s
-STATEMENT_TIMEOUT_MS = 4000
+TIMEOUT_S = 2  # connecting, a pool checkout, a locked SQLite: a job route still answers within 5 s
+STATEMENT_TIMEOUT_MS = 2000
+# A server that vanishes mid-connection (a partition, a lost node) is noticed within seconds too.
+TCP_ARGS = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 2,
+            "tcp_user_timeout": 4000}
 RESULT_CHUNK_BYTES = 1024 * 1024  # whole rows of an output per stored chunk: a download holds a few
 # PostgreSQL connections per process, at most 5: a pod's 2 web workers and its runner hold 15,
 # and deploy/k8s/postgres.yaml's max_connections (300) covers every replica the autoscalers allow.
@@ -86,8 +91,19 @@ def guarded(function):
 
 def sqlite_connection(dbapi_connection, _record) -> None:
     dbapi_connection.isolation_level = None  # SQLAlchemy's "begin" event starts every transaction
-    dbapi_connection.execute("PRAGMA auto_vacuum = INCREMENTAL")  # takes effect on a new file only
     dbapi_connection.execute("PRAGMA journal_mode = WAL")  # readers never wait for the writer
+
+
+def sqlite_begin(conn) -> None:
+    """A writer takes the write lock at its start (no deadlock upgrading a read lock); a reader
+    (`reading`) takes none."""
+    conn.exec_driver_sql("BEGIN" if conn.get_execution_options().get("reading") else "BEGIN IMMEDIATE")
+
+
+@contextmanager
+def reading(engine: sa.Engine):
+    with engine.connect().execution_options(reading=True) as conn, conn.begin():
+        yield conn
 
 
 @guarded
@@ -100,12 +116,11 @@ def open_store(url: str) -> sa.Engine:
         engine = sa.create_engine(url, pool_timeout=TIMEOUT_S,
                                   connect_args={"timeout": TIMEOUT_S, "check_same_thread": False})
         event.listen(engine, "connect", sqlite_connection)
-        # One writer at a time, taken at the start: no deadlock upgrading a read lock.
-        event.listen(engine, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+        event.listen(engine, "begin", sqlite_begin)
     else:
         engine = sa.create_engine(url, pool_pre_ping=True, pool_timeout=TIMEOUT_S, pool_size=POOL_SIZE,
                                   max_overflow=POOL_OVERFLOW, connect_args={
-            "connect_timeout": TIMEOUT_S, "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"})
+            "connect_timeout": TIMEOUT_S, "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}", **TCP_ARGS})
     migrate(engine)
     return engine
 
@@ -141,7 +156,9 @@ def by_key(conn, key: str):
 def insert_job(engine: sa.Engine, row: dict, vectors_npy: bytes, max_active: int) -> tuple[dict, bool]:
     """A new job, queued, with its input: (its record, True); the job a known Idempotency-Key
     made: (that record, False). too_many_jobs when max_active are queued or running."""
-    key = row.get("idempotency_key")
+    # Stored as its sha256: a key of any length fits PostgreSQL's index.
+    key = row.get("idempotency_key") and sha256(row["idempotency_key"].encode()).hexdigest()
+    row = {**row, "idempotency_key": key}
     try:
         with engine.begin() as conn:
             if conn.dialect.name == "postgresql":  # the count and the insert, one at a time
@@ -162,7 +179,7 @@ def insert_job(engine: sa.Engine, row: dict, vectors_npy: bytes, max_active: int
 
 @guarded
 def get_job(engine: sa.Engine, job_id: str) -> dict | None:
-    with engine.begin() as conn:
+    with reading(engine) as conn:
         return as_record(conn.execute(select(jobs).where(jobs.c.id == job_id)).first())
 
 
@@ -178,7 +195,8 @@ def cancel_job(engine: sa.Engine, job_id: str, now: float) -> dict | None:
 
 
 def delete_rows(conn, job_ids: list[str]) -> None:
-    for table, column in ((results, results.c.job_id), (inputs, inputs.c.job_id), (jobs, jobs.c.id)):
+    # The job's row first, as every writer locks it first: no deadlock with a finishing runner.
+    for table, column in ((jobs, jobs.c.id), (inputs, inputs.c.job_id), (results, results.c.job_id)):
         conn.execute(table.delete().where(column.in_(job_ids)))
 
 
@@ -194,7 +212,7 @@ def delete_job(engine: sa.Engine, job_id: str) -> bool:
 def status_counts(engine: sa.Engine) -> dict[str, int]:
     """Jobs by status, and the blocks done of the active ones (one indexed scan)."""
     counts = dict.fromkeys((*ACTIVE, *FINISHED), 0) | {"blocks_done": 0}
-    with engine.begin() as conn:
+    with reading(engine) as conn:
         for status, count, done in conn.execute(
                 select(jobs.c.status, func.count(), func.sum(jobs.c.blocks_done)).group_by(jobs.c.status)):
             counts[status] = count
@@ -211,7 +229,7 @@ def claimable_now(now: float):
 @guarded
 def claimable(engine: sa.Engine, now: float, limit: int) -> list[str]:
     """Queued jobs and running ones whose runner stopped renewing, oldest first."""
-    with engine.begin() as conn:
+    with reading(engine) as conn:
         return list(conn.execute(select(jobs.c.id).where(claimable_now(now)).order_by(jobs.c.created_at)
                                  .limit(limit)).scalars())
 
@@ -246,7 +264,7 @@ def fence(job_id: str, owner: str, attempt: int):
 
 @guarded
 def load_input(engine: sa.Engine, job_id: str) -> np.ndarray | None:
-    with engine.begin() as conn:
+    with reading(engine) as conn:
         data = conn.execute(select(inputs.c.vectors).where(inputs.c.job_id == job_id)).scalar()
     return None if data is None else np.load(io.BytesIO(data), allow_pickle=False)
 
@@ -295,8 +313,8 @@ def release(engine: sa.Engine, job_id: str, owner: str, attempt: int) -> None:
 
 @guarded
 def sweep(engine: sa.Engine, now: float, ttl_s: float, max_result_bytes: int) -> int:
-    """Finished jobs past their TTL, then the oldest results over max_result_bytes, deleted;
-    SQLite gives their pages back. Returns how many jobs went."""
+    """Finished jobs past their TTL, then the oldest results over max_result_bytes, deleted
+    (their pages are reused by later writes). Returns how many jobs went."""
     with engine.begin() as conn:
         gone = list(conn.execute(select(jobs.c.id).where(jobs.c.status.in_(FINISHED),
                                                          jobs.c.finished_at < now - ttl_s)).scalars())
@@ -308,15 +326,12 @@ def sweep(engine: sa.Engine, now: float, ttl_s: float, max_result_bytes: int) ->
                 gone.append(job_id)
         if gone:
             delete_rows(conn, gone)
-    if gone and engine.dialect.name == "sqlite":
-        with engine.begin() as conn:
-            conn.exec_driver_sql("PRAGMA incremental_vacuum")
     return len(gone)
 
 
 @guarded
 def result_chunk(engine: sa.Engine, job_id: str, output: str, seq: int) -> bytes | None:
-    with engine.begin() as conn:
+    with reading(engine) as conn:
         return conn.execute(select(results.c.data).where(
             results.c.job_id == job_id, results.c.output == output, results.c.seq == seq)).scalar()
 
@@ -344,6 +359,6 @@ def beat(engine: sa.Engine, owner: str, scheduler: str | None, workers: int, now
 @guarded
 def cluster_workers(engine: sa.Engine, now: float) -> int:
     """Dask workers the runners seen lately see (the most any of them sees)."""
-    with engine.begin() as conn:
+    with reading(engine) as conn:
         return conn.execute(select(func.max(runners.c.workers)).where(
             runners.c.seen_at >= now - RUNNER_SEEN_S)).scalar() or 0

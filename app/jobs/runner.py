@@ -41,8 +41,11 @@ GATHER_TIMEOUT_S = 30.0
 TRANSFER_BYTES_PER_S = 20e6
 # CommClosedError is an OSError; a scatter cut short by a scheduler restart is cancelled
 DASK_ERRORS = (OSError, TimeoutError, ValueError, CancelledError)
+CLUSTER_RETRY_S = 5.0  # after a submit the cluster refused, nothing is claimed for this long
 TASK_FAILED = {"code": "internal_error", "message": "A task of this job failed on the cluster; the cluster's log "
                                                     "has the traceback.", "details": {}}
+BROKEN = {"code": "internal_error", "message": "The service could not run this job; its log (job_broken) has the "
+                                               "traceback.", "details": {}}
 
 
 def event(name: str, **fields) -> None:
@@ -68,7 +71,7 @@ class Runner:
         self.client = None
         self.attempts: dict[str, Attempt] = {}
         self.outage: str | None = None  # what is down, logged once until it is back
-        self.next_beat = self.next_sweep = 0.0
+        self.next_beat = self.next_sweep = self.claim_after = 0.0
         self.workers = 0  # Dask workers seen at the last step
         # Tests: called with the job's id once its outcome is computed, before it is gathered and stored.
         self.before_finish: Callable[[str], None] | None = None
@@ -94,6 +97,8 @@ class Runner:
                     self.step(time.time())
                 except BlockgradError:  # store_unavailable: the same work next time
                     self.down("store", "the job store did not answer")
+                except Exception:  # noqa: BLE001 - a bug must not stop every job: logged, the next step runs
+                    log.exception(json.dumps({"event": "runner_step_failed"}))
                 self.wake.wait(POLL_S)
                 self.wake.clear()
         finally:
@@ -131,37 +136,53 @@ class Runner:
             self.next_beat = now + settings.job_lease_s / 5
         client = self.connected()
         try:
-            self.workers = len(client.nthreads()) if client is not None else 0
+            workers = len(client.nthreads()) if client is not None else 0
         except DASK_ERRORS as exc:
-            self.workers = 0
+            workers, client = 0, None
             self.down("cluster", str(exc))
-            return
+        if workers != self.workers:  # the heartbeat row follows the cluster at once (/metrics reads it)
+            db.beat(self.engine, self.owner, self.address, workers, now)
+        self.workers = workers
         if client is None:
             return
         for attempt in list(self.attempts.values()):
             if attempt.graph is not None:
-                self.check(attempt)
+                self.guarded(self.check, attempt)
         if not self.workers:  # a scatter would wait for one: nothing is claimed until a worker has joined
             self.down("workers", f"no Dask worker has joined {self.address} yet")
             return
         if self.outage is not None:
             event("jobs_resumed", after=self.outage)
             self.outage = None
-        for job_id in db.claimable(self.engine, now, settings.max_jobs):
+        for job_id in db.claimable(self.engine, now, settings.max_jobs) if now >= self.claim_after else ():
             number = db.claim(self.engine, job_id, self.owner, now, settings.job_lease_s, settings.job_attempts)
             if number is not None:
                 self.attempts[job_id] = Attempt(job_id, number)
         for attempt in list(self.attempts.values()):
             if attempt.graph is None:
-                self.launch(client, attempt)
+                self.guarded(self.launch, attempt, client)
 
-    def launch(self, client, attempt: Attempt) -> None:
+    def guarded(self, work, attempt: Attempt, *args) -> None:
+        """One job's step; an error that is neither the store's nor the cluster's fails that job
+        alone (a job that breaks the runner every time must not hold it forever)."""
+        try:
+            work(attempt, *args)
+        except BlockgradError:
+            raise  # the store did not answer: the whole step waits
+        except Exception:  # noqa: BLE001 - logged with its traceback, the job failed
+            log.exception(json.dumps({"event": "job_broken", "job": attempt.job_id}))
+            self.finish(attempt, None, BROKEN)
+
+    def launch(self, attempt: Attempt, client) -> None:
         """Submit the attempt's graph, or hand the job back if the cluster fails."""
         job_id, number = attempt.job_id, attempt.number
-        record, vectors = db.get_job(self.engine, job_id), db.load_input(self.engine, job_id)
-        if record is None or vectors is None:
+        record = db.get_job(self.engine, job_id)
+        if record is None or record["status"] != "running":
             self.drop(attempt)
             return  # cancelled or deleted since
+        vectors = db.load_input(self.engine, job_id)
+        if vectors is None:
+            raise LookupError(f"job {job_id} is running without its input")
         objective = self.objectives.get(record["objective"])
         if objective is None:  # a model this service no longer serves
             error = {"code": "internal_error", "details": {"objective": record["objective"]},
@@ -175,9 +196,13 @@ class Runner:
         try:
             graph = submit(client, f"{job_id}-{number}", vectors, spec, tiles, objective,
                            SUBMIT_TIMEOUT_S + vectors.nbytes / TRANSFER_BYTES_PER_S)
-        except DASK_ERRORS as exc:
+        except ValueError as exc:  # "No valid workers found" (they left meanwhile), or worse: an attempt spent
+            self.again(attempt, f"submit failed: {exc}")
+            return
+        except DASK_ERRORS as exc:  # the cluster went away: the job waits, no attempt spent
             self.drop(attempt)
             db.release(self.engine, job_id, self.owner, number)
+            self.claim_after = time.time() + CLUSTER_RETRY_S
             self.down("cluster", f"submitting job {job_id}: {exc}")
             return
         attempt.graph, attempt.result_bytes, attempt.outputs = graph, record["result_bytes"], record["outputs"]

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..core.admission import output_elements
-from ..core.errors import BlockgradError, job_done, job_not_done, job_not_found, no_cluster
+from ..core.errors import BlockgradError, job_done, job_not_done, job_not_found, no_cluster, store_unavailable
 from ..core.request import GradientRequest
 from . import db
 from .metrics import EVENTS, observe_jobs, observe_workers
@@ -24,11 +24,11 @@ from .settings import OFF, JobSettings
 
 log = logging.getLogger("blockgrad.jobs")
 ID_PATTERN = re.compile(r"[0-9a-f]{32}")  # 128 random bits
-ACTIVE = ("queued", "running")
 # A /metrics scrape waits at most this long for the store: an unreachable one never hangs it.
 METRICS_READ_S = 1.0
 # After a read that failed, scrapes read nothing for this long: a down store costs each one nothing.
 METRICS_RETRY_S = 5.0
+OPEN_RETRY_S = 2.0  # after the store could not be opened, job routes answer 503 at once for this long
 
 
 def rfc3339(seconds: float | None) -> str | None:
@@ -54,6 +54,7 @@ class JobStore:
     def __init__(self, settings: JobSettings):
         self.settings = settings
         self._engine, self._pid, self._lock = None, None, threading.Lock()
+        self._open_after = 0.0  # time.monotonic() before which a failed open is not tried again
         self.metrics_read_after = 0.0  # time.monotonic() before which a scrape does not read
         self.reading: Future | None = None  # the scrape's read of the store, which may outlive the scrape
         self.reader: ThreadPoolExecutor | None = None
@@ -66,7 +67,13 @@ class JobStore:
             raise no_cluster()
         with self._lock:
             if self._engine is None or self._pid != os.getpid():
-                self._engine, self._pid = db.open_store(self.settings.database_url()), os.getpid()
+                if time.monotonic() < self._open_after:  # a failed open is not retried by every waiting request
+                    raise store_unavailable()
+                try:
+                    self._engine, self._pid = db.open_store(self.settings.database_url()), os.getpid()
+                except BlockgradError:
+                    self._open_after = time.monotonic() + OPEN_RETRY_S
+                    raise
             return self._engine
 
     def cluster_report(self) -> dict:
@@ -130,7 +137,7 @@ class JobStore:
     def cancel(self, job_id: str) -> dict[str, Any]:
         """A queued or running job: cancelled (idempotent); a succeeded or failed one: 409 job_done."""
         found = self.row(job_id)
-        if found["status"] in ACTIVE:
+        if found["status"] in db.ACTIVE:
             found = db.cancel_job(self.engine, job_id, time.time())
             if found is None:
                 raise job_not_found(job_id)
