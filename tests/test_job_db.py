@@ -281,3 +281,34 @@ def test_a_delete_waits_for_a_finishing_runner_instead_of_deadlocking(postgres_u
     with engine.connect() as conn:
         assert conn.execute(sa.select(sa.func.count()).select_from(db.results)).scalar() == 0
     engine.dispose()
+
+
+def test_a_store_that_goes_away_after_use_is_unavailable_then_back():
+    """PostgreSQL stopped under a warm pool: store_unavailable (not a hang, not a 500); started
+    again at the same place, the same engine answers."""
+    import os
+    import signal
+
+    from tests.postgres import running_postgres
+
+    with running_postgres() as server:
+        engine = db.open_store(server.get_uri())
+        new_job(engine, "a" * 32)
+        postmaster = server.get_pid()
+        os.kill(postmaster, signal.SIGINT)  # a fast shutdown: every connection is closed
+        assert wait_until_gone(postmaster)
+        assert code_of(lambda: db.get_job(engine, "a" * 32)) == "store_unavailable"
+        assert code_of(lambda: new_job(engine, "b" * 32)) == "store_unavailable"
+        server.ensure_postgres_running()
+        assert db.get_job(engine, "a" * 32)["status"] == "queued"
+        engine.dispose()
+
+
+def wait_until_gone(pid: int) -> bool:
+    import psutil
+
+    for _ in range(1200):
+        if not psutil.pid_exists(pid):
+            return True
+        time.sleep(0.05)
+    return False
