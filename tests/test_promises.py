@@ -11,10 +11,13 @@ Expected values are literals taken from the docs (limits, details, formulas), ne
 code's constants. Waits are bounded (WAIT_S) and count events (a gauge reaching a value, a
 socket closing). Two rows compare a time, each with the documented default as the bound (the
 keep-alive, 75 s, for a value of 1 s; the send timeout, 30 s, for 1 s): a timeout's effect is a
-time, and no busy machine stretches 1 s to the default. A row that needs a job running holds
-its tiles at their start on the embedded cluster's worker (tests/dask_cluster.py HeldTiles)
-and releases them one at a time, so each look sees a known state; a job's end that the TTL
-would hide is seen in the runner's log line, and its rows in the store itself.
+time, and no busy machine stretches 1 s to the default. The lease row reads the lease's end in
+the store against now + 2 s: renewed before it is read, it cannot end later on any machine.
+A row that needs a job running holds its tiles at their start on the embedded cluster's worker
+(tests/dask_cluster.py HeldTiles) and releases them one at a time, so each look sees a known
+state; a job's end that the TTL would hide is seen in the runner's log line, and its rows in
+the store itself (the jobs server's SQLite file; the ttl server's PostgreSQL database, from
+tests/postgres.py's server).
 """
 import contextlib
 import io
@@ -932,12 +935,22 @@ def test_every_documented_variable_has_a_row():
 @pytest.mark.parametrize("variable,bad", [
     ("BLOCKGRAD_MAX_N", "0"), ("BLOCKGRAD_HEADER_TIMEOUT_S", "-1"), ("BLOCKGRAD_DOCS_PUBLIC", "maybe"),
     ("BLOCKGRAD_DASK_SCHEDULER", "http://scheduler:8786"), ("WEB_CONCURRENCY", "two"), ("BLOCKGRAD_AUTH", "maybe"),
+    ("BLOCKGRAD_JOBS_DB", "mysql://db/blockgrad"),
 ])
 def test_a_bad_value_stops_the_start_naming_the_variable(variable, bad):
     env = {**os.environ, "BLOCKGRAD_BIND": "127.0.0.1:1", "BLOCKGRAD_DASK_SCHEDULER": "off", variable: bad}
     done = subprocess.run(gunicorn_command(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
     assert done.returncode != 0
     assert variable in done.stdout + done.stderr
+
+
+def test_an_external_scheduler_without_a_database_stops_the_start_naming_both():
+    """docs/configuration.md: an external BLOCKGRAD_DASK_SCHEDULER needs BLOCKGRAD_JOBS_DB."""
+    env = {**os.environ, "BLOCKGRAD_BIND": "127.0.0.1:1", "BLOCKGRAD_DASK_SCHEDULER": "tcp://127.0.0.1:8786"}
+    env.pop("BLOCKGRAD_JOBS_DB", None)
+    done = subprocess.run(gunicorn_command(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode != 0
+    assert "BLOCKGRAD_DASK_SCHEDULER" in done.stdout + done.stderr and "BLOCKGRAD_JOBS_DB" in done.stdout + done.stderr
 
 
 # --- the metrics /metrics exposes (docs/operations.md, connections.md, jobs.md)
