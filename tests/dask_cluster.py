@@ -238,6 +238,11 @@ def task_runs(job_id: str, dask_scheduler=None) -> dict[str, list[str]]:
     return runs
 
 
+def has_task(key: str, dask_scheduler=None) -> bool:
+    """On the scheduler (Client.run_on_scheduler): whether it knows the task `key`."""
+    return key in dask_scheduler.tasks
+
+
 def dask_role(cmdline: str) -> str | None:
     """"scheduler" or "worker" for a `python -m dask <role> ...` process, whether its command
     line is as started or as distributed retitles it ("dask <role> [address]") when

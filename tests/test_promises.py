@@ -11,16 +11,22 @@ Expected values are literals taken from the docs (limits, details, formulas), ne
 code's constants. Waits are bounded (WAIT_S) and count events (a gauge reaching a value, a
 socket closing). Two rows compare a time, each with the documented default as the bound (the
 keep-alive, 75 s, for a value of 1 s; the send timeout, 30 s, for 1 s): a timeout's effect is a
-time, and no busy machine stretches 1 s to the default. A row that needs a job running holds
-its tiles at their start on the embedded cluster's worker (tests/dask_cluster.py HeldTiles)
-and releases them one at a time, so each look sees a known state.
+time, and no busy machine stretches 1 s to the default. The lease row reads the lease's end in
+the store against now + 2 s: renewed before it is read, it cannot end later on any machine.
+A row that needs a job running holds its tiles at their start on the embedded cluster's worker
+(tests/dask_cluster.py HeldTiles) and releases them one at a time, so each look sees a known
+state; a job's end that the TTL would hide is seen in the runner's log line, and its rows in
+the store itself (the jobs server's SQLite file; the ttl server's PostgreSQL database, from
+tests/postgres.py's server).
 """
 import contextlib
 import io
 import json
 import os
 import re
+import signal
 import socket
+import sqlite3
 import subprocess
 import time
 import uuid
@@ -34,8 +40,10 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.dask_cluster import HeldTiles
+from tests.dask_cluster import HeldTiles, cluster_client, dask_role, has_task
 from tests.events import LISTEN, socket_inodes
+from tests.numeric import assert_matches
+from tests.oracle import expected, oracle
 from tools.server import ROOT, children, gunicorn_command, gunicorn_server, is_dask_process, wait_until
 
 pytestmark = pytest.mark.slow
@@ -202,17 +210,42 @@ GROUPS = {
     "timeouts": Group(workers=None, env=CHEAP),  # WEB_CONCURRENCY comes from its row
     "cost": Group(),
     "metrics": Group(cpus=1, env={**CHEAP, "BLOCKGRAD_REQUEST_TIMEOUT_S": "600"}),
-    "jobs": Group(),  # BLOCKGRAD_DASK_SCHEDULER blank: the embedded cluster, as `make serve` starts it
-    "ttl": Group(),  # a second server on the jobs server's scheduler
+    # BLOCKGRAD_DASK_SCHEDULER blank: the embedded cluster, as `make serve` starts it, its SQLite
+    # store in BLOCKGRAD_DATA_DIR.
+    "jobs": Group(),
+    # A second server on the jobs server's scheduler, its store a PostgreSQL database of this module.
+    "ttl": Group(),
 }
 
 
 class Servers:
     """Starts a group's server on first use; all stopped together when the module ends."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, request):
         self.tmp, self.started, self.managers = tmp, {}, []
         self.observed: dict = {}  # observations several rows read (e.g. a held slot's scrapes)
+        self.request, self.database, self.engine = request, None, None
+
+    def postgres(self) -> str:
+        """A PostgreSQL database of this module (tests/postgres.py's server, started on first use)."""
+        if self.database is None:
+            import psycopg
+            from psycopg import sql
+
+            server = self.request.getfixturevalue("postgres_server")
+            name = f"promises_{uuid.uuid4().hex}"
+            with psycopg.connect(server.get_uri(), autocommit=True) as admin:
+                admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            self.database = (server, name, server.get_uri(database=name))
+        return self.database[2]
+
+    def store(self):
+        """An engine on the ttl server's store (the PostgreSQL database)."""
+        from app.jobs import db
+
+        if self.engine is None:
+            self.engine = db.open_store(self.postgres())
+        return self.engine
 
     def __getitem__(self, group: str):
         if group not in self.started:
@@ -234,9 +267,9 @@ class Servers:
         if "PROMETHEUS_MULTIPROC_DIR" in env:  # a stale file that the start must remove
             Path(env["PROMETHEUS_MULTIPROC_DIR"]).mkdir(parents=True, exist_ok=True)
             (Path(env["PROMETHEUS_MULTIPROC_DIR"]) / "counter_999999.db").write_bytes(b"stale")
-        if group == "ttl":
-            cluster = requests.get(self["jobs"].url + "/readyz", timeout=WAIT_S).json()["cluster"]
-            env["BLOCKGRAD_DASK_SCHEDULER"] = cluster["scheduler"]
+        if group == "ttl":  # an external scheduler needs a shared store
+            env["BLOCKGRAD_DASK_SCHEDULER"] = jobs_scheduler(self)
+            env["BLOCKGRAD_JOBS_DB"] = self.postgres()
         workers = int(env.pop("WEB_CONCURRENCY")) if "WEB_CONCURRENCY" in env else spec.workers
         manager = gunicorn_server(workers=workers, env=env)
         mask = os.sched_getaffinity(0)
@@ -255,11 +288,40 @@ class Servers:
         """Each server stops in its own thread: a stop may wait seconds for its workers."""
         with ThreadPoolExecutor(max(1, len(self.managers))) as pool:
             list(pool.map(lambda manager: manager.__exit__(None, None, None), self.managers))
+        if self.engine is not None:
+            self.engine.dispose()
+        if self.database is not None:
+            import psycopg
+            from psycopg import sql
+
+            server, name, _ = self.database
+            with psycopg.connect(server.get_uri(), autocommit=True) as admin:
+                admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
+def jobs_scheduler(servers) -> str:
+    """The jobs server's embedded scheduler, as its runner's row in the store names it (/readyz
+    names none for an embedded cluster)."""
+    servers["jobs"]
+    path = Path(servers.env_of("jobs")["BLOCKGRAD_DATA_DIR"]) / "jobs.sqlite3"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        found = {row[0] for row in conn.execute("SELECT scheduler FROM job_runners")}
+    assert len(found) == 1 and next(iter(found)).startswith("tcp://127.0.0.1:"), found
+    return found.pop()
+
+
+def jobs_row(servers, job_id: str) -> dict | None:
+    """The job's row in the jobs server's SQLite store."""
+    path = Path(servers.env_of("jobs")["BLOCKGRAD_DATA_DIR"]) / "jobs.sqlite3"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        conn.row_factory = sqlite3.Row
+        row = conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    return None if row is None else dict(row)
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    started = Servers(tmp_path_factory.mktemp("promises"))
+def servers(tmp_path_factory, request):
+    started = Servers(tmp_path_factory.mktemp("promises"), request)
     try:
         yield started
     finally:
@@ -546,7 +608,7 @@ def finished(server, job_id: str) -> dict:
     def done():
         seen["record"] = job_state(server, job_id).json()
         return seen["record"].get("status") in ("succeeded", "failed", "cancelled")
-    wait_for(done, f"job {job_id} finished (last {seen.get('record')})")
+    assert wait_until(done, WAIT_S, 0.1), f"not within {WAIT_S} s: job {job_id} finished (last {seen.get('record')})"
     return seen["record"]
 
 
@@ -563,12 +625,124 @@ def npy(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def supervised(server) -> list[str]:
+    """What the server's supervisor runs: "runner", "scheduler", "worker", sorted."""
+    [supervisor] = [pid for pid in children(server.pid) if is_dask_process(pid)]
+    assert " -m app.jobs.supervisor " in cmdline(supervisor)
+    return sorted("runner" if " -m app.jobs.runner" in cmdline(pid) else dask_role(cmdline(pid)) or cmdline(pid)
+                  for pid in children(supervisor))
+
+
+def runner_pid(server) -> int:
+    [supervisor] = [pid for pid in children(server.pid) if is_dask_process(pid)]
+    [runner] = [pid for pid in children(supervisor) if " -m app.jobs.runner" in cmdline(pid)]
+    return runner
+
+
+def runner_line(server, job_id: str) -> dict:
+    """The runner's job_finished log line of the job (bounded wait)."""
+    seen = []
+    wait_for(lambda: seen.extend(e for e in log_lines(server) if e.get("event") == "job_finished"
+                                 and e.get("job") == job_id) or seen, f"the runner's job_finished line of {job_id}")
+    return seen[0]
+
+
 def check_embedded_cluster(server, servers):
-    assert any(is_dask_process(pid) for pid in children(server.pid)), "no embedded cluster"
+    wait_for(lambda: supervised(server) == ["runner", "scheduler", "worker"], "a runner, a scheduler, a worker")
     job_id = small_job(server)
     assert finished(server, job_id)["status"] == "succeeded"
     cluster = requests.get(server.url + "/readyz", timeout=WAIT_S).json()["cluster"]
-    assert cluster["scheduler"].startswith("tcp://127.0.0.1:")
+    assert cluster == {"scheduler": None, "store": "sqlite"}
+    assert jobs_scheduler(servers).startswith("tcp://127.0.0.1:")  # its runner's, in the store
+    assert cmdline(runner_pid(server)).split()[-1] == jobs_scheduler(servers)
+
+
+def check_data_dir(server, servers):
+    store = Path(servers.env_of("jobs")["BLOCKGRAD_DATA_DIR"]) / "jobs.sqlite3"
+    assert store.is_file()
+    job_id = small_job(server)
+    assert finished(server, job_id)["status"] == "succeeded"
+    assert jobs_row(servers, job_id)["status"] == "succeeded"  # the record there
+
+
+def check_jobs_db(server, servers):
+    """/readyz names the store; a job posted here is a row of that database (its tiles held: the
+    row is read while it runs, before the TTL of 1 s could remove it), not of the jobs server's."""
+    from app.jobs import db
+
+    cluster = requests.get(server.url + "/readyz", timeout=WAIT_S).json()["cluster"]
+    assert cluster == {"scheduler": jobs_scheduler(servers), "store": "postgresql"}
+    with HeldTiles(jobs_scheduler(servers), servers.tmp / f"held-{uuid.uuid4().hex}") as held:
+        job_id = small_job(server)
+        held.wait_started(job_id, timeout_s=WAIT_S)
+        row = db.get_job(servers.store(), job_id)
+        assert (row["status"], row["attempts"]) == ("running", 1), row
+        assert row["owner"].split("-")[-2] == str(runner_pid(server))  # host-pid-token of this server's runner
+        assert jobs_row(servers, job_id) is None
+        assert requests.delete(f"{server.url}/v1/jobs/{job_id}", timeout=WAIT_S).status_code == 204
+        assert db.get_job(servers.store(), job_id) is None
+
+
+@contextlib.contextmanager
+def deleted_on_failure(server, job_id: str):
+    """A failing row's job deleted, so that BLOCKGRAD_MAX_JOBS = 1 does not fail the next row too."""
+    try:
+        yield
+    except BaseException:
+        requests.delete(f"{server.url}/v1/jobs/{job_id}", timeout=WAIT_S)
+        raise
+
+
+def check_lease(server, servers):
+    """The server's runner SIGKILLed while its job's tile is held: the supervisor starts another,
+    which takes the job over once the lease has passed (attempt 2, another owner). That the lease
+    is the 2 s set, not the default 30 s, is read in the store: renewed at or before now, it
+    never ends more than 2 s after now."""
+    with HeldTiles(jobs_scheduler(servers), servers.tmp / f"held-{uuid.uuid4().hex}") as held:
+        job_id = small_job(server)
+        with deleted_on_failure(server, job_id):
+            held.wait_started(job_id, timeout_s=WAIT_S)
+            first = jobs_row(servers, job_id)
+            assert (first["status"], first["attempts"]) == ("running", 1), first
+            assert first["lease_until"] <= time.time() + 2, first
+            killed = runner_pid(server)
+            assert first["owner"].split("-")[-2] == str(killed)
+            os.kill(killed, signal.SIGKILL)
+            wait_for(lambda: job_state(server, job_id).json()["attempts"] == 2, "another runner took the job over")
+            assert jobs_row(servers, job_id)["owner"].split("-")[-2] == str(runner_pid(server)) != str(killed)
+            held.release()
+            record = finished(server, job_id)
+    assert (record["status"], record["attempts"]) == ("succeeded", 2), record
+    answer = requests.get(f"{server.url}/v1/jobs/{job_id}/result", timeout=WAIT_S)
+    assert answer.status_code == 200, answer.text
+    truth = oracle(np.array(vectors(1, 1)), 1, "sum", 5.0)  # small_job's, the default offset 5
+    assert_matches(answer.json()["losses"], expected(truth.losses, "float64"), "float64", what="losses")
+
+
+def check_attempts(server, servers):
+    """Each attempt's final task cancelled on the cluster (as a lost graph comes back to the
+    runner): after the second, failed job_attempts_exhausted (the default, 3, would try again)."""
+    from distributed import Future
+
+    scheduler = jobs_scheduler(servers)
+    dask = cluster_client(scheduler)
+    with HeldTiles(scheduler, servers.tmp / f"held-{uuid.uuid4().hex}"):
+        job_id = small_job(server)
+        with deleted_on_failure(server, job_id):
+            for attempt in (1, 2):
+                key = f"blockgrad-finish-{job_id}-{attempt}"
+                wait_for(lambda: dask.run_on_scheduler(has_task, key), f"the task {key}")
+                dask.cancel([Future(key, dask)], force=True)
+            record = finished(server, job_id)
+    assert (record["status"], record["attempts"]) == ("failed", 2), record
+    assert record["error"]["code"] == "job_attempts_exhausted"
 
 
 def check_dask_workers(server, servers):
@@ -600,19 +774,17 @@ def check_max_job_block(server, servers):
 HELD_TILE_BLOCKS = 4096  # a held job's 4 tiles of 64 x 64 blocks (factor 128)
 
 
-def cancel(server, job_id: str) -> None:
-    """Cleanup only: what DELETE does to a running job is the durable-jobs issue's to test."""
-    requests.delete(f"{server.url}/v1/jobs/{job_id}", timeout=WAIT_S)
-    finished(server, job_id)
+def forget(server, job_id: str) -> None:
+    """Cleanup: the job deleted (its runner drops it at its next renewal)."""
+    assert requests.delete(f"{server.url}/v1/jobs/{job_id}", timeout=WAIT_S).status_code == 204
 
 
 @contextlib.contextmanager
 def held_job(server, servers):
     """(job id, HeldTiles): a job of 4 tiles (2048 x 8, factor 128: 16384 blocks) whose first
     tile is held at its start on the worker's one thread, so the job is running with no block
-    done until a tile is released; cancelled, then released, on leaving."""
-    scheduler = requests.get(server.url + "/readyz", timeout=WAIT_S).json()["cluster"]["scheduler"]
-    with HeldTiles(scheduler, servers.tmp / f"held-{uuid.uuid4().hex}") as held:
+    done until a tile is released; deleted, then released, on leaving."""
+    with HeldTiles(jobs_scheduler(servers), servers.tmp / f"held-{uuid.uuid4().hex}") as held:
         answer = submit_job(server, {"vectors": vectors(2048, 8), "factor": 128, "objective": "sum_of_squares",
                                      "outputs": ["losses"]})
         assert answer.status_code == 202, answer.text
@@ -621,7 +793,7 @@ def held_job(server, servers):
             held.wait_started(job_id, timeout_s=WAIT_S)
             yield job_id, held
         finally:
-            cancel(server, job_id)
+            forget(server, job_id)
 
 
 def check_max_jobs(server, servers):
@@ -632,32 +804,46 @@ def check_max_jobs(server, servers):
 
 
 def check_results_cap(server, servers):
-    """A result alone over the cap is not kept; one within it is (the next POST applies the
-    cap; which older results go when several together pass it is the durable-jobs issue's)."""
+    """The runner's sweep (every 10 s) applies the cap: a result alone over it is not kept; of
+    two that together pass it the older goes and the newer stays. Each sweep is seen by what it
+    deletes, never timed."""
     over = small_job(server, n=4, dim=4, outputs=("accumulated",))  # 4 x 4 float64: 128 bytes
-    assert finished(server, over)["status"] == "succeeded"
-    within = small_job(server)  # losses 1 x 1 float64: 8 bytes
+    wait_for(lambda: job_state(server, over).status_code == 404, "the 128-byte result deleted")
     error_of(job_state(server, over), 404, "job_not_found")
-    assert finished(server, within)["status"] == "succeeded"
-    later = small_job(server)
-    answer = requests.get(f"{server.url}/v1/jobs/{within}/result", timeout=WAIT_S)
+    assert jobs_row(servers, over) is None
+    older = small_job(server, n=12, outputs=("accumulated",))  # 12 x 1 float64: 96 bytes, alone within
+    assert finished(server, older)["status"] == "succeeded"
+    newer = small_job(server)  # losses 1 x 1 float64: 8 bytes; 104 with the older
+    assert finished(server, newer)["status"] == "succeeded"
+    wait_for(lambda: job_state(server, older).status_code == 404, "the older result deleted")
+    answer = requests.get(f"{server.url}/v1/jobs/{newer}/result", timeout=WAIT_S)
     assert answer.status_code == 200 and len(answer.json()["losses"]) == 1
-    finished(server, later)
 
 
 def check_job_ttl(server, servers):
-    jobs = servers["jobs"]
-    job_id = small_job(jobs)
-    assert finished(jobs, job_id)["status"] == "succeeded"
+    """A finished job is 404 once its TTL has passed (its end seen in the runner's log line, as
+    a poll could miss the 1 s), then the runner's sweep deletes its rows from the store."""
+    from app.jobs import db
+
+    job_id = small_job(server)
     wait_for(lambda: job_state(server, job_id).status_code == 404, "the finished job forgotten after 1 s")
-    error_of(job_state(jobs, job_id), 404, "job_not_found")  # forgotten on the scheduler, for every server
+    error_of(job_state(server, job_id), 404, "job_not_found")
+    assert runner_line(server, job_id)["status"] == "succeeded"
+    wait_for(lambda: db.get_job(servers.store(), job_id) is None, "its row deleted by the sweep")
+    with servers.store().connect() as conn:
+        assert conn.execute(db.select(db.func.count()).where(db.results.c.job_id == job_id)).scalar() == 0
 
 
 def check_external_scheduler(server, servers):
-    assert not any(is_dask_process(pid) for pid in children(server.pid)), "it started a cluster"
-    jobs = servers["jobs"]
-    job_id = small_job(jobs)  # submitted through the other server, seen through this one
-    assert finished(server, job_id)["status"] == "succeeded"
+    """Its supervisor runs the runner alone, on the jobs server's cluster, which computes its jobs."""
+    from app.jobs import db
+
+    assert supervised(server) == ["runner"], "it started a cluster"
+    line = runner_line(server, small_job(server))
+    assert (line["status"], line["stored"]) == ("succeeded", True)
+    with servers.store().connect() as conn:
+        schedulers = set(conn.execute(db.select(db.runners.c.scheduler)).scalars())
+    assert schedulers == {jobs_scheduler(servers)}
 
 
 def check_no_cluster(server, servers):
@@ -719,8 +905,16 @@ VARIABLES = [
         check_max_job_block),
     Var("BLOCKGRAD_MAX_JOBS", "1", "jobs", "one job running: the next POST is 503 overloaded", check_max_jobs),
     Var("BLOCKGRAD_JOB_TTL_S", "1", "ttl", "a finished job is 404 after it", check_job_ttl),
-    Var("BLOCKGRAD_MAX_JOB_RESULTS_BYTES", "100", "jobs", "a 128-byte result is not kept, an 8-byte one is",
-        check_results_cap),
+    Var("BLOCKGRAD_MAX_JOB_RESULTS_BYTES", "100", "jobs", "a 128-byte result is not kept; of 96 and 8 bytes "
+        "the older goes", check_results_cap),
+    Var("BLOCKGRAD_DATA_DIR", "{tmp}/jobs-data", "jobs", "the store jobs.sqlite3 there holds its jobs",
+        check_data_dir),
+    Var("BLOCKGRAD_JOBS_DB", "(a PostgreSQL database of this module)", "ttl", "/readyz store postgresql; "
+        "its jobs are rows there", check_jobs_db),
+    Var("BLOCKGRAD_JOB_LEASE_S", "2", "jobs", "its runner SIGKILLed mid-job: the next takes the job over, "
+        "attempt 2 succeeds", check_lease),
+    Var("BLOCKGRAD_JOB_ATTEMPTS", "2", "jobs", "a graph lost twice: failed job_attempts_exhausted",
+        check_attempts),
     Var("BLOCKGRAD_LOG_LEVEL", "WARNING", "limits", "no per-request log line", check_log_warning),
     Var("BLOCKGRAD_LOG_LEVEL", "(INFO, the default)", "timeouts", "one log line per request", check_log_info),
     Var("PROMETHEUS_MULTIPROC_DIR", "{tmp}/metrics", "limits", "emptied at start, then holds the values",
@@ -753,12 +947,22 @@ def test_every_documented_variable_has_a_row():
 @pytest.mark.parametrize("variable,bad", [
     ("BLOCKGRAD_MAX_N", "0"), ("BLOCKGRAD_HEADER_TIMEOUT_S", "-1"), ("BLOCKGRAD_DOCS_PUBLIC", "maybe"),
     ("BLOCKGRAD_DASK_SCHEDULER", "http://scheduler:8786"), ("WEB_CONCURRENCY", "two"), ("BLOCKGRAD_AUTH", "maybe"),
+    ("BLOCKGRAD_JOBS_DB", "mysql://db/blockgrad"),
 ])
 def test_a_bad_value_stops_the_start_naming_the_variable(variable, bad):
     env = {**os.environ, "BLOCKGRAD_BIND": "127.0.0.1:1", "BLOCKGRAD_DASK_SCHEDULER": "off", variable: bad}
     done = subprocess.run(gunicorn_command(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
     assert done.returncode != 0
     assert variable in done.stdout + done.stderr
+
+
+def test_an_external_scheduler_without_a_database_stops_the_start_naming_both():
+    """docs/configuration.md: an external BLOCKGRAD_DASK_SCHEDULER needs BLOCKGRAD_JOBS_DB."""
+    env = {**os.environ, "BLOCKGRAD_BIND": "127.0.0.1:1", "BLOCKGRAD_DASK_SCHEDULER": "tcp://127.0.0.1:8786"}
+    env.pop("BLOCKGRAD_JOBS_DB", None)
+    done = subprocess.run(gunicorn_command(), cwd=ROOT, env=env, capture_output=True, text=True, timeout=WAIT_S)
+    assert done.returncode != 0
+    assert "BLOCKGRAD_DASK_SCHEDULER" in done.stdout + done.stderr and "BLOCKGRAD_JOBS_DB" in done.stdout + done.stderr
 
 
 # --- the metrics /metrics exposes (docs/operations.md, connections.md, jobs.md)
@@ -944,7 +1148,7 @@ def m_job_blocks_done(server, servers):
         def moved():
             seen["done"] = value(scrape(server), "blockgrad_job_blocks_done")
             return seen["done"] != 0
-        wait_for(moved, "the released tile counted")  # the scheduler learns of it after the worker
+        wait_for(moved, "the released tile counted")  # the runner writes it at its next renewal
         assert seen["done"] == HELD_TILE_BLOCKS  # exactly one tile done, the job still running
         assert job_state(server, job_id).json()["progress"] == {"blocks_done": HELD_TILE_BLOCKS, "blocks_total": 16384}
     assert value(scrape(server), "blockgrad_job_blocks_done") == 0
@@ -991,7 +1195,7 @@ METRICS = [
     Metric("blockgrad_jobs", "jobs", "running 1 while its tiles are held; a job succeeded: succeeded +1, none "
            "queued or running", m_jobs),
     Metric("blockgrad_job_blocks_done", "jobs", "0 while a job's tiles are held, 4096 with one tile released, "
-           "0 once cancelled", m_job_blocks_done),
+           "0 once deleted", m_job_blocks_done),
     Metric("blockgrad_cluster_workers", "jobs", "1 with BLOCKGRAD_DASK_WORKERS=1", m_cluster_workers),
     Metric("blockgrad_job_events", "jobs", "a 202: submitted +1", m_job_events),
 ]
