@@ -17,7 +17,7 @@ import pytest
 import sqlalchemy as sa
 
 from app.jobs import db
-from tests.dask_cluster import (JOB_S, TILE, TILE_BLOCKS, TILE_DIM, TILE_FACTOR, TILE_N, HeldTiles, cluster_client,
+from tests.dask_cluster import (JOB_S, has_task, TILE, TILE_BLOCKS, TILE_DIM, TILE_FACTOR, TILE_N, HeldTiles, cluster_client,
                                 input_copies, insert_job, stored_result, task_runs, tile_faults, tile_job,
                                 wait_for_stored, wait_for_workers)
 from tests.numeric import assert_matches
@@ -215,10 +215,6 @@ def test_a_runner_past_its_lease_is_fenced_out(cluster, runner, store_url, monke
     assert commits == [(other.owner, 2, True), (stalled.owner, 1, False)]
     assert_exact(engine, record, vectors, 4)
     assert db.get_job(engine, job_id)["attempts"] == 2
-
-
-def has_task(key: str, dask_scheduler=None) -> bool:
-    return key in dask_scheduler.tasks
 
 
 def test_a_job_whose_graph_is_lost_more_than_allowed_fails(cluster, runner, tmp_path):
