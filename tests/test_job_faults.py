@@ -17,8 +17,8 @@ import pytest
 import sqlalchemy as sa
 
 from app.jobs import db
-from tests.dask_cluster import (JOB_S, has_task, TILE, TILE_BLOCKS, TILE_DIM, TILE_FACTOR, TILE_N, HeldTiles, cluster_client,
-                                input_copies, insert_job, stored_result, task_runs, tile_faults, tile_job,
+from tests.dask_cluster import (JOB_S, TILE, TILE_BLOCKS, TILE_DIM, TILE_FACTOR, TILE_N, HeldTiles, cluster_client,
+                                has_task, input_copies, insert_job, stored_result, task_runs, tile_faults, tile_job,
                                 wait_for_stored, wait_for_workers)
 from tests.numeric import assert_matches
 from tests.oracle import expected, oracle
