@@ -163,3 +163,16 @@ class HeldSlots:
 
     def waiting(self) -> int:
         return self.slots.pod_state().waiting_processes
+
+
+HANG_S = 120  # far above any answer's bound: reached only by a call that hangs
+
+
+def answered(call):
+    """call()'s value, failing the test if it has not returned after HANG_S (a hang)."""
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(call()), daemon=True)
+    thread.start()
+    thread.join(HANG_S)
+    assert outcome, f"no answer after {HANG_S} s: hung"
+    return outcome[0]

@@ -67,15 +67,24 @@ def postgres_server():
         yield server
 
 
+@contextlib.contextmanager
+def new_database(server, prefix: str = "test"):
+    """A fresh empty database on `server`: its URL; dropped on exit."""
+    name = f"{prefix}_{uuid.uuid4().hex}"
+    with psycopg.connect(server.get_uri(), autocommit=True) as admin:
+        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield server.get_uri(database=name)
+    finally:
+        with psycopg.connect(server.get_uri(), autocommit=True) as admin:
+            # FORCE: a pool the test left open does not keep the database alive
+            admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+
+
 @pytest.fixture
 def postgres_url(postgres_server):
-    name = f"test_{uuid.uuid4().hex}"
-    with psycopg.connect(postgres_server.get_uri(), autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    yield postgres_server.get_uri(database=name)
-    with psycopg.connect(postgres_server.get_uri(), autocommit=True) as admin:
-        # FORCE: a pool the test left open does not keep the database alive
-        admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+    with new_database(postgres_server) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

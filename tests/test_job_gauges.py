@@ -17,9 +17,9 @@ from app.jobs import store as job_store
 from app.jobs.metrics import WORKERS, observe_jobs, observe_workers
 from app.jobs.settings import JobSettings
 from app.serving import metrics_archive
+from tests.events import HANG_S, answered
 
 OWNER = "test-runner"
-HANG_S = 120
 
 
 @pytest.fixture
@@ -71,14 +71,6 @@ def test_the_gauges_count_what_the_store_holds_when_scraped(client, tmp_path):
     assert client.delete(f"/v1/jobs/{ids[2]}").status_code == 204
     assert scraped(client)["succeeded"] == 0
 
-
-def answered(call):
-    outcome = []
-    thread = threading.Thread(target=lambda: outcome.append(call()), daemon=True)
-    thread.start()
-    thread.join(HANG_S)
-    assert outcome, f"no answer after {HANG_S} s: hung"
-    return outcome[0]
 
 
 def test_a_scrape_does_not_wait_for_a_store_that_does_not_answer(client, monkeypatch):

@@ -19,6 +19,7 @@ from app import create_app
 from app.api.v1 import jobs as jobs_api
 from app.extensions import services_of
 from app.jobs import db
+from tests.events import HANG_S, answered
 from tests.oracle import assert_matches_oracle, request_oracle
 from tools.server import free_port, gunicorn_server, wait_until
 
@@ -26,7 +27,6 @@ HEX_ID = "0123456789abcdef" * 2
 OWNER = "test-runner"  # the runner these tests play
 NPZ = {"Accept": "application/x-npz"}
 SMALL = {"vectors": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], "factor": 3}
-HANG_S = 120  # far above any answer's bound: reached only by a call that hangs
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -320,15 +320,6 @@ def test_without_jobs_every_job_route_is_cluster_unavailable(tmp_path):
     assert client.get("/readyz").get_json()["cluster"] == {"scheduler": "off", "store": None}
     assert not list(tmp_path.iterdir())  # no store opened
 
-
-def answered(call):
-    """call()'s value, failing the test if it has not returned after HANG_S (a hang)."""
-    outcome = []
-    thread = threading.Thread(target=lambda: outcome.append(call()), daemon=True)
-    thread.start()
-    thread.join(HANG_S)
-    assert outcome, f"no answer after {HANG_S} s: hung"
-    return outcome[0]
 
 
 def test_a_store_that_does_not_answer_is_503_store_unavailable_and_v1_unaffected(dead_postgres_url):

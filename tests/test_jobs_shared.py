@@ -6,20 +6,18 @@ other once the lease has passed, and exactly one result is committed."""
 import contextlib
 import os
 import signal
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import psutil
-import psycopg
 import pytest
 import requests
-from psycopg import sql
 
 from app.jobs import db
 from tests.dask_cluster import HeldTiles
 from tests.numeric import assert_matches
+from tests.postgres import new_database
 from tests.oracle import expected, oracle
 from tools.server import children, gunicorn_server, wait_until
 
@@ -56,12 +54,8 @@ def gone(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def database(postgres_server):
     """One database for the module's two services (postgres_url is per test)."""
-    name = f"shared_{uuid.uuid4().hex}"
-    with psycopg.connect(postgres_server.get_uri(), autocommit=True) as admin:
-        admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    yield postgres_server.get_uri(database=name)
-    with psycopg.connect(postgres_server.get_uri(), autocommit=True) as admin:
-        admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+    with new_database(postgres_server, "shared") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -229,15 +229,11 @@ class Servers:
     def postgres(self) -> str:
         """A PostgreSQL database of this module (tests/postgres.py's server, started on first use)."""
         if self.database is None:
-            import psycopg
-            from psycopg import sql
+            from tests.postgres import new_database
 
-            server = self.request.getfixturevalue("postgres_server")
-            name = f"promises_{uuid.uuid4().hex}"
-            with psycopg.connect(server.get_uri(), autocommit=True) as admin:
-                admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-            self.database = (server, name, server.get_uri(database=name))
-        return self.database[2]
+            self.database = new_database(self.request.getfixturevalue("postgres_server"), "promises")
+            self.database_url = self.database.__enter__()
+        return self.database_url
 
     def store(self):
         """An engine on the ttl server's store (the PostgreSQL database)."""
@@ -291,12 +287,7 @@ class Servers:
         if self.engine is not None:
             self.engine.dispose()
         if self.database is not None:
-            import psycopg
-            from psycopg import sql
-
-            server, name, _ = self.database
-            with psycopg.connect(server.get_uri(), autocommit=True) as admin:
-                admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
+            self.database.__exit__(None, None, None)
 
 
 def jobs_scheduler(servers) -> str:
