@@ -255,9 +255,10 @@ def test_an_idempotency_key_of_any_length_names_one_job(engine):
     assert new_job(engine, "c" * 32, key=key[:-1])[1]
 
 
-def test_a_delete_waits_for_a_finishing_runner_instead_of_deadlocking(postgres_url):
+def test_a_delete_waits_for_a_finishing_runner_instead_of_deadlocking(postgres_url, monkeypatch):
     """Every writer locks the job's row first: a DELETE that arrives while the runner's finish
     holds it waits, and both commit (PostgreSQL would abort one of two crossed lock orders)."""
+    monkeypatch.setattr(db, "STATEMENT_TIMEOUT_MS", 600_000)  # the DELETE waits for the test, not a clock
     engine = db.open_store(postgres_url)
     new_job(engine, "a" * 32)
     db.claim(engine, "a" * 32, "one", NOW, 10, 3)
