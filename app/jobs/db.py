@@ -30,7 +30,8 @@ RESULT_CHUNK_BYTES = 1024 * 1024  # whole rows of an output per stored chunk: a 
 # PostgreSQL connections per process, at most 5: a pod's 2 web workers and its runner hold 15,
 # and deploy/k8s/postgres.yaml's max_connections (300) covers every replica the autoscalers allow.
 POOL_SIZE, POOL_OVERFLOW = 2, 3
-RUNNER_SEEN_S = 60.0  # a runner not seen for this long no longer counts (cluster_workers)
+RUNNER_SEEN_S = 60.0
+SWEEP_BATCH = 100  # jobs one sweep deletes at most  # a runner not seen for this long no longer counts (cluster_workers)
 MIGRATION_LOCK, ADMISSION_LOCK = 29_001, 29_002  # PostgreSQL advisory locks
 ACTIVE = ("queued", "running")
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -324,6 +325,7 @@ def sweep(engine: sa.Engine, now: float, ttl_s: float, max_result_bytes: int) ->
             kept += nbytes
             if kept > max_result_bytes:
                 gone.append(job_id)
+        gone = gone[:SWEEP_BATCH]  # each sweep's statements stay short; the next sweep takes the rest
         if gone:
             delete_rows(conn, gone)
     return len(gone)
