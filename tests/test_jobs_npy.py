@@ -1,5 +1,7 @@
-"""POST /v1/jobs under hostile input (issue 30): a .npy header that lies about its body's size."""
+"""POST /v1/jobs under hostile input (issue 30): a .npy header that lies about its body's size,
+and BLOCKGRAD_MAX_JOBS under a flood of concurrent POSTs on the server users run."""
 import io
+import threading
 import tracemalloc
 
 import numpy as np
@@ -8,6 +10,7 @@ import requests
 
 from tests.events import HANG_S
 from tests.test_jobs import SMALL, make_app, npy
+from tools.server import free_port, gunicorn_server
 
 NPY = "application/x-npy"
 HUGE_SHAPE = (10**10, 1)  # float64: 80 GB declared
@@ -63,3 +66,35 @@ def test_the_lying_header_on_the_server_users_run(served):
                              headers={"Content-Type": NPY}, timeout=HANG_S)
     assert_sizes_named(response, 8 * 10**10, 64)
 
+
+FLOOD = 40
+MAX_JOBS = 16  # BLOCKGRAD_MAX_JOBS' default: not set below
+
+
+@pytest.mark.slow
+def test_max_jobs_holds_under_40_concurrent_posts(postgres_url):
+    """gunicorn as `make serve` starts it, on a PostgreSQL store, with an external scheduler
+    nobody listens on (every job stays queued): 40 POSTs, each on its own connection, released
+    together; exactly 16 are accepted (nothing else was queued), every other is 503 overloaded
+    with Retry-After."""
+    env = {"BLOCKGRAD_DASK_SCHEDULER": f"tcp://127.0.0.1:{free_port()}", "BLOCKGRAD_JOBS_DB": postgres_url}
+    with gunicorn_server(workers=None, env=env) as server:
+        barrier, answers = threading.Barrier(FLOOD), [None] * FLOOD
+
+        def post(index: int) -> None:
+            with requests.Session() as session:  # its own connection
+                barrier.wait(timeout=HANG_S)
+                answers[index] = session.post(server.url + "/v1/jobs", json=SMALL, timeout=HANG_S)
+
+        threads = [threading.Thread(target=post, args=(index,)) for index in range(FLOOD)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(HANG_S)
+        assert all(answer is not None for answer in answers), "a POST got no answer"
+        codes = [answer.status_code for answer in answers]
+        assert codes.count(202) == MAX_JOBS, codes
+        for answer in answers:
+            if answer.status_code != 202:
+                assert answer.status_code == 503 and answer.json()["error"]["code"] == "overloaded", answer.text
+                assert int(answer.headers["Retry-After"]) > 0, answer.headers
