@@ -45,8 +45,8 @@ except ImportError:  # another WSGI server: werkzeug's own body errors are HTTP 
 
 
 # Constructors of the HTTP-level errors (the core's are in app/core/errors.py).
-def bad_request(message: str) -> HttpError:
-    return HttpError("bad_request", message)
+def bad_request(message: str, details: dict[str, Any] | None = None) -> HttpError:
+    return HttpError("bad_request", message, details)
 
 
 def body_unreadable(kind: str) -> HttpError:

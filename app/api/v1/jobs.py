@@ -7,6 +7,7 @@ from the store: JSON, or a .npz written as a zip stream); POST .../cancel cancel
 running job; DELETE forgets a job.
 """
 import io
+import math
 import zipfile
 from collections.abc import Iterator
 
@@ -60,8 +61,20 @@ def json_response(body, status: int = 200, headers: dict | None = None) -> Respo
 
 
 def load_npy(data: bytes) -> np.ndarray:
-    """An (N, D) float32 or float64 array, never unpickled; 400 if it is not a .npy file."""
+    """An (N, D) float32 or float64 array, never unpickled; 400 if it is not a .npy file, or if
+    its header declares more or fewer bytes than follow it (checked before anything is allocated)."""
+    stream = io.BytesIO(data)
     try:
+        version = np.lib.format.read_magic(stream)
+        # Version 3.0 differs from 2.0 only in its header's encoding (utf-8, for field names).
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read_header(stream)
+        if not dtype.hasobject:  # a pickle's size is not its header's: refused below
+            declared, sent = math.prod(shape) * dtype.itemsize, len(data) - stream.tell()
+            if declared != sent:
+                raise bad_request(f"The .npy header declares shape {shape} of {dtype}: {declared} bytes of data, "
+                                  f"but {sent} follow it; send numpy.save's output.",
+                                  {"declared_bytes": declared, "body_bytes": sent})
         array = np.lib.format.read_array(io.BytesIO(data), allow_pickle=False)
     except ValueError as exc:
         if "pickle" in str(exc).lower():
