@@ -61,7 +61,7 @@ def first_job_columns() -> list[sa.Column]:
 
 
 jobs = sa.Table("jobs", meta, *first_job_columns(),
-                sa.Column("request_hash", sa.String(64)))  # sha256 of the body an Idempotency-Key came with
+                sa.Column("request_hash", sa.String(64)))  # sha256 of the job's vectors and fields (store.submit)
 inputs = sa.Table(
     "job_inputs", meta,
     sa.Column("job_id", sa.String(32), primary_key=True),
