@@ -110,7 +110,8 @@ STATUSES = {
     "bad_request": 400, "bad_json": 400, "unauthorized": 401, "not_found": 404, "model_not_found": 404,
     "job_not_found": 404, "method_not_allowed": 405, "read_timeout": 408, "job_not_done": 409, "job_done": 409,
     "too_large": 413, "limit_exceeded": 413, "unsupported_media_type": 415, "validation_error": 422,
-    "non_finite_result": 422, "idempotency_key_reused": 422, "internal_error": 500, "deadline_exceeded": 503, "device_out_of_memory": 503,
+    "non_finite_result": 422, "idempotency_key_reused": 422,
+    "internal_error": 500, "deadline_exceeded": 503, "device_out_of_memory": 503,
     "cluster_unavailable": 503, "store_unavailable": 503, "job_attempts_exhausted": 503, "not_ready": 503,
     "overloaded": 503, "client_closed": 499,
 }

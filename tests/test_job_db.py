@@ -42,9 +42,9 @@ VECTORS = np.arange(12, dtype=np.float64).reshape(4, 3)
 
 def new_job(engine, job_id: str, key: str | None = None, max_active: int = 16, created_at: float = NOW,
             request_hash: str | None = None):
-    row = {"request_hash": request_hash, "id": job_id, "n": 4, "dim": 3, "factor": 2, "objective": "sum_of_squares", "offset": 0.5,
+    row = {"id": job_id, "n": 4, "dim": 3, "factor": 2, "objective": "sum_of_squares", "offset": 0.5,
            "dtype": "float64", "outputs": ["accumulated", "losses"], "blocks_total": 4, "result_bytes": 128,
-           "idempotency_key": key, "created_at": created_at}
+           "idempotency_key": key, "request_hash": request_hash, "created_at": created_at}
     return db.insert_job(engine, row, npy(VECTORS), max_active)
 
 
