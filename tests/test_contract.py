@@ -181,7 +181,7 @@ PRODUCED = {
 }
 INJECTED = {"internal_error", "device_out_of_memory"}  # tests/test_error_table.py, by patching
 # The job store's codes, made in process by tests/test_error_table.py (job_attempts_exhausted: a job's error).
-INJECTED |= {"store_unavailable", "job_done", "job_attempts_exhausted"}
+INJECTED |= {"store_unavailable", "job_done", "job_attempts_exhausted", "idempotency_key_reused"}
 
 
 def test_every_code_is_produced():

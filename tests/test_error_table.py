@@ -44,6 +44,12 @@ def finished_job(client) -> str:
     return job_id
 
 
+def reused_key(client):
+    headers = {"Idempotency-Key": "once"}
+    assert client.post("/v1/jobs", json=V1, headers=headers).status_code == 202
+    return client.post("/v1/jobs", json={**V1, "factor": 3}, headers=headers)
+
+
 # code -> (settings, the request that triggers it, patches (target, value), error style)
 TRIGGERS = {
     "bad_json": ({}, lambda c: c.post("/v1/gradients", data="x", content_type="application/json"), [], None),
@@ -68,6 +74,7 @@ TRIGGERS = {
                           lambda c: c.get(f"/v1/jobs/{'0' * 32}"), [], None),
     "job_done": ({}, lambda c: c.post(f"/v1/jobs/{finished_job(c)}/cancel"),
                  [("app.jobs.store.secrets.token_hex", lambda nbytes: "0" * 32)], None),  # the example's id
+    "idempotency_key_reused": ({}, reused_key, [], None),
 }
 # A failed job's `error.code`, never an answer's: test_a_job_out_of_attempts_shows_the_tables_error below.
 RECORD_ONLY = {"job_attempts_exhausted"}
@@ -84,6 +91,7 @@ CONTRACT = {
     "cluster_unavailable": (503, {"scheduler": None}, ["BLOCKGRAD_DASK_SCHEDULER"], {"Retry-After": ""}),
     "store_unavailable": (503, {}, ["job store", "synchronous routes are unaffected"], {"Retry-After": ""}),
     "job_done": (409, {"status": "succeeded"}, ["succeeded", "nothing to cancel"], {}),
+    "idempotency_key_reused": (422, {"header": "Idempotency-Key"}, ["Idempotency-Key", "different request"], {}),
     "method_not_allowed": (405, {"allowed": ["GET", "HEAD", "OPTIONS"]}, ["POST", "GET"], {"Allow": "GET"}),
     "too_large": (413, {"limit": "BLOCKGRAD_MAX_BODY_BYTES", "allowed": 32 * 1024 * 1024}, ["33554432"], {}),
     "limit_exceeded": (413, {"limit": "BLOCKGRAD_MAX_N", "value": 8193, "allowed": 8192},
@@ -102,7 +110,8 @@ STATUSES = {
     "bad_request": 400, "bad_json": 400, "unauthorized": 401, "not_found": 404, "model_not_found": 404,
     "job_not_found": 404, "method_not_allowed": 405, "read_timeout": 408, "job_not_done": 409, "job_done": 409,
     "too_large": 413, "limit_exceeded": 413, "unsupported_media_type": 415, "validation_error": 422,
-    "non_finite_result": 422, "internal_error": 500, "deadline_exceeded": 503, "device_out_of_memory": 503,
+    "non_finite_result": 422, "idempotency_key_reused": 422,
+    "internal_error": 500, "deadline_exceeded": 503, "device_out_of_memory": 503,
     "cluster_unavailable": 503, "store_unavailable": 503, "job_attempts_exhausted": 503, "not_ready": 503,
     "overloaded": 503, "client_closed": 499,
 }

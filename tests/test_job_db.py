@@ -1,6 +1,7 @@
 """The job store's rows (app/jobs/db.py) on SQLite and on a real PostgreSQL: admission,
 idempotency, leases, the fenced commit, release, cancel, delete, retention, migrations and
 an unreachable database."""
+import hashlib
 import io
 import socket
 import threading
@@ -39,10 +40,11 @@ def npy(array: np.ndarray) -> bytes:
 VECTORS = np.arange(12, dtype=np.float64).reshape(4, 3)
 
 
-def new_job(engine, job_id: str, key: str | None = None, max_active: int = 16, created_at: float = NOW):
+def new_job(engine, job_id: str, key: str | None = None, max_active: int = 16, created_at: float = NOW,
+            request_hash: str | None = None):
     row = {"id": job_id, "n": 4, "dim": 3, "factor": 2, "objective": "sum_of_squares", "offset": 0.5,
            "dtype": "float64", "outputs": ["accumulated", "losses"], "blocks_total": 4, "result_bytes": 128,
-           "idempotency_key": key, "created_at": created_at}
+           "idempotency_key": key, "request_hash": request_hash, "created_at": created_at}
     return db.insert_job(engine, row, npy(VECTORS), max_active)
 
 
@@ -219,10 +221,64 @@ def test_migrations_run_once_under_the_lock_and_only_add(store_url, monkeypatch)
         thread.join(60)
     assert not errors and len(engines) == 4 and step == [1]
     with engines[0].connect() as conn:
-        assert conn.execute(sa.select(db.versions.c.version)).scalars().all() == [2]
+        assert conn.execute(sa.select(db.versions.c.version)).scalars().all() == [3]
     new_job(engines[0], "a" * 32)  # the previous release's statements still work
     for engine in engines:
         engine.dispose()
+
+
+def test_a_store_of_version_1_gets_request_hash_and_its_jobs_still_answer(store_url, monkeypatch):
+    """A database made by the first release, a job in it with a key: migrated, the key's job is
+    returned whatever the request (nothing to compare with), and a new key is checked."""
+    monkeypatch.setattr(db, "MIGRATIONS", db.MIGRATIONS[:1])
+    first = db.open_store(store_url)
+    assert "request_hash" not in {c["name"] for c in sa.inspect(first).get_columns("jobs")}
+    with first.begin() as conn:  # what the first release inserted: no request_hash
+        conn.execute(db.jobs.insert().values(
+            id="a" * 32, status="queued", n=4, dim=3, factor=2, objective="sum_of_squares", offset=0.5,
+            dtype="float64", outputs="accumulated,losses", idempotency_key=hashlib.sha256(b"old").hexdigest(),
+            blocks_total=4, result_bytes=128, created_at=NOW))
+    first.dispose()
+    monkeypatch.undo()
+    engine = db.open_store(store_url)
+    assert "request_hash" in {c["name"] for c in sa.inspect(engine).get_columns("jobs")}
+    assert db.get_job(engine, "a" * 32)["request_hash"] is None
+    again, created = new_job(engine, "b" * 32, key="old", request_hash="h")
+    assert not created and again["id"] == "a" * 32
+    assert new_job(engine, "c" * 32, key="new", request_hash="h")[1]
+    assert code_of(lambda: new_job(engine, "d" * 32, key="new", request_hash="other")) == "idempotency_key_reused"
+    engine.dispose()
+
+
+def test_a_key_reused_with_another_request_is_refused_and_inserts_nothing(engine):
+    first, _ = new_job(engine, "a" * 32, key="k", request_hash="h")
+    again, created = new_job(engine, "b" * 32, key="k", request_hash="h")
+    assert not created and again == first
+    assert code_of(lambda: new_job(engine, "c" * 32, key="k", request_hash="other")) == "idempotency_key_reused"
+    assert db.get_job(engine, "c" * 32) is None and db.status_counts(engine)["queued"] == 1
+
+
+@pytest.mark.parametrize("hashes", [["h"] * 6, ["h", "i", "j", "k", "l", "m"]])
+def test_concurrent_inserts_with_one_key_make_one_job(engine, hashes):
+    """All released at once: one job; the requests unlike the one stored are refused."""
+    start, outcomes = threading.Barrier(len(hashes)), {}
+
+    def insert(number, request_hash):
+        start.wait(timeout=60)
+        try:
+            outcomes[number] = new_job(engine, f"{number:032x}", key="k", request_hash=request_hash)[0]["id"]
+        except BlockgradError as error:
+            outcomes[number] = error.code
+    threads = [threading.Thread(target=insert, args=pair) for pair in enumerate(hashes)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(outcomes) == len(hashes) and db.status_counts(engine)["queued"] == 1
+    (winner,) = (number for number, outcome in outcomes.items() if outcome == f"{number:032x}")
+    for number, outcome in outcomes.items():
+        same = hashes[number] == hashes[winner]
+        assert outcome == (f"{winner:032x}" if same else "idempotency_key_reused"), outcomes
 
 
 def test_a_locked_sqlite_store_is_unavailable_not_hung(tmp_path):

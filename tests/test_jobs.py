@@ -182,23 +182,49 @@ def test_an_idempotency_key_gives_the_same_job(client, engine):
     assert db.status_counts(engine)["queued"] == 2
 
 
-def test_concurrent_posts_with_one_key_make_one_job(store_url, engine):
-    """Each thread its own app and connection, all released at once: one job."""
+@pytest.mark.parametrize("changed", [
+    {"vectors": [[1.0, 2.0], [3.0, 4.0], [5.0, 7.0]]}, {"factor": 1}, {"objective": "mean"},
+    {"offset": 2.0}, {"dtype": "float64"}, {"outputs": ["losses"]}])
+def test_a_key_reused_with_another_request_is_422_and_makes_nothing(client, engine, changed):
+    first = submit(client, headers={"Idempotency-Key": "mine"})
+    refused = client.post("/v1/jobs", json={**SMALL, **changed}, headers={"Idempotency-Key": "mine"})
+    error = error_of(refused, 422, "idempotency_key_reused")
+    assert "Idempotency-Key" in error["message"] and error["details"] == {"header": "Idempotency-Key"}
+    assert db.status_counts(engine)["queued"] == 1
+    again = client.post("/v1/jobs", json=SMALL, headers={"Idempotency-Key": "mine"})
+    assert again.status_code == 202 and again.get_json() == first
+
+
+def test_the_same_request_as_npy_is_the_same_request(client):
+    """The hash is of the job's vectors and fields, not of the body's bytes."""
+    first = submit(client, headers={"Idempotency-Key": "either"})
+    again = client.post("/v1/jobs?factor=3", data=npy(np.array(SMALL["vectors"], np.float32)),
+                        content_type="application/x-npy", headers={"Idempotency-Key": "either"})
+    assert again.status_code == 202 and again.get_json()["id"] == first["id"]
+
+
+@pytest.mark.parametrize("alike", [True, False])
+def test_concurrent_posts_with_one_key_make_one_job(store_url, engine, alike):
+    """Each thread its own app and connection, all released at once: one job; with different
+    bodies (each its own offset), every POST but the one that made it 422."""
     count = 6
     clients = [make_app(store_url).test_client() for _ in range(count)]
     start, answers = threading.Barrier(count), []
 
-    def post(own):
+    def post(own, number):
         start.wait(timeout=60)
-        answers.append(own.post("/v1/jobs", json=SMALL, headers={"Idempotency-Key": "together"}))
-    threads = [threading.Thread(target=post, args=(own,)) for own in clients]
+        body = SMALL if alike else {**SMALL, "offset": float(number)}
+        answers.append(own.post("/v1/jobs", json=body, headers={"Idempotency-Key": "together"}))
+    threads = [threading.Thread(target=post, args=pair) for pair in zip(clients, range(count))]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(HANG_S)
-    assert len(answers) == count and {a.status_code for a in answers} == {202}, [a.get_json() for a in answers]
-    assert len({a.get_json()["id"] for a in answers}) == 1
-    assert db.status_counts(engine)["queued"] == 1
+    assert len(answers) == count and db.status_counts(engine)["queued"] == 1
+    statuses = sorted(a.status_code for a in answers)
+    assert statuses == ([202] * count if alike else [202] + [422] * (count - 1)), [a.get_json() for a in answers]
+    assert len({a.get_json()["id"] for a in answers if a.status_code == 202}) == 1
+    assert {a.get_json()["error"]["code"] for a in answers if a.status_code == 422} <= {"idempotency_key_reused"}
 
 
 def test_max_jobs_counts_the_queued_and_running_jobs(store_url):

@@ -181,6 +181,13 @@ def job_attempts_exhausted(attempts: int) -> BlockgradError:
         "the scheduler kept dying under it. Submit it again.", {"limit": "BLOCKGRAD_JOB_ATTEMPTS", "allowed": attempts})
 
 
+def idempotency_key_reused() -> BlockgradError:
+    return BlockgradError(
+        "idempotency_key_reused",
+        "This Idempotency-Key was sent before with a different request (vectors or fields); use a new key for "
+        "a new job, or send the first request again to get its job.", {"header": "Idempotency-Key"})
+
+
 STORE_RETRY_AFTER_S = 2
 
 

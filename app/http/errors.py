@@ -198,6 +198,8 @@ ERRORS: dict[str, ErrorCode] = {
                               lambda: core.job_not_done("0" * 32, "running"), RETRY_AFTER),
     "job_done": ErrorCode(409, "POST /v1/jobs/{id}/cancel of a job that has finished (`details.status`: succeeded "
                                "or failed): nothing to cancel", lambda: core.job_done("0" * 32, "succeeded")),
+    "idempotency_key_reused": ErrorCode(422, "POST /v1/jobs with an Idempotency-Key sent before with a different "
+                                             "request (vectors or fields)", core.idempotency_key_reused),
     "store_unavailable": ErrorCode(503, "/v1/jobs: the job store (its database) did not answer within a few seconds "
                                         "(synchronous routes are unaffected; see Retry-After)",
                                    core.store_unavailable, RETRY_AFTER),

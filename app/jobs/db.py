@@ -19,7 +19,7 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy import and_, event, exc, func, or_, select
 
-from ..core.errors import job_attempts_exhausted, store_unavailable, too_many_jobs
+from ..core.errors import idempotency_key_reused, job_attempts_exhausted, store_unavailable, too_many_jobs
 
 TIMEOUT_S = 2  # connecting, a pool checkout, a locked SQLite: a job route still answers within 5 s
 STATEMENT_TIMEOUT_MS = 2000
@@ -37,25 +37,32 @@ ACTIVE = ("queued", "running")
 FINISHED = ("succeeded", "failed", "cancelled")
 
 meta = sa.MetaData()
-jobs = sa.Table(
-    "jobs", meta,
-    sa.Column("id", sa.String(32), primary_key=True),
-    sa.Column("status", sa.String(16), nullable=False, index=True),
-    *(sa.Column(name, sa.Integer, nullable=False) for name in ("n", "dim", "factor")),
-    sa.Column("objective", sa.Text, nullable=False),
-    sa.Column("offset", sa.Float, nullable=False),
-    sa.Column("dtype", sa.String(16), nullable=False),
-    sa.Column("outputs", sa.Text, nullable=False),  # comma-joined
-    sa.Column("idempotency_key", sa.Text, unique=True),
-    *(sa.Column(name, sa.BigInteger, nullable=False) for name in ("blocks_total", "result_bytes")),
-    sa.Column("blocks_done", sa.BigInteger, nullable=False, server_default="0"),
-    sa.Column("created_at", sa.Float, nullable=False),
-    sa.Column("started_at", sa.Float),
-    sa.Column("finished_at", sa.Float, index=True),
-    sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("owner", sa.Text),
-    sa.Column("lease_until", sa.Float),
-    sa.Column("error", sa.Text))  # JSON {code, message, details}
+
+
+def first_job_columns() -> list[sa.Column]:
+    """The jobs table as migration step 1 made it (later steps add the other columns)."""
+    return [
+        sa.Column("id", sa.String(32), primary_key=True),
+        sa.Column("status", sa.String(16), nullable=False, index=True),
+        *(sa.Column(name, sa.Integer, nullable=False) for name in ("n", "dim", "factor")),
+        sa.Column("objective", sa.Text, nullable=False),
+        sa.Column("offset", sa.Float, nullable=False),
+        sa.Column("dtype", sa.String(16), nullable=False),
+        sa.Column("outputs", sa.Text, nullable=False),  # comma-joined
+        sa.Column("idempotency_key", sa.Text, unique=True),
+        *(sa.Column(name, sa.BigInteger, nullable=False) for name in ("blocks_total", "result_bytes")),
+        sa.Column("blocks_done", sa.BigInteger, nullable=False, server_default="0"),
+        sa.Column("created_at", sa.Float, nullable=False),
+        sa.Column("started_at", sa.Float),
+        sa.Column("finished_at", sa.Float, index=True),
+        sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("owner", sa.Text),
+        sa.Column("lease_until", sa.Float),
+        sa.Column("error", sa.Text)]  # JSON {code, message, details}
+
+
+jobs = sa.Table("jobs", meta, *first_job_columns(),
+                sa.Column("request_hash", sa.String(64)))  # sha256 of the job's vectors and fields (store.submit)
 inputs = sa.Table(
     "job_inputs", meta,
     sa.Column("job_id", sa.String(32), primary_key=True),
@@ -76,7 +83,11 @@ versions = sa.Table("schema_version", meta, sa.Column("version", sa.Integer, nul
 
 # Each step only adds (a table, a nullable or defaulted column): the previous release's
 # readers keep working against the newer schema during a rolling upgrade.
-MIGRATIONS = [lambda conn: meta.create_all(conn, tables=[jobs, inputs, results, runners])]
+MIGRATIONS = [
+    lambda conn: (sa.Table("jobs", sa.MetaData(), *first_job_columns()).create(conn),
+                  meta.create_all(conn, tables=[inputs, results, runners])),
+    lambda conn: conn.execute(sa.text("ALTER TABLE jobs ADD COLUMN request_hash VARCHAR(64)")),
+]
 
 
 def guarded(function):
@@ -149,14 +160,20 @@ def as_record(row) -> dict | None:
     return record
 
 
-def by_key(conn, key: str):
-    return conn.execute(select(jobs).where(jobs.c.idempotency_key == key)).first()
+def by_key(conn, key: str, request_hash: str | None) -> dict:
+    """The job this key made; idempotency_key_reused if it came with another request (a job
+    stored before request_hash was: its job)."""
+    known = as_record(conn.execute(select(jobs).where(jobs.c.idempotency_key == key)).first())
+    if known is not None and known["request_hash"] not in (None, request_hash):
+        raise idempotency_key_reused()
+    return known
 
 
 @guarded
 def insert_job(engine: sa.Engine, row: dict, vectors_npy: bytes, max_active: int) -> tuple[dict, bool]:
     """A new job, queued, with its input: (its record, True); the job a known Idempotency-Key
-    made: (that record, False). too_many_jobs when max_active are queued or running."""
+    made with the same request (row's request_hash): (that record, False); with another,
+    idempotency_key_reused. too_many_jobs when max_active are queued or running."""
     # Stored as its sha256: a key of any length fits PostgreSQL's index.
     key = row.get("idempotency_key") and sha256(row["idempotency_key"].encode()).hexdigest()
     row = {**row, "idempotency_key": key}
@@ -164,9 +181,9 @@ def insert_job(engine: sa.Engine, row: dict, vectors_npy: bytes, max_active: int
         with engine.begin() as conn:
             if conn.dialect.name == "postgresql":  # the count and the insert, one at a time
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMISSION_LOCK})
-            known = by_key(conn, key) if key else None
+            known = by_key(conn, key, row.get("request_hash")) if key else None
             if known is not None:
-                return as_record(known), False
+                return known, False
             active = conn.execute(select(func.count()).where(jobs.c.status.in_(ACTIVE))).scalar()
             if active >= max_active:
                 raise too_many_jobs(active, max_active)
@@ -175,7 +192,7 @@ def insert_job(engine: sa.Engine, row: dict, vectors_npy: bytes, max_active: int
             return as_record(conn.execute(select(jobs).where(jobs.c.id == row["id"])).first()), True
     except exc.IntegrityError:  # the same key's POST committed first
         with engine.begin() as conn:
-            return as_record(by_key(conn, key)), False
+            return by_key(conn, key, row.get("request_hash")), False
 
 
 @guarded

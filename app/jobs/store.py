@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from hashlib import sha256
 from typing import Any
 
 import numpy as np
@@ -118,15 +119,18 @@ class JobStore:
 
     def submit(self, req: GradientRequest, idempotency_key: str | None = None) -> tuple[dict[str, Any], bool]:
         """(the job record, whether it is new): its row and input stored, queued, whatever the
-        cluster does. A POST with an Idempotency-Key already used gets that key's job."""
+        cluster does. A POST with an Idempotency-Key already used gets that key's job if it sends
+        the same request (vectors and fields), else 422 idempotency_key_reused."""
         vectors = np.ascontiguousarray(req.vectors, dtype=req.dtype)  # (N, D), the job's dtype
         buffer = io.BytesIO()
         np.save(buffer, vectors, allow_pickle=False)
+        digest = sha256(buffer.getbuffer())  # the request, to tell a retry from a reused Idempotency-Key
+        digest.update(repr((req.factor, req.objective, float(req.offset), req.dtype, tuple(req.outputs))).encode())
         row = {"id": secrets.token_hex(16), "n": req.n, "dim": req.dim, "factor": req.factor,
                "objective": req.objective, "offset": float(req.offset), "dtype": req.dtype,
                "outputs": list(req.outputs), "blocks_total": req.factor ** 2,
                "result_bytes": output_elements(req.n, req.dim, req.factor, req.outputs) * vectors.itemsize,
-               "idempotency_key": idempotency_key, "created_at": time.time()}
+               "idempotency_key": idempotency_key, "request_hash": digest.hexdigest(), "created_at": time.time()}
         stored, created = db.insert_job(self.engine, row, buffer.getvalue(), self.settings.max_jobs)
         if created:
             EVENTS.labels("submitted").inc()

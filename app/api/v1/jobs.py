@@ -159,8 +159,8 @@ def admit_job_sizes(sizes: Sizes, described: Described, served: Services) -> Non
       for name in QUERY_FIELDS)])
 @blp.response(202, JobSchema, headers={"Location": {"description": "/v1/jobs/{id}", "schema": {"type": "string"}}})
 @documents_errors(blp, "bad_request", "bad_json", "unauthorized", "too_large", "limit_exceeded",
-                  "unsupported_media_type", "validation_error", "read_timeout", "overloaded", "store_unavailable",
-                  "cluster_unavailable", "internal_error")
+                  "unsupported_media_type", "validation_error", "idempotency_key_reused", "read_timeout",
+                  "overloaded", "store_unavailable", "cluster_unavailable", "internal_error")
 def post_job():
     """Submit a job: stored, then answered at once (202) with its record, whatever the cluster does."""
     key = request.headers.get("Idempotency-Key") or None  # a retried POST with it gets the same job
