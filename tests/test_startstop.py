@@ -67,8 +67,8 @@ class Started:
 
     def __init__(self, tmp_path, env: dict[str, str], bind: str):
         self.log = tmp_path / "gunicorn.log"
-        with open(self.log, "wb") as log:
-            self.process = start(env, bind, log)
+        with open(self.log, "wb") as log:  # a job store of its own, never the checkout's ./data
+            self.process = start({"BLOCKGRAD_DATA_DIR": str(tmp_path / "data"), **env}, bind, log)
 
     def finish(self) -> tuple[int, str]:
         """Its exit status (waited for) and whole output: read once no process (the embedded
