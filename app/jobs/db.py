@@ -10,6 +10,8 @@ store_unavailable when the database does not answer within its timeouts.
 import io
 import json
 import os
+import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import wraps
@@ -103,7 +105,17 @@ def guarded(function):
 
 def sqlite_connection(dbapi_connection, _record) -> None:
     dbapi_connection.isolation_level = None  # SQLAlchemy's "begin" event starts every transaction
-    dbapi_connection.execute("PRAGMA journal_mode = WAL")  # readers never wait for the writer
+    # WAL: readers never wait for the writer. Switching to it ignores the busy timeout: while another
+    # process creates the file (a service's workers and runner start together) it is refused at once.
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        try:
+            dbapi_connection.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def sqlite_begin(conn) -> None:
@@ -262,7 +274,7 @@ def claim(engine: sa.Engine, job_id: str, owner: str, now: float, lease_s: float
     which = claimable_now(now) if held is None else and_(
         jobs.c.owner == owner, jobs.c.attempts == held, jobs.c.status == "running")
     with engine.begin() as conn:
-        error = json.dumps(error_dict(job_attempts_exhausted(max_attempts)))
+        error = json.dumps(job_attempts_exhausted(max_attempts).as_dict())
         if conn.execute(sa.update(jobs).where(jobs.c.id == job_id, which, jobs.c.attempts >= max_attempts).values(
                 status="failed", error=error, finished_at=now, owner=None, lease_until=None)).rowcount:
             conn.execute(inputs.delete().where(inputs.c.job_id == job_id))
@@ -270,10 +282,6 @@ def claim(engine: sa.Engine, job_id: str, owner: str, now: float, lease_s: float
         return conn.execute(sa.update(jobs).where(jobs.c.id == job_id, which).values(
             status="running", owner=owner, lease_until=now + lease_s, attempts=jobs.c.attempts + 1, blocks_done=0,
             started_at=func.coalesce(jobs.c.started_at, now)).returning(jobs.c.attempts)).scalar()
-
-
-def error_dict(error) -> dict:
-    return {"code": error.code, "message": error.message, "details": error.details}
 
 
 def fence(job_id: str, owner: str, attempt: int):
