@@ -24,6 +24,10 @@ class BlockgradError(Exception):
         self.details = details or {}
         self.retry_after_s = retry_after_s  # set when retrying later may succeed as sent
 
+    def as_dict(self) -> dict[str, Any]:
+        """{"code", "message", "details"}: an error body's, and a failed job's `error`."""
+        return {"code": self.code, "message": self.message, "details": self.details or {}}
+
 
 def cut_text(text: str, limit: int = 64) -> str:
     """`text` cut to `limit` characters, saying how many were left out (names, messages, details)."""
@@ -167,6 +171,11 @@ def job_not_done(job_id: str, status: str) -> BlockgradError:
               if status == "cancelled" else "it has no result; GET the job for its error")
     return BlockgradError("job_not_done", f"Job {job_id} is {status}; {advice}.", {"status": status},
                           retry_after_s=JOB_RETRY_AFTER_S if waiting else None)
+
+
+def job_failed(message: str, **details: Any) -> BlockgradError:
+    """A job's `error` when the service or the cluster, not the request, is at fault."""
+    return BlockgradError("internal_error", message, details)
 
 
 def job_done(job_id: str, status: str) -> BlockgradError:

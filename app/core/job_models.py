@@ -14,6 +14,7 @@ import threading
 from collections import Counter
 from pathlib import Path
 
+from .errors import job_failed
 from .models import MODEL_SUFFIX, ModelError, ModelObjective, load_model
 from .objectives import OBJECTIVES, Objective
 
@@ -36,10 +37,8 @@ def program_hash(data: bytes) -> str:
 
 def program_failed(name: str, reason: str) -> dict:
     """The job's error: the operator's deployment, not the request, is at fault."""
-    return {"code": "internal_error",
-            "message": f"The model objective {name!r} failed its load checks on a cluster worker: {reason} "
-                       "The workers must run the service's image (the same torch).",
-            "details": {"objective": name}}
+    return job_failed(f"The model objective {name!r} failed its load checks on a cluster worker: {reason} "
+                      "The workers must run the service's image (the same torch).", objective=name).as_dict()
 
 
 def job_objective(name: str, dim: int, dtype: str, sha256: str | None, data: bytes | None) -> Objective:

@@ -226,9 +226,9 @@ def finish(spec: JobSpec, *parts: "BandSum | TilePartial") -> JobOutcome:
     bad = min((part.bad_block for part in parts if part.bad_block is not None), default=None)
     error = errors[0] if errors else None
     if error is None and bad is not None:
-        error = as_dict(non_finite_block(*bad, spec.dtype))
+        error = non_finite_block(*bad, spec.dtype).as_dict()
     elif error is None and not np.isfinite(accumulated).all():
-        error = as_dict(non_finite_accumulated(spec.dtype))
+        error = non_finite_accumulated(spec.dtype).as_dict()
     failed = error is not None  # then no numbers are kept
     return JobOutcome(None if failed else accumulated, None if failed else losses, error,
                       min(part.started_at for part in parts), time.time(), moved)
@@ -239,7 +239,3 @@ def shares(part: "BandSum | TilePartial") -> list[tuple[int, np.ndarray, list, i
     if isinstance(part, BandSum):
         return [band_share(ROWS, part)]
     return [band_share(ROWS, part), band_share(COLS, part)]
-
-
-def as_dict(error) -> dict:
-    return {"code": error.code, "message": error.message, "details": error.details}

@@ -217,7 +217,7 @@ ERRORS: dict[str, ErrorCode] = {
 
 def error_body(error: BlockgradError) -> dict[str, Any]:
     """`details` is always there, an object ({} when the code has nothing to add)."""
-    return {"error": {"code": error.code, "message": error.message, "details": error.details or {}}}
+    return {"error": error.as_dict()}
 
 
 def error_headers(error: BlockgradError) -> dict[str, str]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..core.engine import elements_per_chunk
-from ..core.errors import BlockgradError
+from ..core.errors import BlockgradError, job_failed
 from ..core.job_tasks import JobSpec, plan_tiles
 from ..core.objectives import Objective
 from . import db
@@ -42,10 +42,8 @@ TRANSFER_BYTES_PER_S = 20e6
 # CommClosedError is an OSError; a scatter cut short by a scheduler restart is cancelled
 DASK_ERRORS = (OSError, TimeoutError, ValueError, CancelledError)
 CLUSTER_RETRY_S = 5.0  # after a submit the cluster refused, nothing is claimed for this long
-TASK_FAILED = {"code": "internal_error", "message": "A task of this job failed on the cluster; the cluster's log "
-                                                    "has the traceback.", "details": {}}
-BROKEN = {"code": "internal_error", "message": "The service could not run this job; its log (job_broken) has the "
-                                               "traceback.", "details": {}}
+TASK_FAILED = job_failed("A task of this job failed on the cluster; the cluster's log has the traceback.").as_dict()
+BROKEN = job_failed("The service could not run this job; its log (job_broken) has the traceback.").as_dict()
 
 
 def event(name: str, **fields) -> None:
@@ -185,9 +183,8 @@ class Runner:
             raise LookupError(f"job {job_id} is running without its input")
         objective = self.objectives.get(record["objective"])
         if objective is None:  # a model this service no longer serves
-            error = {"code": "internal_error", "details": {"objective": record["objective"]},
-                     "message": f"The objective {record['objective']!r} is not served by this service any more."}
-            self.finish(attempt, None, error)
+            self.finish(attempt, None, job_failed(f"The objective {record['objective']!r} is not served by this "
+                                                  "service any more.", objective=record["objective"]).as_dict())
             return
         spec = JobSpec(record["n"], record["dim"], record["factor"], record["objective"], record["offset"],
                        record["dtype"], elements_per_chunk(self.settings.max_job_block_elements, objective,
