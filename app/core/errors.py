@@ -216,6 +216,34 @@ def too_many_jobs(active: int, allowed: int) -> BlockgradError:
         retry_after_s=JOB_RETRY_AFTER_S)
 
 
+def result_too_large(nbytes: int, allowed: int, limit: str) -> BlockgradError:
+    """A job whose result could never be kept: `limit` is BLOCKGRAD_MAX_JOB_RESULT_BYTES or,
+    when smaller, BLOCKGRAD_MAX_JOB_RESULTS_BYTES."""
+    return limit_exceeded(
+        f"This job's result would take {nbytes} bytes, over {limit} = {allowed}; ask for fewer outputs "
+        "(losses are F x F), a smaller factor or fewer vectors.", limit, nbytes, allowed)
+
+
+def results_full(held: int, nbytes: int, allowed: int) -> BlockgradError:
+    """The results kept and reserved leave no room for this job's until some expire or are deleted."""
+    return BlockgradError(
+        "overloaded",
+        f"The job store holds {held} bytes of results (kept, or reserved by queued and running jobs); this job's "
+        f"{nbytes} would pass BLOCKGRAD_MAX_JOB_RESULTS_BYTES = {allowed}. Nothing is evicted before its "
+        "BLOCKGRAD_JOB_TTL_S: retry after the Retry-After seconds, or DELETE jobs whose results you have.",
+        {"limit": "BLOCKGRAD_MAX_JOB_RESULTS_BYTES", "value": held + nbytes, "allowed": allowed},
+        retry_after_s=JOB_RETRY_AFTER_S)
+
+
+def records_full(kept: int, allowed: int) -> BlockgradError:
+    """Every finished job kept is still within its TTL."""
+    return BlockgradError(
+        "overloaded",
+        f"The job store keeps {kept} finished jobs, BLOCKGRAD_MAX_JOB_RECORDS = {allowed}, none of them expired "
+        "yet; retry after the Retry-After seconds, or DELETE finished jobs.",
+        {"limit": "BLOCKGRAD_MAX_JOB_RECORDS", "value": kept, "allowed": allowed}, retry_after_s=JOB_RETRY_AFTER_S)
+
+
 def too_many_vectors(n: int, allowed: int, limit: str = "BLOCKGRAD_MAX_N") -> BlockgradError:
     """`limit`: BLOCKGRAD_MAX_N, or a job's BLOCKGRAD_MAX_JOB_N."""
     return limit_exceeded(f"{n} vectors is over {limit} = {allowed}; send at most {allowed}.", limit, n, allowed)

@@ -57,7 +57,12 @@ class JobSettings(FromEnv):
     max_job_block_elements: int = 16 * 1024 * 1024
     max_jobs: int = 16  # queued + running, all workers and pods sharing the scheduler
     job_ttl_s: float = 3600.0  # how long a finished job and its result are kept
-    max_job_results_bytes: int = 2 * 1024 * 1024 * 1024  # retained results; the oldest finished go first
+    # One job's result (the outputs it asks for), refused at admission when larger: the runner
+    # holds one result at a time on its way into the store (docs/operations.md, "Memory").
+    max_job_result_bytes: int = 256 * 1024 * 1024
+    # Results kept and reserved (active jobs' at their size): a POST past it waits (503), nothing is evicted.
+    max_job_results_bytes: int = 2 * 1024 * 1024 * 1024
+    max_job_records: int = 10000  # finished jobs kept; past it the oldest expired go, else a POST waits (503)
     # The job store (app/jobs/db.py): PostgreSQL when jobs_db names one, else SQLite in data_dir,
     # absolute from the start (the runner process runs in the repository, not the caller's directory).
     data_dir: str = field(default_factory=lambda: os.path.abspath("data"), metadata={"parse": parse_dir})
