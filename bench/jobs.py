@@ -402,6 +402,7 @@ def stored_result(data_dir: str, n: int, dim: int) -> str:
     """A succeeded job with an (n, dim) float32 accumulated gradient, written into a new store
     as the runner writes one (db.finish_job); its id."""
     from app.jobs import db
+    from app.jobs.settings import JobSettings
 
     engine = db.open_store(f"sqlite:///{data_dir}/jobs.sqlite3")
     job_id, now = "5" * 32, time.time()
@@ -409,7 +410,7 @@ def stored_result(data_dir: str, n: int, dim: int) -> str:
     db.insert_job(engine, {"id": job_id, "n": n, "dim": dim, "factor": 64, "objective": "sum_of_squares",
                            "offset": 5.0, "dtype": "float32", "outputs": ["accumulated"], "blocks_total": 64 * 64,
                            "result_bytes": accumulated.nbytes, "idempotency_key": None, "created_at": now},
-                  b"", 1)
+                  b"", JobSettings(max_jobs=1))
     attempt = db.claim(engine, job_id, "bench", now, 3600, 1)
     db.finish_job(engine, job_id, "bench", attempt, now, {"accumulated": accumulated}, None)
     engine.dispose()

@@ -70,13 +70,14 @@ def insert_job(engine, vectors: np.ndarray, factor: int, objective: str = "sum",
                outputs=("accumulated", "losses")) -> str:
     """A job written into the store as POST /v1/jobs writes it (queued, with its input): its id."""
     from app.jobs import db
+    from app.jobs.settings import JobSettings
 
     job_id = secrets.token_hex(16)
     row = {"id": job_id, "n": len(vectors), "dim": vectors.shape[1], "factor": factor, "objective": objective,
            "offset": offset, "dtype": str(vectors.dtype), "outputs": list(outputs), "blocks_total": factor ** 2,
            "result_bytes": vectors.nbytes + factor ** 2 * vectors.itemsize, "idempotency_key": None,
            "created_at": time.time()}
-    db.insert_job(engine, row, npy(vectors), max_active=64)
+    db.insert_job(engine, row, npy(vectors), JobSettings(max_jobs=64))
     return job_id
 
 

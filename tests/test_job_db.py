@@ -13,6 +13,7 @@ import sqlalchemy as sa
 
 from app.core.errors import BlockgradError
 from app.jobs import db
+from app.jobs.settings import JobSettings
 
 NOW = 1_000_000.0
 
@@ -40,12 +41,13 @@ def npy(array: np.ndarray) -> bytes:
 VECTORS = np.arange(12, dtype=np.float64).reshape(4, 3)
 
 
-def new_job(engine, job_id: str, key: str | None = None, max_active: int = 16, created_at: float = NOW,
-            request_hash: str | None = None):
+def new_job(engine, job_id: str, key: str | None = None, created_at: float = NOW, request_hash: str | None = None,
+            result_bytes: int = 128, **limits):
+    """`limits`: JobSettings fields (max_jobs, max_job_results_bytes, max_job_records, job_ttl_s)."""
     row = {"id": job_id, "n": 4, "dim": 3, "factor": 2, "objective": "sum_of_squares", "offset": 0.5,
-           "dtype": "float64", "outputs": ["accumulated", "losses"], "blocks_total": 4, "result_bytes": 128,
+           "dtype": "float64", "outputs": ["accumulated", "losses"], "blocks_total": 4, "result_bytes": result_bytes,
            "idempotency_key": key, "request_hash": request_hash, "created_at": created_at}
-    return db.insert_job(engine, row, npy(VECTORS), max_active)
+    return db.insert_job(engine, row, npy(VECTORS), JobSettings(**limits))
 
 
 def code_of(call) -> str:
@@ -67,10 +69,10 @@ def test_an_idempotency_key_names_one_job_and_admission_counts_active_jobs(engin
     first, _ = new_job(engine, "a" * 32, key="k")
     again, created = new_job(engine, "b" * 32, key="k")
     assert not created and again["id"] == "a" * 32 and db.get_job(engine, "b" * 32) is None
-    new_job(engine, "c" * 32, max_active=2)
-    assert code_of(lambda: new_job(engine, "d" * 32, max_active=2)) == "overloaded"
+    new_job(engine, "c" * 32, max_jobs=2)
+    assert code_of(lambda: new_job(engine, "d" * 32, max_jobs=2)) == "overloaded"
     db.cancel_job(engine, "c" * 32, NOW)  # no longer active: room again
-    assert new_job(engine, "d" * 32, max_active=2)[1]
+    assert new_job(engine, "d" * 32, max_jobs=2)[1]
 
 
 def test_a_claim_is_exclusive_until_its_lease_expires(engine):
@@ -155,23 +157,71 @@ def test_cancel_ends_the_attempt_and_delete_forgets_everything(engine):
             assert conn.execute(sa.select(sa.func.count()).select_from(table)).scalar() == 0
 
 
-def succeed(engine, job_id: str, finished_at: float, result_bytes: int = 128) -> None:
-    new_job(engine, job_id, created_at=finished_at)
-    with engine.begin() as conn:
-        conn.execute(sa.update(db.jobs).where(db.jobs.c.id == job_id).values(result_bytes=result_bytes))
+def succeed(engine, job_id: str, finished_at: float, result_bytes: int = 128, **limits) -> None:
+    new_job(engine, job_id, created_at=finished_at, result_bytes=result_bytes, **limits)
     db.claim(engine, job_id, "one", finished_at, 10, 3)
     db.finish_job(engine, job_id, "one", 1, finished_at, {"accumulated": VECTORS}, None)
 
 
-def test_sweep_deletes_expired_jobs_then_the_oldest_results_over_the_cap(engine):
-    succeed(engine, "a" * 32, NOW)
-    succeed(engine, "b" * 32, NOW + 50, result_bytes=100)
-    succeed(engine, "c" * 32, NOW + 60, result_bytes=100)
-    new_job(engine, "d" * 32, created_at=NOW)  # queued jobs never expire
-    assert db.sweep(engine, NOW + 70, 30, 1000) == 1  # a finished 70 s ago, the TTL is 30
-    assert db.get_job(engine, "a" * 32) is None and db.get_job(engine, "b" * 32) is not None
-    assert db.sweep(engine, NOW + 70, 30, 150) == 1  # b, the older, goes over the cap
-    assert [db.get_job(engine, x * 32) is not None for x in "bcd"] == [False, True, True]
+def test_sweep_deletes_expired_jobs_only_in_short_batches(engine, monkeypatch):
+    monkeypatch.setattr(db, "SWEEP_BATCH", 2)
+    for k, job_id in enumerate("abc"):
+        succeed(engine, job_id * 32, NOW + k)
+    succeed(engine, "d" * 32, NOW + 60, result_bytes=1 << 30)  # within its TTL: kept, however large
+    new_job(engine, "e" * 32, created_at=NOW)  # queued jobs never expire
+    assert db.sweep(engine, NOW + 70, 30) == 3  # a, b, c finished over 30 s ago, in two transactions
+    assert [db.get_job(engine, x * 32) is not None for x in "abcde"] == [False, False, False, True, True]
+
+
+def test_results_kept_or_reserved_are_capped_and_nothing_within_its_ttl_is_evicted(engine):
+    """BLOCKGRAD_MAX_JOB_RESULTS_BYTES counts succeeded results and active jobs' reservations:
+    past it a POST is refused (503, retry later) and the kept results survive; expired ones
+    make room, oldest first, without waiting for the sweep."""
+    limits = {"max_job_results_bytes": 300, "job_ttl_s": 30}
+    succeed(engine, "a" * 32, NOW, result_bytes=100, **limits)  # the victim
+    new_job(engine, "b" * 32, created_at=NOW, result_bytes=150, **limits)  # queued: reserved
+    error = pytest.raises(BlockgradError, new_job, engine, "c" * 32, created_at=NOW + 10, result_bytes=51,
+                          **limits).value
+    assert error.code == "overloaded" and error.retry_after_s
+    assert error.details == {"limit": "BLOCKGRAD_MAX_JOB_RESULTS_BYTES", "value": 301, "allowed": 300}
+    assert db.get_job(engine, "a" * 32)["status"] == "succeeded" and db.get_job(engine, "c" * 32) is None
+    assert new_job(engine, "c" * 32, created_at=NOW + 10, result_bytes=50, **limits)[1]  # exactly full
+    db.cancel_job(engine, "b" * 32, NOW + 10)  # a cancelled job holds nothing
+    assert new_job(engine, "d" * 32, created_at=NOW + 20, result_bytes=150, **limits)[1]
+    assert code_of(lambda: new_job(engine, "e" * 32, created_at=NOW + 29, result_bytes=1, **limits)) == "overloaded"
+    assert new_job(engine, "e" * 32, created_at=NOW + 31, result_bytes=100, **limits)[1]  # a expired: it went
+    assert db.get_job(engine, "a" * 32) is None and db.result_chunk(engine, "a" * 32, "accumulated", 0) is None
+
+
+def test_finished_records_are_capped_the_oldest_expired_going_first(engine):
+    limits = {"max_job_records": 3, "job_ttl_s": 30}
+    for k, job_id in enumerate("abc"):
+        succeed(engine, job_id * 32, NOW + k, **limits)
+    error = pytest.raises(BlockgradError, new_job, engine, "d" * 32, created_at=NOW + 30, **limits).value
+    assert error.code == "overloaded" and error.retry_after_s  # a finished exactly 30 s ago: not expired
+    assert error.details == {"limit": "BLOCKGRAD_MAX_JOB_RECORDS", "value": 3, "allowed": 3}
+    assert new_job(engine, "d" * 32, created_at=NOW + 30.5, **limits)[1]  # a, the oldest, expired and went
+    assert [db.get_job(engine, x * 32) is not None for x in "abcd"] == [False, True, True, True]
+    new_job(engine, "e" * 32, created_at=NOW + 30.5, **limits)  # active jobs are not records yet
+
+
+def test_concurrent_posts_never_pass_max_jobs(engine):
+    """40 inserts released together against BLOCKGRAD_MAX_JOBS = 16: exactly 16 stored, 24 refused."""
+    start, codes = threading.Barrier(40), []
+
+    def insert(number):
+        start.wait(timeout=60)
+        try:
+            codes.append("stored" if new_job(engine, f"{number:032x}", max_jobs=16)[1] else "known")
+        except BlockgradError as error:
+            codes.append(error.code)
+    threads = [threading.Thread(target=insert, args=(number,)) for number in range(40)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert sorted(codes).count("stored") == 16 and codes.count("overloaded") == 24, codes
+    assert db.status_counts(engine)["queued"] == 16
 
 
 def test_sqlite_reuses_the_space_of_expired_results(tmp_path):
@@ -182,7 +232,7 @@ def test_sqlite_reuses_the_space_of_expired_results(tmp_path):
         new_job(engine, f"{k:032x}", created_at=NOW + k)
         db.claim(engine, f"{k:032x}", "one", NOW + k, 10, 3)
         db.finish_job(engine, f"{k:032x}", "one", 1, NOW + k, {"accumulated": big}, None)
-        db.sweep(engine, NOW + k + 1, 0.5, 1 << 40)  # each result expires before the next
+        db.sweep(engine, NOW + k + 1, 0.5)  # each result expires before the next
         with engine.connect() as conn:
             sizes.append(conn.exec_driver_sql("PRAGMA page_count").scalar())
     assert max(sizes[1:]) <= sizes[0] + 8, sizes  # the store does not grow with history
@@ -221,7 +271,7 @@ def test_migrations_run_once_under_the_lock_and_only_add(store_url, monkeypatch)
         thread.join(60)
     assert not errors and len(engines) == 4 and step == [1]
     with engines[0].connect() as conn:
-        assert conn.execute(sa.select(db.versions.c.version)).scalars().all() == [3]
+        assert conn.execute(sa.select(db.versions.c.version)).scalars().all() == [len(db.MIGRATIONS)]
     new_job(engines[0], "a" * 32)  # the previous release's statements still work
     for engine in engines:
         engine.dispose()

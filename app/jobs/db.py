@@ -21,7 +21,8 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy import and_, event, exc, func, or_, select
 
-from ..core.errors import idempotency_key_reused, job_attempts_exhausted, store_unavailable, too_many_jobs
+from ..core.errors import (idempotency_key_reused, job_attempts_exhausted, records_full, results_full,
+                           store_unavailable, too_many_jobs)
 
 TIMEOUT_S = 2  # connecting, a pool checkout, a locked SQLite: a job route still answers within 5 s
 STATEMENT_TIMEOUT_MS = 2000
@@ -32,8 +33,8 @@ RESULT_CHUNK_BYTES = 1024 * 1024  # whole rows of an output per stored chunk: a 
 # PostgreSQL connections per process, at most 5: a pod's 2 web workers and its runner hold 15,
 # and deploy/k8s/postgres.yaml's max_connections (300) covers every replica the autoscalers allow.
 POOL_SIZE, POOL_OVERFLOW = 2, 3
-RUNNER_SEEN_S = 60.0
-SWEEP_BATCH = 100  # jobs one sweep deletes at most  # a runner not seen for this long no longer counts (cluster_workers)
+RUNNER_SEEN_S = 60.0  # a runner not seen for this long no longer counts (cluster_workers)
+SWEEP_BATCH = 100  # expired jobs one transaction deletes at most: each stays short
 MIGRATION_LOCK, ADMISSION_LOCK = 29_001, 29_002  # PostgreSQL advisory locks
 ACTIVE = ("queued", "running")
 FINISHED = ("succeeded", "failed", "cancelled")
@@ -89,6 +90,8 @@ MIGRATIONS = [
     lambda conn: (sa.Table("jobs", sa.MetaData(), *first_job_columns()).create(conn),
                   meta.create_all(conn, tables=[inputs, results, runners])),
     lambda conn: conn.execute(sa.text("ALTER TABLE jobs ADD COLUMN request_hash VARCHAR(64)")),
+    # admit's counts read this index alone, whatever the table's width
+    lambda conn: conn.execute(sa.text("CREATE INDEX ix_jobs_status_bytes ON jobs (status, result_bytes)")),
 ]
 
 
@@ -181,24 +184,48 @@ def by_key(conn, key: str, request_hash: str | None) -> dict:
     return known
 
 
+def held_counts(conn) -> tuple[int, int, int]:
+    """(active jobs, result bytes kept or reserved, finished records kept): one scan of the
+    (status, result_bytes) index."""
+    held = jobs.c.status.in_((*ACTIVE, "succeeded"))
+    return tuple(conn.execute(select(
+        func.count().filter(jobs.c.status.in_(ACTIVE)),
+        func.coalesce(func.sum(jobs.c.result_bytes).filter(held), 0),
+        func.count().filter(jobs.c.status.in_(FINISHED)))).one())
+
+
+def admit(conn, nbytes: int, now: float, settings) -> None:
+    """Room for a job whose result takes `nbytes`, or the limit's error. Nothing still within
+    its TTL is ever deleted to make room; expired records (the sweep's) go first, oldest first."""
+    active, held, kept = held_counts(conn)
+    if active >= settings.max_jobs:
+        raise too_many_jobs(active, settings.max_jobs)
+    if (held + nbytes > settings.max_job_results_bytes or kept >= settings.max_job_records) and \
+            delete_expired(conn, now - settings.job_ttl_s):
+        active, held, kept = held_counts(conn)
+    if held + nbytes > settings.max_job_results_bytes:
+        raise results_full(held, nbytes, settings.max_job_results_bytes)
+    if kept >= settings.max_job_records:
+        raise records_full(kept, settings.max_job_records)
+
+
 @guarded
-def insert_job(engine: sa.Engine, row: dict, vectors_npy: bytes, max_active: int) -> tuple[dict, bool]:
+def insert_job(engine: sa.Engine, row: dict, vectors_npy: bytes, settings) -> tuple[dict, bool]:
     """A new job, queued, with its input: (its record, True); the job a known Idempotency-Key
     made with the same request (row's request_hash): (that record, False); with another,
-    idempotency_key_reused. too_many_jobs when max_active are queued or running."""
+    idempotency_key_reused. `settings` (JobSettings): the limits `admit` applies, atomically
+    with the insert (PostgreSQL: under an advisory lock; SQLite: BEGIN IMMEDIATE)."""
     # Stored as its sha256: a key of any length fits PostgreSQL's index.
     key = row.get("idempotency_key") and sha256(row["idempotency_key"].encode()).hexdigest()
     row = {**row, "idempotency_key": key}
     try:
         with engine.begin() as conn:
-            if conn.dialect.name == "postgresql":  # the count and the insert, one at a time
+            if conn.dialect.name == "postgresql":  # the counts and the insert, one POST at a time
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": ADMISSION_LOCK})
             known = by_key(conn, key, row.get("request_hash")) if key else None
             if known is not None:
                 return known, False
-            active = conn.execute(select(func.count()).where(jobs.c.status.in_(ACTIVE))).scalar()
-            if active >= max_active:
-                raise too_many_jobs(active, max_active)
+            admit(conn, row["result_bytes"], row["created_at"], settings)
             conn.execute(jobs.insert().values(**{**row, "outputs": ",".join(row["outputs"])}, status="queued"))
             conn.execute(inputs.insert().values(job_id=row["id"], vectors=vectors_npy))
             return as_record(conn.execute(select(jobs).where(jobs.c.id == row["id"])).first()), True
@@ -337,23 +364,26 @@ def release(engine: sa.Engine, job_id: str, owner: str, attempt: int) -> None:
             status="queued", owner=None, lease_until=None, attempts=jobs.c.attempts - 1, blocks_done=0))
 
 
-@guarded
-def sweep(engine: sa.Engine, now: float, ttl_s: float, max_result_bytes: int) -> int:
-    """Finished jobs past their TTL, then the oldest results over max_result_bytes, deleted
-    (their pages are reused by later writes). Returns how many jobs went."""
-    with engine.begin() as conn:
-        gone = list(conn.execute(select(jobs.c.id).where(jobs.c.status.in_(FINISHED),
-                                                         jobs.c.finished_at < now - ttl_s)).scalars())
-        kept = 0
-        for job_id, nbytes in conn.execute(select(jobs.c.id, jobs.c.result_bytes).where(
-                jobs.c.status == "succeeded", jobs.c.finished_at >= now - ttl_s).order_by(jobs.c.finished_at.desc())):
-            kept += nbytes
-            if kept > max_result_bytes:
-                gone.append(job_id)
-        gone = gone[:SWEEP_BATCH]  # each sweep's statements stay short; the next sweep takes the rest
-        if gone:
-            delete_rows(conn, gone)
+def delete_expired(conn, before: float) -> int:
+    """At most SWEEP_BATCH jobs finished before `before`, oldest first, deleted: how many."""
+    gone = list(conn.execute(select(jobs.c.id).where(jobs.c.finished_at < before)
+                             .order_by(jobs.c.finished_at).limit(SWEEP_BATCH)).scalars())
+    if gone:
+        delete_rows(conn, gone)
     return len(gone)
+
+
+@guarded
+def sweep(engine: sa.Engine, now: float, ttl_s: float) -> int:
+    """Finished jobs past their TTL deleted, SWEEP_BATCH per short transaction (their pages are
+    reused by later writes). Returns how many went."""
+    gone = 0
+    while True:
+        with engine.begin() as conn:
+            deleted = delete_expired(conn, now - ttl_s)
+        gone += deleted
+        if deleted < SWEEP_BATCH:
+            return gone
 
 
 @guarded

@@ -123,7 +123,7 @@ class Runner:
     def step(self, now: float) -> None:
         settings = self.settings
         if now >= self.next_sweep:
-            db.sweep(self.engine, now, settings.job_ttl_s, settings.max_job_results_bytes)
+            db.sweep(self.engine, now, settings.job_ttl_s)
             self.next_sweep = now + SWEEP_S
         if now >= self.next_beat:  # before any cluster call: a slow cluster never costs a lease
             for attempt in list(self.attempts.values()):

@@ -131,7 +131,7 @@ class JobStore:
                "outputs": list(req.outputs), "blocks_total": req.factor ** 2,
                "result_bytes": output_elements(req.n, req.dim, req.factor, req.outputs) * vectors.itemsize,
                "idempotency_key": idempotency_key, "request_hash": digest.hexdigest(), "created_at": time.time()}
-        stored, created = db.insert_job(self.engine, row, buffer.getvalue(), self.settings.max_jobs)
+        stored, created = db.insert_job(self.engine, row, buffer.getvalue(), self.settings)
         if created:
             EVENTS.labels("submitted").inc()
             log.info("job_submitted", extra={"fields": {key: row[key] for key in (
