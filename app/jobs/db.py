@@ -134,8 +134,9 @@ def reading(engine: sa.Engine):
 
 
 @guarded
-def open_store(url: str) -> sa.Engine:
-    """An engine on the store, its schema brought up to date. Never shared across a fork."""
+def open_store(url: str, application: str = "blockgrad") -> sa.Engine:
+    """An engine on the store, its schema brought up to date. Never shared across a fork.
+    `application`: PostgreSQL's application_name (pg_stat_activity, logs): who is connected."""
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
     if url.startswith("sqlite"):
@@ -147,7 +148,8 @@ def open_store(url: str) -> sa.Engine:
     else:
         engine = sa.create_engine(url, pool_pre_ping=True, pool_timeout=TIMEOUT_S, pool_size=POOL_SIZE,
                                   max_overflow=POOL_OVERFLOW, connect_args={
-            "connect_timeout": TIMEOUT_S, "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}", **TCP_ARGS})
+            "connect_timeout": TIMEOUT_S, "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
+            "application_name": application, **TCP_ARGS})
     migrate(engine)
     return engine
 

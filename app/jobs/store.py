@@ -71,7 +71,7 @@ class JobStore:
                 if time.monotonic() < self._open_after:  # a failed open is not retried by every waiting request
                     raise store_unavailable()
                 try:
-                    self._engine, self._pid = db.open_store(self.settings.database_url()), os.getpid()
+                    self._engine, self._pid = db.open_store(self.settings.database_url(), "blockgrad-web"), os.getpid()
                 except BlockgradError:
                     self._open_after = time.monotonic() + OPEN_RETRY_S
                     raise
