@@ -794,21 +794,67 @@ def check_max_jobs(server, servers):
         assert error["details"] == {"limit": "BLOCKGRAD_MAX_JOBS", "value": 1, "allowed": 1}
 
 
+def held_result_bytes(servers) -> int:
+    """What the jobs server's store holds or reserves for results: succeeded, queued and running jobs' bytes."""
+    path = Path(servers.env_of("jobs")["BLOCKGRAD_DATA_DIR"]) / "jobs.sqlite3"
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return conn.execute("SELECT coalesce(sum(result_bytes), 0) FROM jobs "
+                            "WHERE status IN ('queued', 'running', 'succeeded')").fetchone()[0]
+
+
 def check_results_cap(server, servers):
-    """The runner's sweep (every 10 s) applies the cap: a result alone over it is not kept; of
-    two that together pass it the older goes and the newer stays. Each sweep is seen by what it
-    deletes, never timed."""
-    over = small_job(server, n=4, dim=4, outputs=("accumulated",))  # 4 x 4 float64: 128 bytes
-    wait_for(lambda: job_state(server, over).status_code == 404, "the 128-byte result deleted")
-    error_of(job_state(server, over), 404, "job_not_found")
-    assert jobs_row(servers, over) is None
-    older = small_job(server, n=12, outputs=("accumulated",))  # 12 x 1 float64: 96 bytes, alone within
-    assert finished(server, older)["status"] == "succeeded"
-    newer = small_job(server)  # losses 1 x 1 float64: 8 bytes; 104 with the older
-    assert finished(server, newer)["status"] == "succeeded"
-    wait_for(lambda: job_state(server, older).status_code == 404, "the older result deleted")
-    answer = requests.get(f"{server.url}/v1/jobs/{newer}/result", timeout=WAIT_S)
-    assert answer.status_code == 200 and len(answer.json()["losses"]) == 1
+    """A result over the cap is refused at admission (413); with the store filled by a victim's
+    kept result, a cheap job waits (503 overloaded, Retry-After) and the victim's result is
+    still served; once it is deleted the same POST is accepted. Nothing is ever evicted."""
+    error = error_of(submit_job(server, {"vectors": vectors(501, 1), "factor": 1, "dtype": "float64",
+                                         "outputs": ["accumulated"]}), 413, "limit_exceeded")
+    assert error["details"] == {"limit": "BLOCKGRAD_MAX_JOB_RESULTS_BYTES", "value": 4008, "allowed": 4000}
+    rows = (4000 - held_result_bytes(servers)) // 8  # the other rows' kept results hold the rest
+    victim = small_job(server, n=rows, outputs=("accumulated",))
+    try:
+        assert finished(server, victim)["status"] == "succeeded"
+        refused = submit_job(server, {"vectors": vectors(1, 1), "factor": 1, "dtype": "float64",
+                                      "outputs": ["losses"]})  # 8 bytes: one more than the store takes
+        error = error_of(refused, 503, "overloaded")
+        assert error["details"]["limit"] == "BLOCKGRAD_MAX_JOB_RESULTS_BYTES" and refused.headers["Retry-After"]
+        kept = requests.get(f"{server.url}/v1/jobs/{victim}/result", timeout=WAIT_S)
+        assert kept.status_code == 200 and len(kept.json()["accumulated"]) == rows
+    finally:
+        forget(server, victim)
+    forget(server, small_job(server))  # room again
+
+
+def check_max_job_result(server, servers):
+    """A job's result over it is refused before it is stored; one at it is accepted."""
+    body = {"vectors": vectors(9, 1), "factor": 1, "dtype": "float64", "outputs": ["accumulated"]}
+    error = error_of(submit_job(server, body), 413, "limit_exceeded")
+    assert error["details"] == {"limit": "BLOCKGRAD_MAX_JOB_RESULT_BYTES", "value": 72, "allowed": 64}
+    forget(server, small_job(server, n=8, outputs=("accumulated",)))
+
+
+def check_job_records(server, servers):
+    """With BLOCKGRAD_MAX_JOB_RECORDS finished jobs kept and none expired, a POST waits (503
+    overloaded) and every kept job still answers; with one fewer, it is accepted. The filler
+    records are written into the store as the runner leaves failed jobs."""
+    path = Path(servers.env_of("jobs")["BLOCKGRAD_DATA_DIR"]) / "jobs.sqlite3"
+    with contextlib.closing(sqlite3.connect(path, timeout=WAIT_S)) as conn, conn:
+        kept = conn.execute("SELECT count(*) FROM jobs WHERE status IN ('succeeded', 'failed', 'cancelled')").fetchone()[0]
+        now = time.time()
+        fillers = [(uuid.uuid4().hex, now) for _ in range(1000 - kept)]
+        conn.executemany("INSERT INTO jobs (id, status, n, dim, factor, objective, \"offset\", dtype, outputs, "
+                         "blocks_total, result_bytes, blocks_done, created_at, finished_at, attempts) VALUES "
+                         "(?, 'failed', 1, 1, 1, 'sum', 0, 'float64', 'losses', 1, 8, 0, ?, ?, 1)",
+                         [(job_id, at, at) for job_id, at in fillers])
+    try:
+        error = error_of(submit_job(server, {"vectors": vectors(1, 1), "factor": 1}), 503, "overloaded")
+        assert error["details"] == {"limit": "BLOCKGRAD_MAX_JOB_RECORDS", "value": 1000, "allowed": 1000}
+        assert job_state(server, fillers[0][0]).json()["status"] == "failed"
+    finally:
+        with contextlib.closing(sqlite3.connect(path, timeout=WAIT_S)) as conn, conn:
+            conn.execute("DELETE FROM jobs WHERE id = ?", (fillers[0][0],))
+    forget(server, small_job(server))
+    with contextlib.closing(sqlite3.connect(path, timeout=WAIT_S)) as conn, conn:
+        conn.executemany("DELETE FROM jobs WHERE id = ?", [(job_id,) for job_id, _ in fillers])
 
 
 def check_job_ttl(server, servers):
@@ -896,8 +942,10 @@ VARIABLES = [
         check_max_job_block),
     Var("BLOCKGRAD_MAX_JOBS", "1", "jobs", "one job running: the next POST is 503 overloaded", check_max_jobs),
     Var("BLOCKGRAD_JOB_TTL_S", "1", "ttl", "a finished job is 404 after it", check_job_ttl),
-    Var("BLOCKGRAD_MAX_JOB_RESULTS_BYTES", "100", "jobs", "a 128-byte result is not kept; of 96 and 8 bytes "
-        "the older goes", check_results_cap),
+    Var("BLOCKGRAD_MAX_JOB_RESULTS_BYTES", "4000", "jobs", "a 4008-byte result: 413; the store full: 503 and the "
+        "kept result served", check_results_cap),
+    Var("BLOCKGRAD_MAX_JOB_RESULT_BYTES", "64", "ttl", "a 72-byte result: 413 naming it", check_max_job_result),
+    Var("BLOCKGRAD_MAX_JOB_RECORDS", "1000", "jobs", "1000 finished jobs kept: 503 overloaded", check_job_records),
     Var("BLOCKGRAD_DATA_DIR", "{tmp}/jobs-data", "jobs", "the store jobs.sqlite3 there holds its jobs",
         check_data_dir),
     Var("BLOCKGRAD_JOBS_DB", "(a PostgreSQL database of this module)", "ttl", "/readyz store postgresql; "
