@@ -49,6 +49,7 @@ ROWS = [
     jobs.job_size,
     jobs.job_model,
     jobs.result_download,
+    jobs.kept_jobs,
 ]
 
 

@@ -1,4 +1,4 @@
-"""Job rows J1-J5 (docs/jobs.md, "Benchmarks"): each starts gunicorn as `make serve` does,
+"""Job rows J1-J6 (docs/jobs.md, "Benchmarks"): each starts gunicorn as `make serve` does,
 with its embedded Dask cluster (BLOCKGRAD_DASK_WORKERS workers at nice 19), and stops it.
 
 A job's compute time is its record's finished_at - started_at (the first tile's start to the
@@ -14,7 +14,9 @@ BLOCKGRAD_BENCH_J3=1, and otherwise reports that it was not run.
 
 J5 downloads a stored result with four clients at once and reads the web worker's peak memory.
 
-Usage: python -m bench.jobs [J1 J2 J3 J4 J5 TP]
+J6 times a POST, a GET and a scrape against a store of 10,000 kept jobs and one of 30.
+
+Usage: python -m bench.jobs [J1 J2 J3 J4 J5 J6 TP]
 """
 import contextlib
 import io
@@ -31,9 +33,10 @@ import numpy as np
 import requests
 import torch
 
+from tools.job_rows import add_finished_jobs
 from tools.server import children, cpu_ticks, gunicorn_server, peak_rss_kib, rss_kib, wait_until
 
-from .measure import Result, all_started_together, at_least, at_most
+from .measure import Result, all_started_together, at_least, at_most, paired
 from .workloads import body as json_body
 from .workloads import vectors as random_vectors
 
@@ -444,8 +447,37 @@ def result_download(bench=None, n: int = 65536, dim: int = 64, clients: int = 4)
     return rows
 
 
+# J6 ---------------------------------------------------------------------------------------
+def kept_jobs(bench=None, few: int = 30, many: int = 10_000, repeats: int = 15) -> list[Result]:
+    """A POST, a GET of a job and a scrape on two servers alike but for their stores' history
+    (`many` and `few` finished jobs kept, SQLite as `make serve` has it), alternated: the
+    median ratio of their times per route."""
+    env = {"BLOCKGRAD_DASK_SCHEDULER": "", "BLOCKGRAD_DASK_WORKERS": "1", "BLOCKGRAD_MAX_JOBS": "1000",
+           "BLOCKGRAD_MAX_JOB_RECORDS": str(2 * many)}
+    rows = []
+    with tempfile.TemporaryDirectory() as small, tempfile.TemporaryDirectory() as large:
+        ids = {dir_: add_finished_jobs(f"sqlite:///{dir_}/jobs.sqlite3", count)[0]
+               for dir_, count in ((small, few), (large, many))}
+        with gunicorn_server(workers=1, env={**env, "BLOCKGRAD_DATA_DIR": small}) as a, \
+                gunicorn_server(workers=1, env={**env, "BLOCKGRAD_DATA_DIR": large}) as b:
+            job = {a.url: ids[small], b.url: ids[large]}
+            calls = {"POST /v1/jobs (a 16 x 4 job)": lambda url: requests.post(
+                         url + "/v1/jobs", json={"vectors": np.ones((16, 4)).tolist(), "factor": 2}, timeout=60),
+                     "GET /v1/jobs/{id}": lambda url: requests.get(f"{url}/v1/jobs/{job[url]}", timeout=60),
+                     "GET /metrics": lambda url: requests.get(url + "/metrics", timeout=60)}
+            for name, call in calls.items():
+                for url in (a.url, b.url):
+                    call(url).raise_for_status()  # warm: the store opened, statements prepared
+                pair = paired(lambda: call(b.url).raise_for_status(), lambda: call(a.url).raise_for_status(),
+                              repeats=repeats)
+                rows.append(Result(f"J6. {name}: time with {many} finished jobs kept / with {few}", "<= 1.25x",
+                                   f"{pair.ratio:.2f}x", at_most(pair.ratio, 1.25),
+                                   f"{pair.a_s * 1e3:.1f} ms vs {pair.b_s * 1e3:.1f} ms (medians); {load()}"))
+    return rows
+
+
 ROWS = {"J1": job_overhead, "J2": job_scaling, "J3": lambda: job_size(named=True), "J4": job_model,
-        "J5": result_download}
+        "J5": result_download, "J6": kept_jobs}
 NAMED_ONLY = {"TP": tile_profile}
 
 

@@ -3,8 +3,6 @@ sends for a POST /v1/jobs, a GET of a job and a /metrics scrape, counted in Post
 (log_statement = all, each line tagged with the client's application_name), on a server
 started as `make serve` starts it, with 30 and then 10,000 finished jobs in its store."""
 import re
-import secrets
-import time
 import uuid
 
 import numpy as np
@@ -13,8 +11,8 @@ import pytest
 import requests
 import sqlalchemy as sa
 
-from app.jobs import db
 from tests.postgres import new_database
+from tools.job_rows import add_finished_jobs
 from tools.server import gunicorn_server, wait_until
 
 pytestmark = pytest.mark.slow
@@ -41,20 +39,6 @@ def logged(postgres_server):
             yield url, postgres_server.log
         finally:
             server_setting(postgres_server.get_uri(), log_statement=None, log_line_prefix=None)
-
-
-def fill(url: str, count: int) -> None:
-    """`count` succeeded jobs more, finished now (kept: BLOCKGRAD_JOB_TTL_S is an hour), written
-    as the runner leaves them."""
-    engine = db.open_store(url)
-    now = time.time()
-    rows = [{"id": secrets.token_hex(16), "status": "succeeded", "n": 1, "dim": 1, "factor": 1, "objective": "sum",
-             "offset": 0.0, "dtype": "float64", "outputs": "losses", "blocks_total": 1, "blocks_done": 1,
-             "result_bytes": 8, "created_at": now, "started_at": now, "finished_at": now, "attempts": 1}
-            for _ in range(count)]
-    with engine.begin() as conn:
-        conn.execute(db.jobs.insert(), rows)
-    engine.dispose()
 
 
 def web_statements(log, url: str, action) -> list[str]:
@@ -101,7 +85,7 @@ def test_a_post_a_get_and_a_scrape_send_the_same_statements_at_30_and_10000_kept
 
         seen, counts = {}, {}
         for kept in (30, 10_000):
-            fill(url, kept - (30 if kept > 30 else 0))
+            add_finished_jobs(url, kept - (30 if kept > 30 else 0))  # kept: the TTL is an hour
             for action in (post, get, scrape):
                 action()  # the pool's connections are open, nothing is read for the first time
             counts[kept] = {action.__name__: web_statements(log, url, action) for action in (post, get, scrape)}
