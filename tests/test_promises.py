@@ -794,14 +794,21 @@ def check_max_jobs(server, servers):
         assert error["details"] == {"limit": "BLOCKGRAD_MAX_JOBS", "value": 1, "allowed": 1}
 
 
+def check_max_job_result(server, servers):
+    answer = submit_job(server, {"vectors": vectors(64, 1), "factor": 64, "objective": "sum", "dtype": "float64",
+                                 "outputs": ["losses"]})
+    error = error_of(answer, 413, "limit_exceeded")
+    assert error["details"] == {"limit": "BLOCKGRAD_MAX_JOB_RESULT_BYTES", "value": 32768, "allowed": 16384}
+
+
 def check_results_cap(server, servers):
-    """The runner's sweep (every 10 s) applies the cap: a result alone over it is not kept; of
-    two that together pass it the older goes and the newer stays. Each sweep is seen by what it
-    deletes, never timed."""
-    over = small_job(server, n=4, dim=4, outputs=("accumulated",))  # 4 x 4 float64: 128 bytes
-    wait_for(lambda: job_state(server, over).status_code == 404, "the 128-byte result deleted")
-    error_of(job_state(server, over), 404, "job_not_found")
-    assert jobs_row(servers, over) is None
+    """A result alone over the cap is refused at admission; of two that together pass it the
+    runner's sweep (every 10 s) deletes the older and keeps the newer. Each sweep is seen by what
+    it deletes, never timed."""
+    over = submit_job(server, {"vectors": vectors(4, 4), "factor": 1, "objective": "sum", "dtype": "float64",
+                               "outputs": ["accumulated"]})  # 4 x 4 float64: 128 bytes
+    error = error_of(over, 413, "limit_exceeded")
+    assert error["details"] == {"limit": "BLOCKGRAD_MAX_JOB_RESULTS_BYTES", "value": 128, "allowed": 100}
     older = small_job(server, n=12, outputs=("accumulated",))  # 12 x 1 float64: 96 bytes, alone within
     assert finished(server, older)["status"] == "succeeded"
     newer = small_job(server)  # losses 1 x 1 float64: 8 bytes; 104 with the older
@@ -896,7 +903,9 @@ VARIABLES = [
         check_max_job_block),
     Var("BLOCKGRAD_MAX_JOBS", "1", "jobs", "one job running: the next POST is 503 overloaded", check_max_jobs),
     Var("BLOCKGRAD_JOB_TTL_S", "1", "ttl", "a finished job is 404 after it", check_job_ttl),
-    Var("BLOCKGRAD_MAX_JOB_RESULTS_BYTES", "100", "jobs", "a 128-byte result is not kept; of 96 and 8 bytes "
+    Var("BLOCKGRAD_MAX_JOB_RESULT_BYTES", "16384", "ttl", "a 32 KiB result (64 x 64 losses): 413 naming it",
+        check_max_job_result),
+    Var("BLOCKGRAD_MAX_JOB_RESULTS_BYTES", "100", "jobs", "a 128-byte result: 413 naming it; of 96 and 8 bytes "
         "the older goes", check_results_cap),
     Var("BLOCKGRAD_DATA_DIR", "{tmp}/jobs-data", "jobs", "the store jobs.sqlite3 there holds its jobs",
         check_data_dir),
