@@ -155,6 +155,18 @@ def test_outputs_not_valid_are_named_by_the_validation_not_sized(store_url):
     assert stored_jobs(store_url) == 0
 
 
+def test_npy_bodies_meet_every_size_limit_before_anything_is_stored(store_url):
+    client = make_app(store_url, BLOCKGRAD_MAX_JOB_N="16", BLOCKGRAD_MAX_D="2",
+                      BLOCKGRAD_MAX_JOB_RESULT_BYTES="1024").test_client()
+    for shape, query, limit in (((17, 1), "", "BLOCKGRAD_MAX_JOB_N"), ((4, 3), "", "BLOCKGRAD_MAX_D"),
+                                ((16, 1), "?factor=16&outputs=losses", "BLOCKGRAD_MAX_JOB_RESULT_BYTES")):
+        answer = client.post(f"/v1/jobs{query}", data=npy(np.ones(shape)), content_type=NPY)
+        assert error_of(answer, 413, "limit_exceeded")["details"]["limit"] == limit
+    assert stored_jobs(store_url) == 0
+    assert client.post("/v1/jobs?factor=11&outputs=losses", data=npy(np.ones((16, 1))),
+                       content_type=NPY).status_code == 202  # 11 x 11 x 8 = 968 bytes fit
+
+
 # -- on the server users run --------------------------------------------------------------------
 def runner_events(log: str, job_id: str) -> dict[str, dict]:
     """The runner's JSON log lines about one job, by event."""

@@ -194,7 +194,7 @@ class Runner:
         try:
             graph = submit(client, f"{job_id}-{number}", vectors, spec, tiles, objective,
                            SUBMIT_TIMEOUT_S + vectors.nbytes / TRANSFER_BYTES_PER_S)
-        except ValueError as exc:  # "No valid workers found" (they left meanwhile), or worse: an attempt spent
+        except ValueError as exc:  # the cluster refused the graph: an attempt spent (no worker: a TimeoutError, below)
             self.again(attempt, f"submit failed: {exc}")
             return
         except DASK_ERRORS as exc:  # the cluster went away: the job waits, no attempt spent
