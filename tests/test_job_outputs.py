@@ -182,9 +182,9 @@ def runner_events(log: str, job_id: str) -> dict[str, dict]:
 @pytest.mark.slow
 def test_the_amplifying_jobs_on_the_server_users_run(served):
     """The hostile round replayed as sent: the 512 KiB .npy and the 512 MiB of losses are 413
-    and store nothing; the amplifying job runs, moving (rows + cols) x D per tile and no loss
-    (its losses would be 128 MiB: more than every byte it moved), and its answer is its
-    accumulated alone, equal to the literal loops at N = 48 with the same shape of request."""
+    and store nothing; the amplifying job runs moving no loss (on 2 workers 4 tiles x (2048 +
+    2048) x 8 bytes = 128 KiB; its losses would be 128 MiB), and its answer is its accumulated
+    alone, equal to the literal loops at N = 48 with the same shape of request."""
     store_url = f"sqlite:///{served.log_path.parent}/data/jobs.sqlite3"
     before = stored_jobs(store_url)
     refused = requests.post(f"{served.url}/v1/jobs?factor={NPY_N}", data=npy(np.ones((NPY_N, 1), np.float32)),
@@ -196,29 +196,37 @@ def test_the_amplifying_jobs_on_the_server_users_run(served):
     assert refused.json()["error"]["details"] == {"limit": "BLOCKGRAD_MAX_JOB_RESULT_BYTES", "value": n * n * 8,
                                                   "allowed": 256 * MiB}
     assert stored_jobs(store_url) == before
-    jobs = {}
-    for n in (AMPLIFYING[0], 48):
-        posted = requests.post(f"{served.url}/v1/jobs", json=amplifying_body(n, AMPLIFYING[1], seed=n), timeout=HANG_S)
-        assert posted.status_code == 202, posted.text
-        jobs[n] = posted.json()["id"]
-    for n, job_id in jobs.items():
-        location = f"{served.url}/v1/jobs/{job_id}"
-        assert wait_until(lambda: requests.get(location, timeout=HANG_S).json()["status"] not in ("queued", "running"),
-                          120, 0.3), f"job {n} did not finish"
-        record = requests.get(location, timeout=HANG_S).json()
-        assert record["status"] == "succeeded", record
-        result = requests.get(location + "/result", timeout=HANG_S).json()
-        assert "losses" not in result and np.array(result["accumulated"]).shape == (n, 1)
-        events = {}
+    n = AMPLIFYING[0]
+    amplifying = submitted(served, amplifying_body(n, AMPLIFYING[1]))
+    small_body = amplifying_body(48, AMPLIFYING[1], seed=48)
+    small = submitted(served, small_body)
+    assert np.array(succeeded(served, amplifying)["accumulated"]).shape == (n, 1)
+    events = {}
 
-        def logged():  # the runner logs job_finished after its commit: a moment after the status
-            events.update(runner_events(served.log(), job_id))
-            return "job_finished" in events
-        assert wait_until(logged, 60, 0.2), events
-        tiles_per_side = round(events["job_started"]["tiles"] ** 0.5)
-        assert events["job_finished"]["bytes_moved"] == 2 * tiles_per_side * n * 8, events  # (rows + cols) x D
-        assert events["job_finished"]["bytes_moved"] < n * n * 8  # less than the losses alone
-        if n == 48:
-            vectors = torch.tensor(amplifying_body(n, AMPLIFYING[1], seed=n)["vectors"], dtype=torch.float64)
-            assert_matches(np.array(result["accumulated"]), reference_accumulated(vectors, n, "sum").numpy(),
-                           "float64", what="accumulated vs reference")
+    def logged():  # the runner logs job_finished after its commit: a moment after the status
+        events.update(runner_events(served.log(), amplifying))
+        return "job_finished" in events
+    assert wait_until(logged, 60, 0.2), events
+    # (rows + cols) x D per tile and band: a few MiB at most on any number of workers
+    assert events["job_finished"]["bytes_moved"] < 4 * MiB < n * n * 8, events
+    vectors = torch.tensor(small_body["vectors"], dtype=torch.float64)
+    assert_matches(np.array(succeeded(served, small)["accumulated"]), reference_accumulated(vectors, 48, "sum").numpy(),
+                   "float64", what="accumulated vs reference")
+
+
+def submitted(served, body: dict) -> str:
+    posted = requests.post(f"{served.url}/v1/jobs", json=body, timeout=HANG_S)
+    assert posted.status_code == 202, posted.text
+    return posted.json()["id"]
+
+
+def succeeded(served, job_id: str) -> dict:
+    """The job's result once it succeeded: only the outputs asked for."""
+    location = f"{served.url}/v1/jobs/{job_id}"
+    assert wait_until(lambda: requests.get(location, timeout=HANG_S).json()["status"] not in ("queued", "running"),
+                      120, 0.3), f"job {job_id} did not finish"
+    record = requests.get(location, timeout=HANG_S).json()
+    assert record["status"] == "succeeded", record
+    result = requests.get(location + "/result", timeout=HANG_S).json()
+    assert "losses" not in result, list(result)
+    return result
