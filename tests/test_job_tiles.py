@@ -125,3 +125,7 @@ def test_plan_tiles_keeps_every_worker_busy_without_tiny_tiles():
     assert len(large) == 32 * 32 and large[0].blocks == 64
     assert sum(t.blocks for t in large) == 256 ** 2
     assert len(plan_tiles(64, 2, 4, 3)) >= 3  # tiny, but one tile per worker at least
+    # One pair per block (D = 1, factor = N = 131,072): a tile's losses, held while it runs, are
+    # at most 2048 x 2048 numbers (32 MiB of float64), not 16,384 x 16,384 (2 GiB) of pairs' numbers.
+    amplifying = plan_tiles(131072, 1, 131072, 2)
+    assert {t.blocks for t in amplifying} == {2048 * 2048} and len(amplifying) == 64 * 64

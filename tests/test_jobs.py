@@ -443,19 +443,46 @@ COMPUTED = [
      "objective": "sum", "dtype": "float32", "outputs": ["accumulated", "losses"]},  # 40 = 6 * 6 + 4
     {"vectors": np.random.default_rng(33).standard_normal((33, 2)).tolist(), "factor": 5,
      "objective": "logsumexp", "dtype": "float64", "outputs": ["accumulated", "losses"]},
+    # The issue's amplifying shape (D = 1, factor = N), with each output alone.
+    {"vectors": np.random.default_rng(36).standard_normal((36, 1)).tolist(), "factor": 36,
+     "objective": "sum_of_squares", "dtype": "float64", "outputs": ["accumulated"]},
+    {"vectors": np.random.default_rng(35).standard_normal((35, 1)).tolist(), "factor": 35,
+     "objective": "sum_of_squares", "dtype": "float32", "outputs": ["losses"]},
 ]
+
+
+def count_results_through_the_scheduler(dask_scheduler) -> None:
+    """Run on the scheduler: its gather and scatter handlers (data passing through it) counted."""
+    import functools
+
+    counts = dask_scheduler.blockgrad_counts = {"gather": 0, "scatter": 0}
+
+    def counting(op, real):
+        @functools.wraps(real)
+        def counted(*args, **kwargs):
+            counts[op] += 1
+            return real(*args, **kwargs)
+        return counted
+    for op in counts:
+        dask_scheduler.handlers[op] = counting(op, dask_scheduler.handlers[op])
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_jobs_the_runner_computed_are_exact_against_the_literal_loops(request, store_url):
     """POST, then the runner (a thread here, on a real local cluster) computes and stores; the
-    streamed JSON and .npz both match tests/oracle.py's long-double loops."""
+    streamed JSON and .npz both match tests/oracle.py's long-double loops, with only the outputs
+    asked for; no input or outcome passed through the scheduler (the runner's Client talks to
+    the workers directly), which a plain Client's gather does."""
+    from distributed import Client
+
     runner = pytest.importorskip("app.jobs.runner", reason="the job runner (jrun's branch) is not merged yet")
     cluster = request.getfixturevalue("cluster")
     app = make_app(store_url)
     client, served = app.test_client(), services_of(app)
     jobs = [submit(client, body) for body in COMPUTED]
+    spy = Client(cluster.address, set_as_default=False)
+    spy.run_on_scheduler(count_results_through_the_scheduler)
     running = runner.Runner(served.jobs.settings, served.objectives, db.open_store(store_url), cluster.address).start()
     try:
         for body, job in zip(COMPUTED, jobs, strict=True):
@@ -473,5 +500,10 @@ def test_jobs_the_runner_computed_are_exact_against_the_literal_loops(request, s
                            "bounds": got["bounds"].tolist(), "objective": body["objective"], "dtype": body["dtype"],
                            "device": "cpu", **{name: got[name] for name in body["outputs"]}}
             assert_matches_oracle(body, as_body, o)
+        assert spy.run_on_scheduler(lambda dask_scheduler: dask_scheduler.blockgrad_counts) == {"gather": 0,
+                                                                                               "scatter": 0}
+        spy.gather(spy.submit(sum, [1, 2]), direct=False)  # the counter counts
+        assert spy.run_on_scheduler(lambda dask_scheduler: dask_scheduler.blockgrad_counts)["gather"] == 1
     finally:
         running.stop()
+        spy.close()

@@ -215,6 +215,9 @@ GROUPS = {
     "jobs": Group(),
     # A second server on the jobs server's scheduler, its store a PostgreSQL database of this module.
     "ttl": Group(),
+    # The results cap and the records cap, on an embedded cluster with a store of their own.
+    "results": Group(env={"BLOCKGRAD_DASK_SCHEDULER": "", "BLOCKGRAD_DASK_WORKERS": "1",
+                          "BLOCKGRAD_DATA_DIR": "{tmp}/results-data"}),
 }
 
 
@@ -249,7 +252,7 @@ class Servers:
         return self.started[group]
 
     def env_of(self, group: str) -> dict[str, str]:
-        env = dict(GROUPS[group].env)
+        env = {name: value.format(tmp=self.tmp) for name, value in GROUPS[group].env.items()}
         for row in VARIABLES:
             if row.group == group and row.sets:
                 env[row.variable] = row.value.format(tmp=self.tmp, group=group)
@@ -795,8 +798,8 @@ def check_max_jobs(server, servers):
 
 
 def held_result_bytes(servers) -> int:
-    """What the jobs server's store holds or reserves for results: succeeded, queued and running jobs' bytes."""
-    path = Path(servers.env_of("jobs")["BLOCKGRAD_DATA_DIR"]) / "jobs.sqlite3"
+    """What the results server's store holds or reserves for results: succeeded, queued and running jobs' bytes."""
+    path = Path(servers.env_of("results")["BLOCKGRAD_DATA_DIR"]) / "jobs.sqlite3"
     with contextlib.closing(sqlite3.connect(path)) as conn:
         return conn.execute("SELECT coalesce(sum(result_bytes), 0) FROM jobs "
                             "WHERE status IN ('queued', 'running', 'succeeded')").fetchone()[0]
@@ -825,18 +828,20 @@ def check_results_cap(server, servers):
 
 
 def check_max_job_result(server, servers):
-    """A job's result over it is refused before it is stored; one at it is accepted."""
-    body = {"vectors": vectors(9, 1), "factor": 1, "dtype": "float64", "outputs": ["accumulated"]}
-    error = error_of(submit_job(server, body), 413, "limit_exceeded")
-    assert error["details"] == {"limit": "BLOCKGRAD_MAX_JOB_RESULT_BYTES", "value": 72, "allowed": 64}
-    forget(server, small_job(server, n=8, outputs=("accumulated",)))
+    """A job's result over it is refused before it is stored; one within it is accepted."""
+    body = {"vectors": vectors(182, 1), "factor": 182, "objective": "sum", "dtype": "float64", "outputs": ["losses"]}
+    error = error_of(submit_job(server, body), 413, "limit_exceeded")  # 182 x 182 float64 losses
+    assert error["details"] == {"limit": "BLOCKGRAD_MAX_JOB_RESULT_BYTES", "value": 264992, "allowed": 262144}
+    within = submit_job(server, {**body, "vectors": vectors(181, 1), "factor": 181})
+    assert within.status_code == 202, within.text
+    forget(server, within.json()["id"])
 
 
 def check_job_records(server, servers):
     """With BLOCKGRAD_MAX_JOB_RECORDS finished jobs kept and none expired, a POST waits (503
     overloaded) and every kept job still answers; with one fewer, it is accepted. The filler
     records are written into the store as the runner leaves failed jobs."""
-    path = Path(servers.env_of("jobs")["BLOCKGRAD_DATA_DIR"]) / "jobs.sqlite3"
+    path = Path(servers.env_of("results")["BLOCKGRAD_DATA_DIR"]) / "jobs.sqlite3"
     with contextlib.closing(sqlite3.connect(path, timeout=WAIT_S)) as conn, conn:
         kept = conn.execute("SELECT count(*) FROM jobs WHERE status IN ('succeeded', 'failed', 'cancelled')").fetchone()[0]
         now = time.time()
@@ -942,10 +947,11 @@ VARIABLES = [
         check_max_job_block),
     Var("BLOCKGRAD_MAX_JOBS", "1", "jobs", "one job running: the next POST is 503 overloaded", check_max_jobs),
     Var("BLOCKGRAD_JOB_TTL_S", "1", "ttl", "a finished job is 404 after it", check_job_ttl),
-    Var("BLOCKGRAD_MAX_JOB_RESULTS_BYTES", "4000", "jobs", "a 4008-byte result: 413; the store full: 503 and the "
-        "kept result served", check_results_cap),
-    Var("BLOCKGRAD_MAX_JOB_RESULT_BYTES", "64", "ttl", "a 72-byte result: 413 naming it", check_max_job_result),
-    Var("BLOCKGRAD_MAX_JOB_RECORDS", "1000", "jobs", "1000 finished jobs kept: 503 overloaded", check_job_records),
+    Var("BLOCKGRAD_MAX_JOB_RESULTS_BYTES", "4000", "results", "a 4008-byte result: 413; the store full: 503 and "
+        "the kept result served", check_results_cap),
+    Var("BLOCKGRAD_MAX_JOB_RESULT_BYTES", "262144", "ttl", "a 264992-byte result: 413 naming it",
+        check_max_job_result),
+    Var("BLOCKGRAD_MAX_JOB_RECORDS", "1000", "results", "1000 finished jobs kept: 503 overloaded", check_job_records),
     Var("BLOCKGRAD_DATA_DIR", "{tmp}/jobs-data", "jobs", "the store jobs.sqlite3 there holds its jobs",
         check_data_dir),
     Var("BLOCKGRAD_JOBS_DB", "(a PostgreSQL database of this module)", "ttl", "/readyz store postgresql; "

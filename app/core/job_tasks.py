@@ -6,6 +6,10 @@ proof), so a task's memory is bounded by a chunk plus its partial sums, and retu
 tile's losses and its share of the accumulated gradient: rows x D onto the tile's rows of
 V and cols x D onto its columns, (rows + cols) x D in all, never N x D.
 
+Only the outputs the job asked for move and are assembled: one not asked for is an empty
+(0, 0) array from the tile on (the same code adds and places nothing), so a job without
+`losses` never holds F x F numbers, nor one without `accumulated` N x D.
+
 The reduction never makes a dense N x D sum until the last task: the row shares of the
 tiles of one tile row all land on the same rows of V, so they are summed on their own
 (a band of rows x D), and likewise the column shares of one tile column. The last task
@@ -36,9 +40,12 @@ from .run import PassOne, SerialExecutor
 TILE_NUMBERS = 512 * 1024 * 1024
 TILES_PER_WORKER = 4  # at least this many tiles per worker when the blocks allow it
 LEAST_TILE_NUMBERS = 32 * 1024 * 1024  # a smaller tile's work is not large against its overhead
+# Blocks in one tile: its losses (one number per block) are held while it runs, whatever is asked.
+TILE_BLOCKS = 4 * 1024 * 1024
 REDUCE_FAN_IN = 8  # partials summed by one reduction task
 FINISH_FAN_IN = 16  # a job of at most this many tiles is finished from its tiles, without bands
 ROWS, COLS = "rows", "cols"  # the two kinds of band
+JOB_OUTPUTS = ("accumulated", "losses")
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,7 @@ class JobSpec:
     offset: float
     dtype: str
     chunk_elements: int  # numbers per chunk (engine.elements_per_chunk)
+    outputs: tuple[str, ...] = JOB_OUTPUTS  # what the job returns: only these are moved and assembled
     program: str | None = None  # a model's program: the sha256 of its bytes (job_models.py)
 
 
@@ -67,7 +75,7 @@ class Tile:
 
 @dataclass
 class TilePartial:
-    """A tile's losses and its (rows + cols) x D share of dL/dV."""
+    """A tile's losses and its (rows + cols) x D share of dL/dV; (0, 0) when not asked for."""
     rows: range
     cols: range
     row_start: int  # first row of V the tile's rows cover
@@ -103,8 +111,8 @@ class BandSum:
 
 @dataclass
 class JobOutcome:
-    accumulated: np.ndarray | None  # (N, D), None when failed
-    losses: np.ndarray | None  # (F, F)
+    accumulated: np.ndarray | None  # (N, D), (0, 0) when not asked for, None when failed
+    losses: np.ndarray | None  # (F, F), likewise
     error: dict | None  # {"code", "message", "details"} when failed
     started_at: float
     finished_at: float
@@ -115,11 +123,11 @@ class JobOutcome:
 def plan_tiles(n: int, dim: int, factor: int, workers: int = 1, tile_numbers: int = TILE_NUMBERS,
                least_numbers: int = LEAST_TILE_NUMBERS) -> list[Tile]:
     """Square tiles of whole blocks, row-major, each about tile_numbers numbers (at least one
-    block); more and smaller while there are fewer than TILES_PER_WORKER per worker, but no
-    smaller than least_numbers unless that leaves a worker without a tile."""
+    block, at most TILE_BLOCKS); more and smaller while there are fewer than TILES_PER_WORKER
+    per worker, but no smaller than least_numbers unless that leaves a worker without a tile."""
     base = max(1, n // factor)
     per_block = base * base * 2 * dim
-    side = max(1, math.isqrt(max(1, tile_numbers // per_block)))
+    side = max(1, min(math.isqrt(TILE_BLOCKS), math.isqrt(max(1, tile_numbers // per_block))))
     total = n * n * 2 * dim
     wanted = max(workers, min(TILES_PER_WORKER * max(1, workers), total // least_numbers))
     side = max(1, min(side, math.ceil(factor / math.ceil(math.sqrt(wanted)))))
@@ -148,18 +156,30 @@ def run_tile(vectors: np.ndarray, spec: JobSpec, tile: Tile, objective: Objectiv
     for _ in computed:
         pass
     bad = None if computed.surely_finite() else computed.first_non_finite_block()
-    row_start, _, col_start, _ = tile_spans(spec, tile)
-    return TilePartial(tile.rows, tile.cols, row_start, col_start, computed.losses.numpy(),
-                       computed.rows_sum.numpy(), computed.cols_sum.numpy(), started_at, bad)
+    return tile_partial(spec, tile, computed.losses.numpy(), computed.rows_sum.numpy(), computed.cols_sum.numpy(),
+                        started_at, bad)
 
 
 def failed_tile(spec: JobSpec, tile: Tile, error: dict) -> TilePartial:
     """A tile that could not be computed (its objective did not load): zeros and the error."""
-    row_start, height, col_start, width = tile_spans(spec, tile)
+    _, height, _, width = tile_spans(spec, tile)
     dtype = np.dtype(spec.dtype)
-    return TilePartial(tile.rows, tile.cols, row_start, col_start,
-                       np.zeros((len(tile.rows), len(tile.cols)), dtype), np.zeros((height, spec.dim), dtype),
-                       np.zeros((width, spec.dim), dtype), time.time(), None, error)
+    return tile_partial(spec, tile, np.zeros((len(tile.rows), len(tile.cols)), dtype),
+                        np.zeros((height, spec.dim), dtype), np.zeros((width, spec.dim), dtype), time.time(), None,
+                        error)
+
+
+def tile_partial(spec: JobSpec, tile: Tile, losses: np.ndarray, row_sums: np.ndarray, col_sums: np.ndarray,
+                 started_at: float, bad: tuple[int, int] | None, error: dict | None = None) -> TilePartial:
+    """What the tile sends on: only the outputs asked for."""
+    row_start, _, col_start, _ = tile_spans(spec, tile)
+    losses, sums = asked(spec, "losses", losses), asked(spec, "accumulated", row_sums, col_sums)
+    return TilePartial(tile.rows, tile.cols, row_start, col_start, *losses, *sums, started_at, bad, error)
+
+
+def asked(spec: JobSpec, output: str, *arrays: np.ndarray) -> list[np.ndarray]:
+    """The arrays, or empty (0, 0) ones when the job did not ask for `output`."""
+    return [array if output in spec.outputs else np.zeros((0, 0), array.dtype) for array in arrays]
 
 
 def band_share(kind: str, part: "TilePartial | BandSum") -> tuple[int, np.ndarray, list, int]:
@@ -212,9 +232,11 @@ def band_groups(tiles: list[Tile]) -> dict[str, list[list[int]]]:
 
 def finish(spec: JobSpec, *parts: "BandSum | TilePartial") -> JobOutcome:
     """The bands (or, for a small job, the tiles themselves) added into the job's answer, or
-    the error /v1 would give for the same body."""
-    accumulated = np.zeros((spec.n, spec.dim), dtype=np.dtype(spec.dtype))  # (N, D)
-    losses = np.zeros((spec.factor, spec.factor), dtype=np.dtype(spec.dtype))  # (F, F)
+    the error /v1 would give for the same body and outputs (but for an accumulated gradient whose
+    sum overflows, an error only when it is asked for: docs/jobs.md)."""
+    dtype = np.dtype(spec.dtype)
+    accumulated = np.zeros((spec.n, spec.dim) if "accumulated" in spec.outputs else (0, 0), dtype)  # (N, D)
+    losses = np.zeros((spec.factor, spec.factor) if "losses" in spec.outputs else (0, 0), dtype)  # (F, F)
     moved = 0
     for part in parts:
         for start, sums, pieces, nbytes in shares(part):

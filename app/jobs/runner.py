@@ -113,8 +113,9 @@ class Runner:
             return self.client if self.client.status == "running" else None
         from distributed import Client  # here: importing the module loads no Dask
 
-        try:
-            self.client = Client(self.address, timeout=CONNECT_TIMEOUT_S, set_as_default=False, name="blockgrad-runner")
+        try:  # direct: data moves between this process and the workers, never through the scheduler
+            self.client = Client(self.address, timeout=CONNECT_TIMEOUT_S, set_as_default=False, name="blockgrad-runner",
+                                 direct_to_workers=True)
         except DASK_ERRORS as exc:
             self.down("cluster", f"{self.address}: {exc}")
             return None
@@ -188,12 +189,12 @@ class Runner:
             return
         spec = JobSpec(record["n"], record["dim"], record["factor"], record["objective"], record["offset"],
                        record["dtype"], elements_per_chunk(self.settings.max_job_block_elements, objective,
-                                                           record["dim"], vectors.itemsize))
+                                                           record["dim"], vectors.itemsize), tuple(record["outputs"]))
         tiles = plan_tiles(spec.n, spec.dim, spec.factor, self.workers or 1)
         try:
             graph = submit(client, f"{job_id}-{number}", vectors, spec, tiles, objective,
                            SUBMIT_TIMEOUT_S + vectors.nbytes / TRANSFER_BYTES_PER_S)
-        except ValueError as exc:  # "No valid workers found" (they left meanwhile), or worse: an attempt spent
+        except ValueError as exc:  # the cluster refused the graph: an attempt spent (no worker: a TimeoutError, below)
             self.again(attempt, f"submit failed: {exc}")
             return
         except DASK_ERRORS as exc:  # the cluster went away: the job waits, no attempt spent
