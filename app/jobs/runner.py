@@ -281,8 +281,8 @@ def main(argv: list[str]) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     settings = JobSettings.from_env()
-    runner = Runner(settings, served_objectives(Settings.from_env()), db.open_store(settings.database_url()),
-                    argv[0] if argv else None)
+    store = db.open_store(settings.database_url(), "blockgrad-runner")
+    runner = Runner(settings, served_objectives(Settings.from_env()), store, argv[0] if argv else None)
     stopping = threading.Event()
     for number in (signal.SIGTERM, signal.SIGINT):
         signal.signal(number, lambda *_: (stopping.set(), runner.wake.set()))
