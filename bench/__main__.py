@@ -50,6 +50,7 @@ ROWS = [
     jobs.job_model,
     jobs.result_download,
     jobs.kept_jobs,
+    jobs.runner_peak,
 ]
 
 

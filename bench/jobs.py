@@ -1,4 +1,4 @@
-"""Job rows J1-J6 (docs/jobs.md, "Benchmarks"): each starts gunicorn as `make serve` does,
+"""Job rows J1-J7 (docs/jobs.md, "Benchmarks"): each starts gunicorn as `make serve` does,
 with its embedded Dask cluster (BLOCKGRAD_DASK_WORKERS workers at nice 19), and stops it.
 
 A job's compute time is its record's finished_at - started_at (the first tile's start to the
@@ -12,11 +12,13 @@ BLOCKGRAD_BENCH_J3=1, and otherwise reports that it was not run.
 
 `python -m bench.jobs TP` profiles one tile (in this process, on a Dask worker untuned and tuned).
 
-J5 downloads a stored result with four clients at once and reads the web worker's peak memory.
+J5 downloads a stored result with six clients at once and reads the web worker's peak memory.
 
 J6 times a POST, a GET and a scrape against a store of 10,000 kept jobs and one of 30.
 
-Usage: python -m bench.jobs [J1 J2 J3 J4 J5 J6 TP]
+J7 reads the runner's peak memory while it stores the largest result admitted.
+
+Usage: python -m bench.jobs [J1 J2 J3 J4 J5 J6 J7 TP]
 """
 import contextlib
 import io
@@ -420,9 +422,12 @@ def stored_result(data_dir: str, n: int, dim: int) -> str:
     return job_id
 
 
-def result_download(bench=None, n: int = 65536, dim: int = 64, clients: int = 4) -> list[Result]:
+def result_download(bench=None, n: int = 65536, dim: int = 64, clients: int = 6) -> list[Result]:
     """A stored result downloaded by `clients` at once from one web worker, as .npz and as JSON:
-    that worker's peak RSS above its RSS before, against the result's size."""
+    that worker's peak RSS above its RSS before, against what the downloads reserved in its
+    memory ledger (app/api/v1/jobs.stream_bytes each)."""
+    from app.api.v1.jobs import stream_bytes
+
     result_bytes = n * dim * 4
     rows = []
     with tempfile.TemporaryDirectory() as data_dir:
@@ -437,13 +442,14 @@ def result_download(bench=None, n: int = 65536, dim: int = 64, clients: int = 4)
                 all_started_together([lambda: sizes.append(len(requests.get(
                     url, headers={"Accept": accept}, timeout=600).content))] * clients)
                 grown, body = (peak_rss_kib(worker) - before) * 1024, sizes[0]
-                # Streamed, the downloads together hold a few chunks each: less than the one whole
-                # body a download built in memory would hold (4 such downloads: 4 bodies).
+                reserved = clients * stream_bytes("float32", form == "npz")
                 rows.append(Result(f"J5. a stored result of N={n} D={dim} float32 ({result_bytes >> 20} MiB), {clients} "
                                    f"clients downloading it at once as {form}: the web worker's peak RSS growth / "
-                                   "one body's size", "<= 1x", f"{grown / body:.2f}x", at_most(grown / body, 1.0),
-                                   f"grew {grown / 2**20:.1f} MiB from {before / 1024:.0f} MiB ({grown / result_bytes:.2f}x "
-                                   f"the result's arrays); bodies {body / 2**20:.1f} MiB each; {load()}"))
+                                   "the downloads' reservations in its ledger", "<= 1x", f"{grown / reserved:.2f}x",
+                                   at_most(grown / reserved, 1.0),
+                                   f"grew {grown / 2**20:.1f} MiB from {before / 1024:.0f} MiB, reserved "
+                                   f"{reserved / 2**20:.1f} MiB; bodies {body / 2**20:.1f} MiB each "
+                                   f"({grown / body:.2f}x one); {load()}"))
     return rows
 
 
@@ -476,8 +482,33 @@ def kept_jobs(bench=None, few: int = 30, many: int = 10_000, repeats: int = 15) 
     return rows
 
 
+# J7 ---------------------------------------------------------------------------------------
+def runner_peak(bench=None, factor: int = 5792) -> list[Result]:
+    """A job whose result is as large as BLOCKGRAD_MAX_JOB_RESULT_BYTES allows (F x F float64
+    losses, N = F, D = 1): the runner's peak RSS above its RSS before, against the result's
+    size (docs/operations.md, "Memory budget": the runner holds one result at a time)."""
+    import psutil
+
+    result_bytes = factor * factor * 8
+    with job_server(2) as server:
+        runner = next(p for p in psutil.Process(server.pid).children(recursive=True)
+                      if " -m app.jobs.runner" in " ".join(p.cmdline()))
+        before = rss_kib(runner.pid) * 1024
+        reset_peak_rss(runner.pid)
+        body = {"vectors": random_vectors(factor, 1).tolist(), "factor": factor, "dtype": "float64",
+                "outputs": ["losses"]}
+        job = requests.post(server.url + "/v1/jobs", json=body, timeout=60)
+        job.raise_for_status()
+        record = wait_for(server.url, job.json()["id"], JOB_LIMIT_S, 0.5)
+        grown = peak_rss_kib(runner.pid) * 1024 - before
+    return [Result(f"J7. a job's result of {result_bytes >> 20} MiB (F={factor} losses, float64) stored: the runner's "
+                   "peak RSS growth / the result's size", "<= 1.5x", f"{grown / result_bytes:.2f}x",
+                   at_most(grown / result_bytes, 1.5),
+                   f"{record['status']}; grew {grown / 2**20:.0f} MiB from {before / 2**20:.0f} MiB; {load()}")]
+
+
 ROWS = {"J1": job_overhead, "J2": job_scaling, "J3": lambda: job_size(named=True), "J4": job_model,
-        "J5": result_download, "J6": kept_jobs}
+        "J5": result_download, "J6": kept_jobs, "J7": runner_peak}
 NAMED_ONLY = {"TP": tile_profile}
 
 

@@ -30,6 +30,9 @@ STATEMENT_TIMEOUT_MS = 2000
 TCP_ARGS = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 2,
             "tcp_user_timeout": 4000}
 RESULT_CHUNK_BYTES = 1024 * 1024  # whole rows of an output per stored chunk: a download holds a few
+# Each SQLite connection's page cache: results are read once, in order, so a large cache only
+# makes every concurrent download hold more (SQLite's default is 2 MiB).
+SQLITE_CACHE_BYTES = 512 * 1024
 # PostgreSQL connections per process, at most 5: a pod's 2 web workers and its runner hold 15,
 # and deploy/k8s/postgres.yaml's max_connections (300) covers every replica the autoscalers allow.
 POOL_SIZE, POOL_OVERFLOW = 2, 3
@@ -108,6 +111,7 @@ def guarded(function):
 
 def sqlite_connection(dbapi_connection, _record) -> None:
     dbapi_connection.isolation_level = None  # SQLAlchemy's "begin" event starts every transaction
+    dbapi_connection.execute(f"PRAGMA cache_size = -{SQLITE_CACHE_BYTES // 1024}")  # in KiB when negative
     # WAL: readers never wait for the writer. Switching to it ignores the busy timeout: while another
     # process creates the file (a service's workers and runner start together) it is refused at once.
     deadline = time.monotonic() + TIMEOUT_S
