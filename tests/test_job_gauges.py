@@ -101,7 +101,7 @@ def test_a_scrape_does_not_wait_for_a_store_that_does_not_answer(client, monkeyp
 def test_a_store_that_fails_is_asked_again_only_after_the_pause(monkeypatch, tmp_path):
     dialled = []
 
-    def unreachable(url):
+    def unreachable(url, application):
         dialled.append(url)
         raise store_unavailable()
     monkeypatch.setattr(db, "open_store", unreachable)
