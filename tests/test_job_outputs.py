@@ -3,6 +3,8 @@ before anything runs (issue 30): the amplifying jobs of the hostile round, at th
 through the routes, and on the server as `make serve` starts it."""
 import dataclasses
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -230,3 +232,28 @@ def succeeded(served, job_id: str) -> dict:
     result = requests.get(location + "/result", timeout=HANG_S).json()
     assert "losses" not in result, list(result)
     return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accept", ["application/json", "application/x-npz"])
+def test_concurrent_downloads_of_a_kept_result_are_all_served_whole(served, accept):
+    """Six clients download one result at once (the hostile round's six): every one gets the
+    whole body, byte for byte the body a lone download gets, and the worker's ledger (each
+    download's reservation) holds them all: none is refused."""
+    body = {"vectors": np.random.default_rng(6).standard_normal((512, 8)).tolist(), "factor": 8,
+            "outputs": ["accumulated"]}
+    job_id = submitted(served, body)
+    succeeded_record = succeeded(served, job_id)
+    url = f"{served.url}/v1/jobs/{job_id}/result"
+    alone = requests.get(url, headers={"Accept": accept}, timeout=HANG_S)
+    assert alone.status_code == 200 and len(alone.content) > 0
+    start = threading.Barrier(6)
+
+    def download(_):
+        start.wait(timeout=HANG_S)
+        return requests.get(url, headers={"Accept": accept}, timeout=HANG_S)
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(download, range(6)))
+    assert [answer.status_code for answer in answers] == [200] * 6, [answer.text[:300] for answer in answers]
+    assert all(answer.content == alone.content for answer in answers)
+    assert np.array(succeeded_record["accumulated"]).shape == (512, 8)
