@@ -13,7 +13,7 @@ from ...core.errors import BlockgradError
 from ...extensions import services
 from ...http.docs import OPEN_ROUTE, documents_errors
 from ...http.errors import ErrorStyle, model_not_found
-from ...http.pipeline import pipeline
+from ...http.pipeline import http_call, pipeline
 from .codec import BINARY_CONTENT_TYPE
 from .infer import decode, field_messages, invalid, render
 from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, model_metadata
@@ -132,7 +132,7 @@ def infer(model: str, version: str | None = None):
     """Per-block gradients as output tensors; JSON or binary tensor data both ways."""
     check_model(model, version)
     try:
-        return render(pipeline(decode(request)))
+        return render(pipeline(decode(request), http_call()))
     except BlockgradError as exc:  # fields refused: named as the protocol names them
         if exc.code == "validation_error" and isinstance(exc.details.get("fields"), dict):
             raise invalid(field_messages(exc.details["fields"])) from None
