@@ -6,6 +6,7 @@ answer UNIMPLEMENTED (the generated base servicer's).
 """
 import hmac
 import logging
+import time
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -31,6 +32,7 @@ log = logging.getLogger("blockgrad")
 SERVICE = "inference.GRPCInferenceService"
 ERROR_CODE_KEY = "blockgrad-error-code"  # trailing metadata of every failed call
 REQUEST_ID_KEY = "x-request-id"
+DEADLINE_MARGIN_S = 0.05
 Status = grpc.StatusCode
 # The error table's codes (app/http/errors.py) as gRPC statuses; any other 4xx code is INVALID_ARGUMENT.
 STATUS_OF_CODE = {
@@ -132,7 +134,12 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
     @recorded("ModelInfer")
     def ModelInfer(self, message, context, state):
         check_model(message.model_name, message.model_version or None)
-        call = Call(self.served, state, lambda: not context.is_active(), context.time_remaining())
+        # Ours ends DEADLINE_MARGIN_S before gRPC's, whose end also makes the call inactive: an
+        # inactive call is one its client cancelled only before then.
+        remaining = context.time_remaining()
+        due = None if remaining is None else time.monotonic() + remaining - DEADLINE_MARGIN_S
+        call = Call(self.served, state, lambda: not context.is_active() and (due is None or time.monotonic() < due),
+                    None if remaining is None else remaining - DEADLINE_MARGIN_S)
 
         def admit(sizes, described, _served):
             check_message(sizes, self.max_message_bytes)
@@ -151,7 +158,7 @@ def add_services(server: grpc.Server, app: Flask, max_message_bytes: int) -> Cal
     """The inference service and grpc.health.v1 on `server`; returns what to call when the
     worker starts draining (health then answers NOT_SERVING)."""
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(app, max_message_bytes), server)
-    checker = health.HealthServicer()
+    checker = health.HealthServicer(experimental_non_blocking=False)  # a Watch holds one of the capped calls
     for name in ("", SERVICE):
         checker.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
