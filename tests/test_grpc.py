@@ -15,6 +15,7 @@ Verdicts are statuses, counts and log lines, never times; every wait is bounded 
 """
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -278,6 +279,23 @@ def test_the_master_never_loads_grpcio(held_server):
     assert "cygrpc" not in open(f"/proc/{held_server.pid}/maps").read()
 
 
+def test_the_readme_and_api_examples_run(held_server):
+    """README's one-liner and docs/api.md's snippet, against this server's gRPC port."""
+    readme = (ROOT / "README.md").read_text()
+    code, shown = re.search(r"^\.venv/bin/python -c '(.*)'  # (.*)$", readme, re.M).groups()
+    [snippet] = [block for block in re.findall(r"^```python\n(.*?)^```", (ROOT / "docs" / "api.md").read_text(),
+                                               re.S | re.M) if "tritonclient.grpc" in block]
+    printed = []
+    for source in (code, snippet):
+        assert "127.0.0.1:8001" in source
+        done = subprocess.run([sys.executable, "-c", source.replace("127.0.0.1:8001", held_server.grpc_target)],
+                              cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S)
+        assert done.returncode == 0, done.stderr
+        printed.append(done.stdout.strip())
+    assert printed[0] == shown == "(2, 2)"
+    assert printed[1].startswith("[[") and len(re.findall(r"\d+\.\d*(?:e[-+]?\d+)?", printed[1])) == 4  # (2, 2)
+
+
 def test_cap_line_cancel_deadline_and_drain_at_known_points(held_server):
     """A health Watch holds one call; two ModelInfer wait for the held slots: the next call is
     past the cap (RESOURCE_EXHAUSTED at once); with the Watch gone it reaches a full line
@@ -317,13 +335,40 @@ def test_cap_line_cancel_deadline_and_drain_at_known_points(held_server):
             line = log_line(server, "grpc-late")
             assert (line["status"], line["error"]) == ("DEADLINE_EXCEEDED", "deadline_exceeded")
 
+            http, answers = background(lambda: requests.post(server.url + "/v1/gradients", timeout=WAIT_S,
+                                                             json={"vectors": x.tolist(), "factor": 2}))
+            http.start()
+            assert wait_until(lambda: queue_depth(server) == 2, WAIT_S), "the HTTP request never waited in line"
             assert not kept.done()
-            os.kill(server.pid, signal.SIGTERM)
+            os.kill(server.pid, signal.SIGTERM)  # gRPC drains at once, while HTTP's request is still in flight
             assert wait_until(lambda: refused(server.grpc_port), WAIT_S), "new gRPC connections still accepted"
-            assert not kept.done()
-        answer = kept.result(WAIT_S)  # the slots let go: the call in flight finishes
+            assert not kept.done() and answers == []
+        answer = kept.result(WAIT_S)  # the slots let go: the calls in flight finish
+        http.join(WAIT_S)
     assert [o.name for o in answer.outputs] == list(OUTPUT_NAMES) and answer.id == "kept"
+    assert answers[0].status_code == 200
     assert server.process.wait(WAIT_S) == 0
+
+
+def test_a_recycled_worker_finishes_its_grpc_calls_and_its_replacement_serves():
+    """gunicorn recycles the one worker (max_requests) while a call waits for the held slots:
+    the worker drains (its gRPC port refused: no replacement until it exits), the call gets its
+    whole answer once the slots are let go, and the replacement binds the port again."""
+    env = {"GUNICORN_CMD_ARGS": "--max-requests 6 --max-requests-jitter 0"}
+    with gunicorn_server(workers=1, env=env) as server, grpc.insecure_channel(server.grpc_target) as channel:
+        stub, x = pb_grpc.GRPCInferenceServiceStub(channel), vectors(10, 3)
+        [first] = server.worker_pids()
+        with HeldSlots(server):
+            kept = stub.ModelInfer.future(infer_request(x, request_id="kept", factor=2), timeout=WAIT_S)
+            assert wait_until(lambda: queue_depth(server) == 1, WAIT_S), "the call never waited in line"
+            # HTTP requests until the worker reaches max_requests; draining, it answers none.
+            assert wait_until(lambda: server.answers("/healthz") is None or refused(server.grpc_port), WAIT_S), \
+                "the worker was never recycled"
+            assert not kept.done() and server.worker_pids() == [first]
+        assert kept.result(WAIT_S).id == "kept"
+        assert wait_until(lambda: server.worker_pids() not in ([], [first]) and server.answers("/healthz"),
+                          WAIT_S), "no replacement"  # it answers HTTP once its gRPC server is up
+        assert stub.ModelInfer(infer_request(x), timeout=WAIT_S, wait_for_ready=True).outputs
 
 
 def refused(port: int) -> bool:
@@ -353,6 +398,14 @@ def test_a_taken_grpc_port_stops_the_start_naming_the_variable(reuse_port):
     [line] = [line for line in log.splitlines() if "BLOCKGRAD_GRPC_BIND" in line]
     assert f"127.0.0.1:{port}" in line and "already in use" in line
     assert "Booting worker" not in log
+
+
+def test_the_http_port_for_grpc_stops_the_start_naming_both():
+    port = free_port()
+    done = start({"BLOCKGRAD_BIND": f"127.0.0.1:{port}", "BLOCKGRAD_GRPC_BIND": f"127.0.0.1:{port}"})
+    assert done.returncode == 1
+    [line] = [line for line in (done.stdout + done.stderr).splitlines() if "BLOCKGRAD_GRPC_BIND" in line]
+    assert "BLOCKGRAD_BIND has it" in line
 
 
 def test_a_public_grpc_bind_without_a_token_refuses_to_start():

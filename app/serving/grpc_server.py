@@ -32,11 +32,15 @@ def enabled(settings: ServingSettings) -> bool:
     return settings.grpc_bind.strip().lower() != "off"
 
 
-def check_address(settings: ServingSettings, token: str | None, log) -> None:
-    """In the master before any fork: the token rule of BLOCKGRAD_BIND, then a free port."""
+def check_address(settings: ServingSettings, http: list, token: str | None, log) -> None:
+    """In the master before any fork: the token rule of BLOCKGRAD_BIND, then a free port, not
+    HTTP's (`http`: gunicorn's parsed bind, not bound yet)."""
     if enabled(settings):
         address = [parse_address(settings.grpc_bind, 8001)]
         check_auth(address, settings, token, log)
+        if address[0] in http:
+            raise addresses.AddressInUse(f"cannot listen on {settings.grpc_bind} for gRPC: BLOCKGRAD_BIND has it "
+                                         f"(set {BIND_VARIABLE} to another port, or off)")
         addresses.refuse_if_taken(address, reuse_port=False, variable=BIND_VARIABLE)
 
 

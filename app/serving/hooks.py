@@ -52,7 +52,7 @@ def on_starting(server):
     inherited = server.LISTENERS or server.master_pid or systemd.listen_fds(unset_environment=False)
     if not inherited:  # a re-exec'd master's or systemd's sockets are ours already
         addresses.refuse_if_taken(server.cfg.address, server.cfg.reuse_port)
-        grpc_server.check_address(process.serving, token, server.log)
+        grpc_server.check_address(process.serving, server.cfg.address, token, server.log)
     process.settings = Settings.from_env()
     process.metrics = MetricsDir.prepare(server.cfg.worker_tmp_dir)
     host.scrape_lock = metrics_archive.scrape_lock(process.metrics.path)  # scrapes lock it against folds
