@@ -10,7 +10,7 @@ held by anything else, another blockgrad included, stops the start naming the va
 The servicers come from the app (app/core/host.py's `grpc_services`, set by the factory).
 """
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gunicorn.util import parse_address
@@ -61,18 +61,18 @@ class Running:
     server: Any  # grpc.Server
     draining: Any  # health's enter_graceful_shutdown
     grace_s: float
-    stopped: list = field(default_factory=list)  # the stop's event, once stopping
+    stopped: Any = None  # the stop's event, once stopping
 
     def drain(self) -> None:
         """Stop accepting calls (health answers NOT_SERVING); calls in flight get grace_s.
         Never blocks: called from the worker's SIGTERM handler too."""
-        if not self.stopped:
+        if self.stopped is None:
             self.draining()
-            self.stopped.append(self.server.stop(self.grace_s))
+            self.stopped = self.server.stop(self.grace_s)
 
     def wait(self) -> None:
         self.drain()
-        self.stopped[0].wait(self.grace_s + 5)
+        self.stopped.wait(self.grace_s + 5)
 
 
 def start(settings: ServingSettings, threads: int, grace_s: float) -> Running | None:
@@ -86,11 +86,9 @@ def start(settings: ServingSettings, threads: int, grace_s: float) -> Running | 
                          options=options(settings, grace_s), maximum_concurrent_rpcs=threads)
     draining = host.grpc_services(server, settings.grpc_max_message_bytes)
     try:
-        port = server.add_insecure_port(settings.grpc_bind)
-    except RuntimeError:  # grpcio raises on a failed bind (older releases returned 0)
-        port = 0
-    if not port:
+        server.add_insecure_port(settings.grpc_bind)
+    except RuntimeError:  # grpcio 1.85 raises on a failed bind
         raise addresses.AddressInUse(f"cannot listen on {settings.grpc_bind} for gRPC (set {BIND_VARIABLE} to a "
-                                     "free host:port, or off)")
+                                     "free host:port, or off)") from None
     server.start()
     return Running(server, draining, grace_s)

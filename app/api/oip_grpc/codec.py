@@ -22,11 +22,11 @@ from ..v2.model import FLOAT_DATATYPES
 TYPED_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
 MESSAGE_MARGIN_BYTES = 64 * 1024  # names, shapes and parameters beside the tensors' bytes
 COPIES = 3  # an output's pieces, their join and the serialised message
+PARAMETER_FIELDS = {str: "string_param", int: "int64_param", float: "double_param"}
 
 
 def value(parameter: pb.InferParameter):
-    kind = parameter.WhichOneof("parameter_choice")
-    return None if kind is None else getattr(parameter, kind)
+    return getattr(parameter, parameter.WhichOneof("parameter_choice") or "bool_param")  # unset: False
 
 
 def decode(message: pb.ModelInferRequest) -> Described:
@@ -74,20 +74,12 @@ def check_message(sizes: Sizes, limit: int) -> None:
                              "BLOCKGRAD_GRPC_MAX_MESSAGE_BYTES", nbytes, limit)
 
 
-def parameter(value) -> pb.InferParameter:
-    if isinstance(value, str):
-        return pb.InferParameter(string_param=value)
-    if isinstance(value, int):
-        return pb.InferParameter(int64_param=value)
-    return pb.InferParameter(double_param=value)
-
-
 def render(computed: Computed) -> pb.ModelInferResponse:
     head, tensors = output_tensors(computed.request, *computed.own, computed.result, computed.device, computed.timed)
     response = pb.ModelInferResponse(model_name=head["model_name"], model_version=head["model_version"],
                                      id=head.get("id", ""))
-    for key, item in head["parameters"].items():
-        response.parameters[key].CopyFrom(parameter(item))
+    for key, item in head["parameters"].items():  # factor, objective, offset (an int or a float), device
+        setattr(response.parameters[key], PARAMETER_FIELDS[type(item)], item)
     for tensor in tensors:
         response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.array.shape)
         response.raw_output_contents.append(b"".join(iter_body(iter(()), [tensor.array])))
