@@ -248,6 +248,14 @@ def test_a_request_over_the_message_limit_is_resource_exhausted(stub):
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def test_an_unusable_device_is_not_ready_and_unavailable():
+    with gunicorn_server(workers=1, device="cuda:9") as started, grpc.insecure_channel(started.grpc_target) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        assert not stub.ServerReady(pb.ServerReadyRequest(), timeout=WAIT_S).ready
+        error = failure(stub.ModelInfer, infer_request(vectors(4, 2)), ())
+    assert error.code() == grpc.StatusCode.UNAVAILABLE and trailing(error)["blockgrad-error-code"] == "not_ready"
+
+
 def test_grpc_requests_are_in_the_request_metrics(server):
     text = requests.get(server.url + "/metrics", timeout=WAIT_S).text
     ok = [line for line in text.splitlines() if line.startswith("blockgrad_requests_total{")
