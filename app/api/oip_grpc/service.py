@@ -15,7 +15,6 @@ from flask import Flask
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as pb_grpc
 
-from ...core.device import ready_device
 from ...core.errors import BlockgradError
 from ...extensions import services_of
 from ...http import record
@@ -24,7 +23,7 @@ from ...http.errors import ERRORS, bounded_error, internal_error, invalid_token,
 from ...http.pipeline import Call, admit_to_compute, pipeline
 from ..v2.infer import field_messages, invalid
 from ..v2.model import MODEL_NAME, model_metadata
-from ..v2.views import check_model
+from ..v2.views import check_model, device_ready
 from .codec import check_message, decode, render
 
 log = logging.getLogger("blockgrad")
@@ -96,26 +95,18 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         if not hmac.compare_digest(given, self.token):
             raise invalid_token()
 
-    def ready(self) -> bool:
-        try:
-            ready_device(self.served.settings.device)
-        except BlockgradError as exc:
-            log.warning("not ready: %s", exc.message)
-            return False
-        return True
-
     @recorded("ServerLive", guarded=False)
     def ServerLive(self, message, context, state):
         return pb.ServerLiveResponse(live=True)
 
     @recorded("ServerReady", guarded=False)
     def ServerReady(self, message, context, state):
-        return pb.ServerReadyResponse(ready=self.ready())
+        return pb.ServerReadyResponse(ready=device_ready(self.served.settings, state))
 
     @recorded("ModelReady")
     def ModelReady(self, message, context, state):
         check_model(message.name, message.version or None)
-        return pb.ModelReadyResponse(ready=self.ready())
+        return pb.ModelReadyResponse(ready=device_ready(self.served.settings, state))
 
     @recorded("ServerMetadata")
     def ServerMetadata(self, message, context, state):

@@ -53,9 +53,10 @@ def health(ok: bool) -> Response:
     return Response(status=200 if ok else 400, mimetype="text/plain")  # the protocol's boolean: an empty body
 
 
-def device_ready() -> bool:
+def device_ready(settings=None, state=None) -> bool:
+    """Whether the device runs; `state` (default Flask's `g`) records it for the device metric."""
     try:
-        g.device = str(ready_device(services().settings.device))  # for the device metric
+        (g if state is None else state).device = str(ready_device((settings or services().settings).device))
     except BlockgradError as exc:
         log.warning("not ready: %s", exc.message)
         return False
