@@ -25,6 +25,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     BLOCKGRAD_BIND=0.0.0.0:8000 \
+    BLOCKGRAD_GRPC_BIND=0.0.0.0:8001 \
     PROMETHEUS_MULTIPROC_DIR=/tmp/blockgrad-metrics \
     XDG_RUNTIME_DIR=/tmp \
     BLOCKGRAD_MODEL_DIR=/models \
@@ -64,7 +65,7 @@ COPY app/ app/
 RUN python -m compileall -q app wsgi.py gunicorn.conf.py
 
 USER 10001:10001
-EXPOSE 8000
+EXPOSE 8000 8001
 
 # slim has no curl: ask /healthz with the standard library, on the port gunicorn binds.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \

@@ -22,5 +22,13 @@ def create_app(overrides: Mapping[str, Any] | None = None):
     app, api = build_app(overrides or {}, host.slots, lambda environ: JobStore(JobSettings.from_env(environ)),
                          host.scrape_lock)
     host.on_abort = lambda: record.abort_in_flight(record.WORKER_TIMEOUT)
+    host.grpc_services = lambda server, max_message_bytes: grpc_services(server, app, max_message_bytes)
     register_front_ends(app, api)
     return finish_app(app, api)
+
+
+def grpc_services(server, app, max_message_bytes: int):
+    """The gRPC front end on a worker's server: grpcio is imported only here, after the fork."""
+    from .api.oip_grpc.service import add_services
+
+    return add_services(server, app, max_message_bytes)

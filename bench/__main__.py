@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tools.server import gunicorn_settings
 
-from . import attacks, client_rows, cores, jobs, recycling, rows, small_requests, uploads, worker_growth
+from . import attacks, client_rows, cores, grpc_rows, jobs, recycling, rows, small_requests, uploads, worker_growth
 from .measure import Result, table
 
 def dripping_uploads(bench) -> list:
@@ -27,6 +27,7 @@ ROWS = [
     rows.peak_worker_rss,
     rows.parse_vs_loads,
     rows.v2_binary_infer,
+    grpc_rows.grpc_vs_v2,
     rows.serving_small_requests,
     rows.model_scorer,
     client_rows.client_v1_read,

@@ -84,7 +84,8 @@ def reserved_bytes(app, monkeypatch, body: dict) -> int:
     from app.http import pipeline
 
     held, real = [], pipeline.reserve_for_request
-    monkeypatch.setattr(pipeline, "reserve_for_request", lambda ledger, nbytes: (held.append(nbytes), real(ledger, nbytes))[1])
+    monkeypatch.setattr(pipeline, "reserve_for_request",
+                        lambda ledger, nbytes, **where: (held.append(nbytes), real(ledger, nbytes, **where))[1])
     assert app.test_client().post("/v1/gradients", json=body).status_code == 200
     monkeypatch.setattr(pipeline, "reserve_for_request", real)
     assert len(held) == 1

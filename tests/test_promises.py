@@ -345,6 +345,51 @@ def check_bind(server, servers):
     assert requests.get(f"http://127.0.0.1:{server.port}/healthz", timeout=WAIT_S).json() == {"status": "ok"}
 
 
+def grpc_stub(server):
+    """The server's GRPCInferenceService (imported here: grpcio is a runtime dependency only the gRPC rows use)."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    channel = grpc.insecure_channel(server.grpc_target)
+    return channel, service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+
+def check_grpc_bind(server, servers):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from tritonclient.grpc import service_pb2
+
+    channel, stub = grpc_stub(server)  # server.grpc_target: the port tools/server.py set in BLOCKGRAD_GRPC_BIND
+    with channel:
+        assert stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=WAIT_S).live
+        check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=WAIT_S)
+        assert check.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def check_grpc_message_limit(server, servers):
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    def infer(n: int, dim: int, *outputs: str):
+        message = service_pb2.ModelInferRequest(model_name="blockgrad")
+        message.inputs.add(name="vectors", datatype="FP32", shape=[n, dim])
+        message.raw_input_contents.append(np.ones((n, dim), np.float32).tobytes())
+        for name in outputs:
+            message.outputs.add(name=name)
+        try:
+            stub.ModelInfer(message, timeout=WAIT_S)
+        except grpc.RpcError as error:
+            return error
+        return None
+
+    channel, stub = grpc_stub(server)
+    with channel:
+        assert infer(40, 16, "losses") is None  # a 2,560-byte request, a small answer
+        refused = infer(40, 16, "block_gradients")  # 40 x 40 x 32 float32: 204,800 bytes
+        assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "over BLOCKGRAD_GRPC_MAX_MESSAGE_BYTES = 100000" in refused.details()
+        assert infer(1000, 32, "bounds").code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # a 128,000-byte request
+
+
 def check_workers(server, servers):
     assert len(server.worker_pids()) == 3
 
@@ -907,6 +952,10 @@ def check_auth(server, servers):
 VARIABLES = [
     Var("BLOCKGRAD_BIND", "(127.0.0.1:<free port>, set by tools/server.py)", "limits",
         "the server listens and answers there", check_bind),
+    Var("BLOCKGRAD_GRPC_BIND", "(127.0.0.1:<free port>, set by tools/server.py)", "limits",
+        "gRPC listens there: ServerLive, grpc.health.v1 SERVING", check_grpc_bind),
+    Var("BLOCKGRAD_GRPC_MAX_MESSAGE_BYTES", "100000", "timeouts", "a 204,800-byte answer refused before "
+        "computing, a 128,000-byte request RESOURCE_EXHAUSTED", check_grpc_message_limit),
     Var("WEB_CONCURRENCY", "3", "timeouts", "three gunicorn workers", check_workers),
     Var("BLOCKGRAD_DEVICE", "cuda:9", "cost", "/readyz 503 not_ready (no such device)", check_device),
     Var("BLOCKGRAD_MAX_BODY_BYTES", "4096", "limits", "4097 bytes: 413 too_large, 4096: 200", check_max_body),

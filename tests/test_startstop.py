@@ -92,7 +92,7 @@ def holders(path) -> list[str]:
 
 def start(env: dict[str, str], bind: str, log) -> subprocess.Popen:
     full = {**os.environ, "BLOCKGRAD_DASK_SCHEDULER": "off", "WEB_CONCURRENCY": "1", "BLOCKGRAD_DEVICE": "cpu",
-            **env, "BLOCKGRAD_BIND": bind}
+            "BLOCKGRAD_GRPC_BIND": f"127.0.0.1:{free_port()}", **env, "BLOCKGRAD_BIND": bind}
     for name in ("BLOCKGRAD_API_TOKEN", "BLOCKGRAD_AUTH"):
         if name not in env:
             full.pop(name, None)

@@ -104,6 +104,11 @@ class Server:
     port: int
     workers: int
     log_path: Path
+    grpc_port: int | None = None  # BLOCKGRAD_GRPC_BIND's, on 127.0.0.1
+
+    @property
+    def grpc_target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
 
     @property
     def url(self) -> str:
@@ -169,7 +174,9 @@ def gunicorn_server(workers: int | None = 2, env: dict[str, str] | None = None, 
     port = free_port()
     # No embedded Dask cluster unless a test asks for one (docs/jobs.md): two more processes
     # importing torch would slow every server start on a small machine.
-    full_env = {"BLOCKGRAD_DASK_SCHEDULER": "off", **os.environ, "BLOCKGRAD_BIND": f"127.0.0.1:{port}"}
+    grpc_port = free_port()  # gRPC beside HTTP, as `make serve` starts it (a test may set BLOCKGRAD_GRPC_BIND)
+    full_env = {"BLOCKGRAD_DASK_SCHEDULER": "off", **os.environ, "BLOCKGRAD_BIND": f"127.0.0.1:{port}",
+                "BLOCKGRAD_GRPC_BIND": f"127.0.0.1:{grpc_port}"}
     if workers is not None:
         full_env["WEB_CONCURRENCY"] = str(workers)
     if device is not None:
@@ -183,7 +190,8 @@ def gunicorn_server(workers: int | None = 2, env: dict[str, str] | None = None, 
                 gunicorn_command(app), cwd=ROOT, env={"BLOCKGRAD_DATA_DIR": f"{tmp}/data", **full_env}, stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True)  # its own process group, so teardown reaches the workers
         try:
-            server = Server(process, port, expected_workers, log_path)
+            grpc_on = full_env["BLOCKGRAD_GRPC_BIND"] == f"127.0.0.1:{grpc_port}"
+            server = Server(process, port, expected_workers, log_path, grpc_port if grpc_on else None)
             server.wait_ready(ready_path)
             yield server
         finally:

@@ -5,6 +5,7 @@ what the server calls when gunicorn aborts a worker. Left unset (tests, a develo
 server): the app's own slots, no lock, nothing to call. Standard library only."""
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 from .slots import SlotSource
 
@@ -14,6 +15,9 @@ CONN_STARTED_KEY = "blockgrad.conn_started"
 
 slots: SlotSource | None = None  # the pod's, shared by every worker
 scrape_lock: Callable[[], AbstractContextManager] = nullcontext  # held while /metrics reads the value files
+# Set by the app factory: (grpc server, max message bytes) -> the servicers added, and what to
+# call when the worker starts draining (app/serving/grpc_server.py).
+grpc_services: Callable[[Any, int], Callable[[], None]] | None = None
 
 
 def on_abort() -> None:

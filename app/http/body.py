@@ -154,14 +154,16 @@ class ReadAlarm:
             WATCHDOG.cancel(self.alarm)
 
 
-def reserve_for_request(ledger: MemoryLedger, nbytes: int, upload: bool = False) -> None:
+def reserve_for_request(ledger: MemoryLedger, nbytes: int, upload: bool = False, state: Any = None) -> None:
     """Hold `nbytes` for this request (replacing what it held): limit_exceeded (413) over the
     budget alone, overloaded (503, Retry-After) when only the other requests are in the way.
     `upload`: a body with more to come, held within the uploads' share too; without it, the
-    body has arrived and the reservation counts against the budget only."""
-    held = g.get("memory_reservation")
+    body has arrived and the reservation counts against the budget only. `state`: where the
+    request keeps it (default Flask's `g`)."""
+    state = g if state is None else state
+    held = getattr(state, "memory_reservation", None)
     if held is None:
-        g.memory_reservation = ledger.reserve_upload(nbytes) if upload else ledger.reserve(nbytes)
+        state.memory_reservation = ledger.reserve_upload(nbytes) if upload else ledger.reserve(nbytes)
         return
     if not upload:
         held.settle()

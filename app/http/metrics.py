@@ -7,19 +7,20 @@ directory and a scrape answered by any worker adds up all of them
 in-process registry is used.
 
 Label values are bounded: `route` is the URL rule (`/v1/gradients`, never the
-raw path; `unmatched` for 404/405), `method` is folded to a fixed set, `code`
-comes from the fixed set of error codes.
+raw path; `unmatched` for 404/405; a gRPC call's full method name), `method` is folded to a
+fixed set (GRPC for gRPC calls, whose `status` is the gRPC status's name), `code` comes from
+the fixed set of error codes.
 """
 import os
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "GRPC"})  # GRPC: route is its method
 # Requests may run up to BLOCKGRAD_REQUEST_TIMEOUT_S (60 s by default).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
 
-REQUESTS = Counter("blockgrad_requests", "HTTP requests answered, by route (URL rule), method and status.",
+REQUESTS = Counter("blockgrad_requests", "Requests answered, by route (URL rule or gRPC method), method and status.",
                    ["route", "method", "status"])
 LATENCY = Histogram("blockgrad_request_duration_seconds",
                     "Time from the request's arrival to its last body byte, by route.",

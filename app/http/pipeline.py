@@ -3,7 +3,7 @@
 
     decode -> validate -> admit (once) -> convert -> execute -> render
 
-A front end is a decoder and a renderer; its view reads `render(pipeline(decode(request)))`
+A front end is a decoder and a renderer; its view reads `render(pipeline(decode(request), http_call()))`
 and nothing calls back into it in between. The decoder reads the body (body.read_body) and
 describes the request without converting a number (`Described`: the sizes and fields as
 sent, the raw vectors). The pipeline, the same for every front end, validates the sizes by
@@ -62,18 +62,37 @@ class Computed:
     own: Any
 
 
+@dataclass(frozen=True)
+class Call:
+    """What the pipeline needs of the request it runs, handed over by its front end: the
+    worker's services, where the request is recorded (`state`: it reads `arrived`, sets `work`,
+    `device` and `memory_reservation`; Flask's `g` for HTTP), how to tell its client has gone,
+    and its own deadline (gRPC's) under BLOCKGRAD_REQUEST_TIMEOUT_S."""
+    served: Services
+    state: Any
+    cancelled: Callable[[], bool] | None = None
+    timeout_s: float | None = None
+
+
+def http_call() -> Call:
+    """The Call of the Flask request being answered: its client is gone when its socket is."""
+    sock = client_socket(request.environ)
+    return Call(current_app.extensions[KEY], g._get_current_object(),
+                None if sock is None else (lambda: client_gone(sock)))
+
+
 Admit = Callable[[Sizes, Described, Services], None]
 Execute = Callable[[GradientRequest, Described, Services], Any]
 
 
-def pipeline(described: Described, execute: Execute | None = None, admit_sizes: Admit | None = None) -> Any:
+def pipeline(described: Described, call: Call, execute: Execute | None = None, admit_sizes: Admit | None = None) -> Any:
     """Validate, admit once, convert, execute (default: `compute`, admitted by `admit_to_compute`)."""
-    served: Services = current_app.extensions[KEY]  # the services, read once for the whole request
+    served = call.served
     sizes = validated_sizes(described, served.objectives)
     if sizes is not None:
-        (admit_sizes or admit_to_compute)(sizes, described, served)
+        admit_sizes(sizes, described, served) if admit_sizes else admit_to_compute(sizes, described, call)
     req = convert(described, served.objectives)
-    return (execute or compute)(req, described, served)
+    return execute(req, described, served) if execute else compute(req, described, call)
 
 
 def validated_sizes(described: Described, objectives: Mapping[str, Objective]) -> Sizes | None:
@@ -87,14 +106,15 @@ def validated_sizes(described: Described, objectives: Mapping[str, Objective]) -
                          objective=fields.get("objective"), dtype=fields.get("dtype"), objectives=objectives)
 
 
-def admit_to_compute(sizes: Sizes, described: Described, served: Services) -> None:
+def admit_to_compute(sizes: Sizes, described: Described, call: Call) -> None:
     """The core's limits and prediction; the request's memory reservation resized to it."""
+    served = call.served
     if sizes.factor is not None and sizes.outputs is not None:  # logged even when refused
-        g.work = RequestRecord(sizes.n, sizes.dim, sizes.factor, described.logged_outputs or sizes.outputs,
-                               sizes.outputs)
+        call.state.work = RequestRecord(sizes.n, sizes.dim, sizes.factor, described.logged_outputs or sizes.outputs,
+                                        sizes.outputs)
     prediction = admit(sizes, described.answer, served.settings, served.executor.most_lanes)
     if prediction is not None:
-        reserve_for_request(served.ledger, prediction.bytes)
+        reserve_for_request(served.ledger, prediction.bytes, state=call.state)
 
 
 def convert(described: Described, objectives: Mapping[str, Objective]) -> GradientRequest:
@@ -111,16 +131,17 @@ def convert(described: Described, objectives: Mapping[str, Objective]) -> Gradie
     return build_request(matrix, objectives=objectives, **described.fields)
 
 
-def compute(req: GradientRequest, described: Described, served: Services) -> Computed:
+def compute(req: GradientRequest, described: Described, call: Call) -> Computed:
     """Take a compute slot, run the engine, give the slot back: the answer is written without
     it, and each band of blocks recomputed while it is written takes one again (BandSlots)."""
     n, dim = req.vectors.shape
-    g.work = record = RequestRecord(n, dim, req.factor, described.logged_outputs or req.outputs, req.outputs)
+    served, state = call.served, call.state
+    state.work = record = RequestRecord(n, dim, req.factor, described.logged_outputs or req.outputs, req.outputs)
     if not req.outputs:  # nothing to compute: no slot taken
         device = ready_device(served.settings.device)
-        g.device = str(device)
+        state.device = str(device)
         return Computed(req, None, device, record.timed, described.own)
-    deadline = request_deadline(served)
+    deadline = request_deadline(call)
     # The request's first slot (overloaded / deadline_exceeded / client_closed); its executor may take more.
     ticket = served.gate.acquire(deadline)
     start = time.perf_counter()
@@ -130,15 +151,15 @@ def compute(req: GradientRequest, described: Described, served: Services) -> Com
         record.compute_s += time.perf_counter() - start
         ticket.release()
     result.band_slot = BandSlots(served.gate, deadline)
-    g.device = str(result.device)
+    state.device = str(result.device)
     return Computed(req, result, result.device, record.timed, described.own)
 
 
-def request_deadline(served: Services) -> slots.Deadline:
+def request_deadline(call: Call) -> slots.Deadline:
     """This request's deadline, counted from its arrival; stops when its client goes away."""
-    sock = client_socket(request.environ)
-    return slots.Deadline(served.settings.request_timeout_s, started=g.get("arrived"),
-                          cancelled=None if sock is None else (lambda: client_gone(sock)))
+    timeout_s = call.served.settings.request_timeout_s
+    return slots.Deadline(timeout_s if call.timeout_s is None else min(timeout_s, call.timeout_s),
+                          started=getattr(call.state, "arrived", None), cancelled=call.cancelled)
 
 
 @dataclass(frozen=True)

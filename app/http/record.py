@@ -192,15 +192,19 @@ UNFINISHED: dict[int, Callable[[str | None], None]] = {}
 
 
 def before_request() -> None:
-    state, req = g._get_current_object(), request._get_current_object()  # one proxy lookup each
+    req = request._get_current_object()  # one proxy lookup
+    begin(g._get_current_object(), request_id_from(req.headers.get(REQUEST_ID_HEADER)), route_of(req), req.method)
+
+
+def begin(state, request_id: str, route: str, method: str) -> None:
+    """A request starts: its record is `state` (Flask's `g`, or a gRPC call's own namespace)."""
     state.started = time.perf_counter()
     state.cpu_started = (threading.get_ident(), time.thread_time())  # cpu_ms: this thread's CPU time
     state.arrived = time.monotonic()  # the request's deadline counts from here (the pipeline's deadline)
-    state.request_id = request_id_from(req.headers.get(REQUEST_ID_HEADER))
+    state.request_id = request_id
     metrics.IN_FLIGHT.inc()
     state.in_flight = True
     key = state.unfinished_key = id(state)
-    route, method = route_of(req), req.method
     # Until the view answers: what the request knows when (and if) its worker is killed.
     UNFINISHED[key] = lambda code: finisher(NO_ANSWER_STATUS, state, route, method, answered=False)(code)
 
@@ -249,10 +253,11 @@ def route_of(req: Request) -> str:
     return rule.rule if rule else "unmatched"
 
 
-def finisher(status: int, state, route: str, method: str, answered: bool = True) -> Callable[[str | None], None]:
+def finisher(status: int | str, state, route: str, method: str,
+             answered: bool = True) -> Callable[[str | None], None]:
     """Capture what the request knows now (from `state`, its `g`); the stream may end after its
     context is gone. The returned finish logs once: a later call (a worker killed while streaming,
-    then its body closed) does nothing."""
+    then its body closed) does nothing. `status`: HTTP's, or gRPC's name (OK, CANCELLED...)."""
     state.finisher_made = answered
     started = getattr(state, "started", time.perf_counter())
     cpu_started = getattr(state, "cpu_started", None)
@@ -270,7 +275,7 @@ def finisher(status: int, state, route: str, method: str, answered: bool = True)
         state.logged = True
         UNFINISHED.pop(key, None)
         release_held(state)
-        complete = status == 200 and stream_error is None
+        complete = status in (200, "OK") and stream_error is None
         numbers = output_elements(work.n, work.dim, work.factor, work.computed) if work is not None and complete else 0
         duration_s = time.perf_counter() - started
         same_thread = cpu_started is not None and cpu_started[0] == threading.get_ident()  # not worker_abort's
@@ -330,11 +335,11 @@ def method_label(method: str) -> str:
 
 # (route, method label, status) -> its REQUESTS and LATENCY children: labels() validates and
 # locks on every call. The keys are as bounded as the labels.
-REQUEST_CHILDREN: dict[tuple[str, str, int], tuple] = {}
+REQUEST_CHILDREN: dict[tuple[str, str, int | str], tuple] = {}
 DEVICES_SET: set[tuple[int, str]] = set()  # (pid, device): set to 1 by that process (a fork sets its own)
 
 
-def observe_request(route: str, method: str, status: int, duration_s: float) -> None:
+def observe_request(route: str, method: str, status: int | str, duration_s: float) -> None:
     key = (route, method_label(method), status)
     children = REQUEST_CHILDREN.get(key)
     if children is None:

@@ -33,11 +33,11 @@ def taken(addresses, reuse_port: bool = False) -> str | None:
     return None
 
 
-def refuse_if_taken(addresses, reuse_port: bool = False) -> None:
+def refuse_if_taken(addresses, reuse_port: bool = False, variable: str = "BLOCKGRAD_BIND") -> None:
     address = taken(addresses, reuse_port)
     if address is not None:
         raise AddressInUse(f"cannot listen on {address}: the address is already in use "
-                           f"(set BLOCKGRAD_BIND to a free host:port)")
+                           f"(set {variable} to a free host:port)")
 
 
 def control_socket_path() -> str:

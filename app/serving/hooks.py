@@ -6,6 +6,7 @@ after on_starting has set PROMETHEUS_MULTIPROC_DIR).
 """
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from app.core.settings import Settings, available_cores
 from app.jobs import cluster as dask_cluster
 from app.jobs.settings import JobSettings
 
-from . import addresses, metrics_archive, slots, tuning, warmup
+from . import addresses, grpc_server, metrics_archive, slots, tuning, warmup
 from .metrics_dir import MetricsDir
 from .settings import ServingSettings, check_auth
 
@@ -34,6 +35,8 @@ class Process:
     metrics: MetricsDir | None = None
     pod_slots: slots.PodSlots | None = None
     cluster: dask_cluster.EmbeddedCluster | None = None  # the job runner and embedded Dask cluster (docs/jobs.md)
+    serving: ServingSettings | None = None
+    grpc: grpc_server.Running | None = None  # the worker's own, after the fork
 
 
 process = Process()
@@ -44,10 +47,12 @@ def on_starting(server):
     prepare the metrics directory, create the pod's compute slots,
     and on CPU load the app (gunicorn's own load of wsgi:app, kept for the workers)."""
     # By name: the token is the HTTP layer's setting, and serving does not import that layer.
-    check_auth(server.cfg.address, ServingSettings.from_env(), os.environ.get("BLOCKGRAD_API_TOKEN"), server.log)
+    process.serving, token = ServingSettings.from_env(), os.environ.get("BLOCKGRAD_API_TOKEN")
+    check_auth(server.cfg.address, process.serving, token, server.log)
     inherited = server.LISTENERS or server.master_pid or systemd.listen_fds(unset_environment=False)
     if not inherited:  # a re-exec'd master's or systemd's sockets are ours already
         addresses.refuse_if_taken(server.cfg.address, server.cfg.reuse_port)
+        grpc_server.check_address(process.serving, server.cfg.address, token, server.log)
     process.settings = Settings.from_env()
     process.metrics = MetricsDir.prepare(server.cfg.worker_tmp_dir)
     host.scrape_lock = metrics_archive.scrape_lock(process.metrics.path)  # scrapes lock it against folds
@@ -66,10 +71,16 @@ def post_fork(server, worker):
 
 
 def post_worker_init(worker):
-    """Loaded: warm the engine up before accepting."""
+    """Loaded: warm the engine up, then serve gRPC, before accepting HTTP. SIGTERM starts the
+    gRPC drain at once, beside HTTP's (gunicorn's own handler runs after ours)."""
     failed = warmup.warm_up(process.settings)
     if failed is not None:
         worker.log.warning("warm-up computation failed (the worker starts; /readyz reports the device): %s", failed)
+    process.grpc = grpc_server.start(process.serving or ServingSettings.from_env(), worker.cfg.threads,
+                                     worker.cfg.graceful_timeout)
+    if process.grpc is not None:
+        gunicorns = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, lambda signum, frame: (process.grpc.drain(), gunicorns(signum, frame)))
 
 
 def pre_request(worker, req):
@@ -82,7 +93,9 @@ def worker_exit(server, worker):
     leave at once. The interpreter's own shutdown with torch loaded takes hundreds of ms, all
     before the master can fork the replacement. Nothing needs it: the request log is flushed
     here, metric values live in shared files, no request is in flight. Any other exit (a
-    stop, a signal) takes the ordinary path."""
+    stop, a signal) takes the ordinary path. Either way gRPC's calls in flight finish first."""
+    if process.grpc is not None:
+        process.grpc.wait()
     if not 0 < worker.max_requests <= worker.nr:
         return
     logging.shutdown()

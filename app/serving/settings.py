@@ -27,6 +27,10 @@ class ServingSettings(FromEnv):
     max_connections: int = 1000
     # off: a bind beyond loopback may serve without BLOCKGRAD_API_TOKEN (docs/operations.md).
     auth: bool = True
+    # Every worker's gRPC server (app/serving/grpc_server.py); `off` disables it.
+    grpc_bind: str = "127.0.0.1:8001"
+    # The largest gRPC message either way: a request, or an answer (refused before computing).
+    grpc_max_message_bytes: int = 64 * 1024 * 1024
 
 
 def is_local(address) -> bool:

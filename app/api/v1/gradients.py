@@ -26,7 +26,7 @@ from ...http import body  # body.read_body looked up per request (tests replace 
 from ...http.body import decode_document, is_json_mimetype
 from ...http.docs import documented, documents_errors
 from ...http.errors import wrong_content_type
-from ...http.pipeline import Computed, Described, pipeline
+from ...http.pipeline import Computed, Described, http_call, pipeline
 from ...http.sending import NUMPY, gather, json_array, to_numpy
 from .schemas import GradientRequestSchema, GradientResponseSchema
 
@@ -51,7 +51,7 @@ WHOLE_ANSWER_NUMBERS = 8192
                   "internal_error")
 def post_gradients():
     """Gradients of every block, each detached as its own leaf, and their sum on the vectors."""
-    return render(pipeline(decode(request)))
+    return render(pipeline(decode(request), http_call()))
 
 
 def decode(request: Request, schema: Schema = SCHEMA) -> Described:

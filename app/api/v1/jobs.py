@@ -27,7 +27,7 @@ from ...extensions import Services, services
 from ...http.body import is_json_mimetype, read_body, reserve_for_request
 from ...http.docs import documented, documents_errors
 from ...http.errors import bad_request, too_large, unsupported_media_type
-from ...http.pipeline import Described, pipeline
+from ...http.pipeline import Described, http_call, pipeline
 from ...http.sending import NUMPY
 from ...jobs.db import RESULT_CHUNK_BYTES, SQLITE_CACHE_BYTES
 from ...jobs.limits import admit_job
@@ -165,7 +165,7 @@ def post_job():
     """Submit a job: stored, then answered at once (202) with its record, whatever the cluster does."""
     key = request.headers.get("Idempotency-Key") or None  # a retried POST with it gets the same job
     # The pipeline's execute step for a job: the job store's submit.
-    record, _ = pipeline(decode_job(request), lambda req, described, served: served.jobs.submit(req, key),
+    record, _ = pipeline(decode_job(request), http_call(), lambda req, described, served: served.jobs.submit(req, key),
                          admit_job_sizes)
     return json_response(record, 202, {"Location": f"/v1/jobs/{record['id']}"})
 

@@ -56,7 +56,12 @@ def decode(request: Request) -> Described:
         header, binary = split_body(sent, header_length)
     except CodecError as exc:
         raise invalid(str(exc)) from None
-    document = decode_json(header)  # 400 bad_json, as /v1
+    return describe(decode_json(header), binary, len(sent), binary_input=header_length is not None)  # bad_json: 400
+
+
+def describe(document: object, binary: memoryview, body_bytes: int, binary_input: bool) -> Described:
+    """A request document (and the binary tensor data after it) checked and described; the
+    gRPC front end describes its messages as this document too."""
     check_envelope_sizes(document)
     try:
         envelope = INFER_REQUEST_SCHEMA.load(document)
@@ -79,7 +84,7 @@ def decode(request: Request) -> Described:
     numbers, dtype = FLOAT_DATATYPES[datatype]
     fields = {**typed, "dtype": dtype, "outputs": ordered_outputs({OUTPUTS[o.name] for o in outputs} - {None})}
     vectors = data if data is not None else Buffer(binary, numbers)
-    cost = answer_cost(dtype, outputs, len(sent), binary_input=header_length is not None)
+    cost = answer_cost(dtype, outputs, body_bytes, binary_input)
     return Described(n, d, vectors, fields, errors, cost, declared=True,
                      logged_outputs=tuple(output.name for output in outputs), own=(outputs, envelope.get("id")))
 

@@ -13,7 +13,7 @@ from ...core.errors import BlockgradError
 from ...extensions import services
 from ...http.docs import OPEN_ROUTE, documents_errors
 from ...http.errors import ErrorStyle, model_not_found
-from ...http.pipeline import pipeline
+from ...http.pipeline import http_call, pipeline
 from .codec import BINARY_CONTENT_TYPE
 from .infer import decode, field_messages, invalid, render
 from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, model_metadata
@@ -53,9 +53,10 @@ def health(ok: bool) -> Response:
     return Response(status=200 if ok else 400, mimetype="text/plain")  # the protocol's boolean: an empty body
 
 
-def device_ready() -> bool:
+def device_ready(settings=None, state=None) -> bool:
+    """Whether the device runs; `state` (default Flask's `g`) records it for the device metric."""
     try:
-        g.device = str(ready_device(services().settings.device))  # for the device metric
+        (g if state is None else state).device = str(ready_device((settings or services().settings).device))
     except BlockgradError as exc:
         log.warning("not ready: %s", exc.message)
         return False
@@ -132,7 +133,7 @@ def infer(model: str, version: str | None = None):
     """Per-block gradients as output tensors; JSON or binary tensor data both ways."""
     check_model(model, version)
     try:
-        return render(pipeline(decode(request)))
+        return render(pipeline(decode(request), http_call()))
     except BlockgradError as exc:  # fields refused: named as the protocol names them
         if exc.code == "validation_error" and isinstance(exc.details.get("fields"), dict):
             raise invalid(field_messages(exc.details["fields"])) from None

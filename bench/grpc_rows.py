@@ -1,0 +1,110 @@
+"""gRPC rows: raw tensors over gRPC (the GRPCInferenceService's ModelInfer, grpcio's own stub)
+against /v2 binary tensors and /v1 JSON, end to end through gunicorn as `make serve` runs it,
+each client decoding the answer to arrays. Ratios are of times measured in one run, the
+front ends alternated so all see the same load."""
+import statistics
+import threading
+import time
+
+import grpc
+import numpy as np
+import requests
+from blockgrad_client.infer import binary_infer_request
+from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as pb_grpc
+
+from . import workloads
+from .measure import Result, at_least, ms, paired
+from .rows import binary_infer, json_answer
+
+V1_OUTPUTS = {"blocks": "block_gradients", "accumulated": "accumulated", "losses": "losses"}
+ROUNDS = 3  # alternated rounds per front end at the seed size
+ROUND_S = 3.0
+
+
+def grpc_request(matrix: np.ndarray, factor: int, outputs) -> pb.ModelInferRequest:
+    message = pb.ModelInferRequest(model_name="blockgrad")
+    message.inputs.add(name="vectors", datatype="FP32", shape=matrix.shape)
+    message.raw_input_contents.append(np.ascontiguousarray(matrix, np.float32).tobytes())
+    message.parameters["factor"].int64_param = factor
+    for name in outputs:
+        message.outputs.add(name=name)
+    return message
+
+
+def grpc_infer(stub, message) -> dict[str, np.ndarray]:
+    answer = stub.ModelInfer(message, timeout=300)
+    return {out.name: np.frombuffer(raw, "<i8" if out.datatype == "INT64" else "<f4").reshape(out.shape)
+            for out, raw in zip(answer.outputs, answer.raw_output_contents)}
+
+
+def clients_rate(make_call, clients: int) -> tuple[float, float]:
+    """(requests per second, median latency) of `clients` threads calling for ROUND_S each."""
+    latencies, lock = [], threading.Lock()
+
+    def client():
+        call, mine = make_call(), []
+        for _ in range(3):  # warm the connection
+            call()
+        stop = time.monotonic() + ROUND_S
+        while time.monotonic() < stop:
+            start = time.perf_counter()
+            call()
+            mine.append(time.perf_counter() - start)
+        with lock:
+            latencies.extend(mine)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return len(latencies) / (time.perf_counter() - start), statistics.median(latencies)
+
+
+def grpc_vs_v2(bench) -> list[Result]:
+    server, results = bench.server(), []
+    channel = grpc.insecure_channel(server.grpc_target, options=[("grpc.max_receive_message_length", 1 << 30)])
+    stub = pb_grpc.GRPCInferenceServiceStub(channel)
+    seed = np.array(workloads.SEED_EXAMPLE, dtype=np.float32)
+    seed_v1 = workloads.body(workloads.SEED_EXAMPLE, factor=2)  # blocks and accumulated
+    seed_v2 = binary_infer_request(seed, {"factor": 2}, ["block_gradients", "accumulated"])
+    seed_grpc = grpc_request(seed, 2, ["block_gradients", "accumulated"])
+    front_ends = {
+        "gRPC": lambda: (lambda s=stub: grpc_infer(s, seed_grpc)),
+        "/v2 binary": lambda: (lambda s=requests.Session(): binary_infer(s, server.url, *seed_v2)),
+        "/v1 JSON": lambda: (lambda s=requests.Session(): json_answer(s, server.url, seed_v1)),
+    }
+    for clients in (1, 4):
+        rates = {name: [] for name in front_ends}
+        latency = {name: [] for name in front_ends}
+        for _ in range(ROUNDS):
+            for name, make_call in front_ends.items():
+                rate, median = clients_rate(make_call, clients)
+                rates[name].append(rate)
+                latency[name].append(median)
+        rate = {name: statistics.median(values) for name, values in rates.items()}
+        ratio = rate["gRPC"] / rate["/v2 binary"]
+        results.append(Result(f"G1. seed 10x5 (blocks, accumulated), {clients} client{'s' * (clients > 1)}: "
+                              "gRPC vs /v2 binary", ">= 1.0x", f"{ratio:.2f}x", at_least(ratio, 1.0),
+                              f"{rate['gRPC']:.0f} vs {rate['/v2 binary']:.0f} req/s (/v1 JSON {rate['/v1 JSON']:.0f},"
+                              f" gRPC {rate['gRPC'] / rate['/v1 JSON']:.2f}x of it); median latency "
+                              + ", ".join(f"{name} {ms(statistics.median(v))}" for name, v in latency.items())))
+    for n, dim, factor in ((128, 64, 4), (256, 64, 8)):
+        matrix = workloads.vectors(n, dim).astype(np.float32)
+        v2_body = binary_infer_request(matrix, {"factor": factor})
+        message = grpc_request(matrix, factor, ["block_gradients", "accumulated", "bounds", "losses"])
+        v1_body = workloads.body(matrix, factor=factor, outputs=list(V1_OUTPUTS))
+        session = requests.Session()
+        tensors = grpc_infer(stub, message)  # warm-up, and proof of the same numbers
+        _, binary = binary_infer(session, server.url, *v2_body)
+        if not np.array_equal(tensors["block_gradients"], binary["block_gradients"]):
+            raise RuntimeError("gRPC and /v2 disagree on block_gradients")
+        vs_v2 = paired(lambda: binary_infer(session, server.url, *v2_body), lambda: grpc_infer(stub, message), 9)
+        vs_v1 = paired(lambda: json_answer(session, server.url, v1_body), lambda: grpc_infer(stub, message), 5)
+        results.append(Result(f"G2. N={n} D={dim} F={factor}, all outputs (block gradients): gRPC vs /v2 binary",
+                              ">= 1.0x", f"{vs_v2.ratio:.2f}x", at_least(vs_v2.ratio, 1.0),
+                              f"/v2 binary {ms(vs_v2.a_s)}, gRPC {ms(vs_v2.b_s)}; /v1 JSON {ms(vs_v1.a_s)}: "
+                              f"gRPC {vs_v1.ratio:.1f}x faster"))
+    channel.close()
+    return results
