@@ -33,6 +33,7 @@ from tritonclient.utils import InferenceServerException
 from tests.events import HeldSlots, background
 from tests.numeric import RTOL
 from tests.oracle import assert_matches_oracle, request_oracle
+from tests.test_startstop import refused
 from tools.server import ROOT, free_port, gunicorn_command, gunicorn_server, wait_until
 
 pytestmark = pytest.mark.slow
@@ -377,16 +378,6 @@ def test_a_recycled_worker_finishes_its_grpc_calls_and_its_replacement_serves():
         assert wait_until(lambda: server.worker_pids() not in ([], [first]) and server.answers("/healthz"),
                           WAIT_S), "no replacement"  # it answers HTTP once its gRPC server is up
         assert stub.ModelInfer(infer_request(x), timeout=WAIT_S, wait_for_ready=True).outputs
-
-
-def refused(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=10):
-            return False
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False
 
 
 # --- the start
