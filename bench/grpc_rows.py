@@ -106,5 +106,28 @@ def grpc_vs_v2(bench) -> list[Result]:
                               ">= 1.0x", f"{vs_v2.ratio:.2f}x", at_least(vs_v2.ratio, 1.0),
                               f"/v2 binary {ms(vs_v2.a_s)}, gRPC {ms(vs_v2.b_s)}; /v1 JSON {ms(vs_v1.a_s)}: "
                               f"gRPC {vs_v1.ratio:.1f}x faster"))
+        floor = echo_floor(stub.ModelInfer(message, timeout=300).ByteSize())
+        vs_floor = paired(lambda: binary_infer(session, server.url, *v2_body), floor, 9)
+        results.append(Result(f"G3. N={n} D={dim} F={factor}: /v2 binary's whole request vs grpcio alone carrying "
+                              "an answer of the same size (no computing)", "-", f"{vs_floor.ratio:.2f}x", "-",
+                              f"/v2 binary {ms(vs_floor.a_s)}, grpcio's transport alone {ms(vs_floor.b_s)}; a "
+                              "unary answer leaves only once computed and encoded whole, /v2 streams its blocks "
+                              "as they are computed"))
     channel.close()
     return results
+
+
+def echo_floor(nbytes: int):
+    """A call to an in-process grpcio server whose handler returns `nbytes` ready-made bytes:
+    what grpcio's transport of such an answer costs, with nothing computed or encoded."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    payload = bytes(nbytes)
+    server = grpc.server(ThreadPoolExecutor(2), options=[("grpc.max_send_message_length", 1 << 30)])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "echo", {"Answer": grpc.unary_unary_rpc_method_handler(lambda request, context: payload)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 1 << 30)])
+    answer = channel.unary_unary("/echo/Answer")
+    return lambda kept=server: answer(b"", timeout=300)  # the server lives as long as the call
