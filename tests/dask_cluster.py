@@ -17,13 +17,40 @@ JOB_S = 90  # a small job's bound, far above its time
 _clients: dict = {}
 
 
+def cluster_tls_env(address: str) -> dict[str, str]:
+    """The TLS credentials of the embedded cluster at `address` (tls://127.0.0.1:PORT), as Dask
+    configuration variables: those its supervisor (`-m app.jobs.supervisor PORT ...`, a process
+    of this user) has in its environment; {} for another address."""
+    import psutil
+
+    port = address.rsplit(":", 1)[-1]
+    for process in psutil.process_iter(["cmdline"]):
+        if (process.info["cmdline"] or [])[1:4] == ["-m", "app.jobs.supervisor", port]:
+            return {name: value for name, value in process.environ().items()
+                    if name.startswith("DASK_DISTRIBUTED__COMM__")}
+    return {}
+
+
+def cluster_config(address: str) -> dict:
+    """cluster_tls_env's variables as dask.config.set takes them (dotted keys)."""
+    import dask.config
+
+    def flat(tree: dict, prefix: str = ""):
+        for key, value in tree.items():
+            yield from flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
+    return dict(flat(dask.config.collect_env(cluster_tls_env(address))))
+
+
 def cluster_client(address: str):
-    """This test process's Client of `address`, made on first use (again once closed)."""
+    """This test process's Client of `address` (with the cluster's credentials), made on first
+    use (again once closed)."""
+    import dask.config
     from distributed import Client
 
     client = _clients.get(address)
     if client is None or client.status not in ("running", "connecting"):
-        client = _clients[address] = Client(address, timeout=30, set_as_default=False)
+        with dask.config.set(cluster_config(address)):  # the Client keeps the Security it makes now
+            client = _clients[address] = Client(address, timeout=30, set_as_default=False)
     return client
 
 
@@ -51,6 +78,8 @@ def running(address: str, config: dict, objectives=None):
     """A job runner thread (app/jobs/runner.py) of the cluster at `address`, on the store that
     `config` (BLOCKGRAD_* values over the environment, as create_app takes them) names; stopped
     (its jobs released) on exit. `objectives`: an app's (services_of(app).objectives), else the built-ins."""
+    import dask.config
+
     from app.core.objectives import OBJECTIVES
     from app.core.settings import environment
     from app.jobs import db
@@ -58,12 +87,13 @@ def running(address: str, config: dict, objectives=None):
     from app.jobs.settings import JobSettings
 
     settings = JobSettings.from_env(environment(config))
-    runner = Runner(settings, OBJECTIVES if objectives is None else objectives,
-                    db.open_store(settings.database_url()), address).start()
-    try:
-        yield runner
-    finally:
-        runner.stop()
+    with dask.config.set(cluster_config(address)):  # the credentials of its Clients, made while it runs
+        runner = Runner(settings, OBJECTIVES if objectives is None else objectives,
+                        db.open_store(settings.database_url()), address).start()
+        try:
+            yield runner
+        finally:
+            runner.stop()
 
 
 def insert_job(engine, vectors: np.ndarray, factor: int, objective: str = "sum", offset: float = 5.0,

@@ -1,0 +1,161 @@
+"""The embedded cluster is not an open door (issue 30): it speaks TLS only, with credentials the
+service makes at each start (app/jobs/tls.py), so that a local `distributed.Client` without
+them runs nothing on any port the service listens on; and no open route says where it is."""
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from app.jobs.tls import credentials
+from tests.dask_cluster import cluster_tls_env
+from tools.server import wait_until
+
+WAIT_S = 120  # bounded: the cluster starts (workers import torch) beside the session's server
+CONNECT_S = 10  # each attempt's; a refusal comes at once (a TLS alert, a closed connection)
+DEADLINE_S = 30  # all attempts', tried at once: the control (the service's own credentials) takes < 1 s
+
+
+def http_status(port: int, path: str) -> int | None:
+    try:
+        return requests.get(f"http://127.0.0.1:{port}{path}", timeout=CONNECT_S).status_code
+    except requests.RequestException:  # not HTTP: a TLS listener drops it
+        return None
+
+
+def supervisor_of(master: int) -> psutil.Process:
+    [found] = [p for p in psutil.Process(master).children() if "app.jobs.supervisor" in p.cmdline()]
+    return found
+
+
+def listening_ports(root: int) -> set[int]:
+    """Every TCP port that `root` or a process under it listens on."""
+    ports = set()
+    top = psutil.Process(root)
+    for process in [top, *top.children(recursive=True)]:
+        try:
+            ports |= {c.laddr.port for c in process.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+        except psutil.NoSuchProcess:  # gone meanwhile (a recycled gunicorn worker)
+            pass
+    return ports
+
+
+# Run in a process of its own, which ends when its deadline has passed: a plain Dask Client of
+# an HTTP port (distributed's HTTP servers) waits for ever, whatever its timeout.
+PROBE = """
+import json, os, sys, threading, time
+from distributed import Client, Security
+attempts, own, connect_s, deadline_s = json.loads(sys.argv[1])
+securities = {"none": None, "stranger": Security.temporary(), "own": Security(require_encryption=True, **own)}
+ran = {}
+def attempt(address, who):
+    try:
+        with Client(address, timeout=connect_s, set_as_default=False, security=securities[who]) as client:
+            ran[f"{who} {address}"] = [client.run_on_scheduler(os.getpid),
+                                       client.submit(os.getpid, pure=False).result(timeout=connect_s)]
+    except Exception:
+        pass
+threads = [threading.Thread(target=attempt, args=pair, daemon=True) for pair in attempts]
+for thread in threads:
+    thread.start()
+end = time.monotonic() + deadline_s
+for thread in threads:
+    thread.join(max(0, end - time.monotonic()))
+print(json.dumps(ran), flush=True)
+os._exit(0)
+"""
+
+
+def what_runs(attempts: list[tuple[str, str]], own: dict) -> dict[str, list]:
+    """{"WHO ADDRESS": the pids it ran in} for each (address, who) attempt whose `distributed.Client`
+    ran code on the scheduler and through a task, all tried at once; who: `none` (no TLS
+    configuration), `stranger` (a certificate of another CA: Security.temporary()) or `own` (the
+    Security arguments `own`)."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("DASK_")}
+    out = subprocess.run([sys.executable, "-c", PROBE, json.dumps([attempts, own, CONNECT_S, DEADLINE_S])],
+                         env=env, capture_output=True, text=True, timeout=DEADLINE_S + WAIT_S, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_credentials_are_private_files_named_by_dask_configuration():
+    directory, env = credentials()
+    try:
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        files = sorted(Path(directory).iterdir())
+        assert [f.name for f in files] == ["cert.pem", "key.pem"]
+        assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
+        assert env["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] == "True"
+        named = {value for name, value in env.items() if name.endswith(("__CERT", "__KEY", "__CA_FILE"))}
+        assert named == {str(f) for f in files}
+        for role in ("SCHEDULER", "WORKER", "CLIENT"):  # every role of a Dask process has them
+            assert {f"DASK_DISTRIBUTED__COMM__TLS__{role}__{part}" for part in ("CERT", "KEY")} <= set(env)
+        other, other_env = credentials()  # each start its own
+        try:
+            cert = "DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT"
+            assert Path(env[cert]).read_bytes() != Path(other_env[cert]).read_bytes()
+        finally:
+            shutil.rmtree(other)
+    finally:
+        shutil.rmtree(directory)
+
+
+@pytest.mark.slow
+def test_a_local_client_without_the_credentials_runs_nothing_on_any_port(served):
+    """Every port of the served process tree (gunicorn's, the scheduler's, each nanny's and
+    worker's, their HTTP servers), tried as tcp:// without credentials and as tls:// with a
+    certificate of another CA: nothing runs. The control: with the service's own credentials
+    the same probe runs code on the scheduler, which is among the ports tried."""
+    supervisor = supervisor_of(served.pid)
+    port, workers = supervisor.cmdline()[3:5]
+    scheduler = f"tls://127.0.0.1:{port}"
+
+    def cluster():
+        return requests.get(served.url + "/readyz", timeout=WAIT_S).json()["cluster"]
+    assert wait_until(lambda: cluster()["workers"] == int(workers), WAIT_S, 0.5), f"{workers} workers: {cluster()}"
+    ports = listening_ports(served.pid)
+    # gunicorn's; the scheduler's, each worker's and each nanny's; the scheduler's and each worker's HTTP
+    assert served.port in ports and int(port) in ports and len(ports) == 3 + 3 * int(workers), ports
+    env = {name.split("__", 3)[-1]: value for name, value in cluster_tls_env(scheduler).items()}
+    own = {"tls_ca_file": env.get("CA_FILE"), "tls_client_cert": env.get("CLIENT__CERT"),
+           "tls_client_key": env.get("CLIENT__KEY")}
+    attempts = [(f"{scheme}://127.0.0.1:{p}", who) for p in sorted(ports)
+                for scheme, who in (("tcp", "none"), ("tls", "stranger"))]
+    ran = what_runs([*attempts, (scheduler, "own")], own)
+    assert set(ran) == {f"own {scheduler}"}, f"an open door (or the control failed): {ran}"
+    # distributed's HTTP servers answer their health route alone (no task keys, logs, addresses)
+    health = [p for p in ports if p != served.port and http_status(p, "/health") == 200]
+    assert len(health) == 1 + int(workers), health  # the scheduler's and each worker's
+    for path in ("/json/identity.json", "/info/main/workers.html", "/metrics", "/statics/"):
+        assert {p: http_status(p, path) for p in health} == dict.fromkeys(health, 404), path
+
+
+@pytest.mark.slow
+def test_no_open_route_says_where_the_scheduler_is(served):
+    port = supervisor_of(served.pid).cmdline()[3]
+    for path in ("/readyz", "/metrics", "/openapi.json"):
+        body = requests.get(served.url + path, timeout=WAIT_S).text
+        assert f"127.0.0.1:{port}" not in body and f":{port}" not in body, path
+    assert set(requests.get(served.url + "/readyz", timeout=WAIT_S).json()["cluster"]) == {
+        "store", "reachable", "workers"}
+
+
+@pytest.mark.slow
+def test_the_credentials_live_while_the_cluster_does():
+    """Given to the supervisor alone (not to this process), removed when the cluster stops."""
+    from app.jobs.cluster import start_embedded, stop_embedded
+
+    cluster = start_embedded(0, runner=False)
+    try:
+        assert cluster.address.startswith("tls://127.0.0.1:")
+        env = cluster_tls_env(cluster.address)
+        assert Path(env["DASK_DISTRIBUTED__COMM__TLS__CA_FILE"]).parent == Path(cluster.credentials)
+        assert not any(name.startswith("DASK_DISTRIBUTED__COMM__TLS") for name in os.environ)
+    finally:
+        stop_embedded(cluster)
+    assert not Path(cluster.credentials).exists()
