@@ -32,13 +32,15 @@ def cluster_tls_env(address: str) -> dict[str, str]:
 
 
 def cluster_config(address: str) -> dict:
-    """cluster_tls_env's variables as dask.config.set takes them (dotted keys)."""
+    """The credentials of cluster_tls_env as dask.config.set takes them (dotted keys): a Client of
+    a tls:// address then uses them; a tcp:// one is not refused (no require-encryption)."""
     import dask.config
 
     def flat(tree: dict, prefix: str = ""):
         for key, value in tree.items():
             yield from flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
-    return dict(flat(dask.config.collect_env(cluster_tls_env(address))))
+    env = {name: value for name, value in cluster_tls_env(address).items() if "__TLS__" in name}
+    return dict(flat(dask.config.collect_env(env)))
 
 
 def cluster_client(address: str):
@@ -78,8 +80,6 @@ def running(address: str, config: dict, objectives=None):
     """A job runner thread (app/jobs/runner.py) of the cluster at `address`, on the store that
     `config` (BLOCKGRAD_* values over the environment, as create_app takes them) names; stopped
     (its jobs released) on exit. `objectives`: an app's (services_of(app).objectives), else the built-ins."""
-    import dask.config
-
     from app.core.objectives import OBJECTIVES
     from app.core.settings import environment
     from app.jobs import db
@@ -87,13 +87,12 @@ def running(address: str, config: dict, objectives=None):
     from app.jobs.settings import JobSettings
 
     settings = JobSettings.from_env(environment(config))
-    with dask.config.set(cluster_config(address)):  # the credentials of its Clients, made while it runs
-        runner = Runner(settings, OBJECTIVES if objectives is None else objectives,
-                        db.open_store(settings.database_url()), address).start()
-        try:
-            yield runner
-        finally:
-            runner.stop()
+    runner = Runner(settings, OBJECTIVES if objectives is None else objectives,
+                    db.open_store(settings.database_url()), address).start()
+    try:
+        yield runner
+    finally:
+        runner.stop()
 
 
 def insert_job(engine, vectors: np.ndarray, factor: int, objective: str = "sum", offset: float = 5.0,
