@@ -7,6 +7,8 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -159,3 +161,35 @@ def test_the_credentials_live_while_the_cluster_does():
     finally:
         stop_embedded(cluster)
     assert not Path(cluster.credentials).exists()
+
+
+def test_readyz_reports_the_runners_workers_never_waiting_for_the_store(tmp_path, monkeypatch):
+    """The workers come from the runners' heartbeats in the store, read beside the request: a
+    /readyz answers while that read hangs, a later one has its value, and none names the
+    scheduler the heartbeat names."""
+    from app import create_app
+    from app.jobs import db
+
+    client = create_app({"TESTING": True, "BLOCKGRAD_DATA_DIR": str(tmp_path)}).test_client()
+    db.beat(db.open_store(f"sqlite:///{tmp_path}/jobs.sqlite3"), "runner-a", "tls://127.0.0.1:45678", 3, time.time())
+    reading, release = threading.Event(), threading.Event()
+    real = db.cluster_workers
+
+    def hanging(*args):
+        reading.set()
+        release.wait(WAIT_S)
+        return real(*args)
+    monkeypatch.setattr(db, "cluster_workers", hanging)
+    try:
+        first = client.get("/readyz")
+        assert reading.wait(WAIT_S), "/readyz started no read of the store"
+        assert first.status_code == 200
+        assert first.get_json()["cluster"] == {"store": "sqlite", "reachable": False, "workers": 0}  # not read yet
+    finally:
+        release.set()
+
+    def cluster():
+        return client.get("/readyz").get_json()["cluster"]
+    assert wait_until(lambda: cluster()["workers"] == 3, WAIT_S, 0.05), cluster()
+    assert cluster() == {"store": "sqlite", "reachable": True, "workers": 3}
+    assert "45678" not in client.get("/readyz").get_data(as_text=True)
