@@ -132,18 +132,18 @@ def start_embedded(workers: int, memory_limit: str = "auto", runner: bool = True
     `embedded`: the runner alone, of BLOCKGRAD_DASK_SCHEDULER's cluster (TLS as the environment's
     Dask configuration says)."""
     port = free_port() if embedded else 0
-    credentials, tls = None, {}
+    directory, tls = None, {}
     if embedded:
-        from .tls import credentials as make_credentials  # here: cryptography only where the cluster starts
+        from .tls import credentials  # here: cryptography only where a cluster starts
 
-        credentials, tls = make_credentials()
+        directory, tls = credentials()
     # A session of its own: a signal to the server's process group (Ctrl-C) reaches only the
     # supervisor's parent, and the supervisor stops the rest in order (a nanny's worker
     # killed by the group's signal instead leaks its semaphores).
     supervisor = subprocess.Popen([sys.executable, "-m", "app.jobs.supervisor", str(port), str(workers), memory_limit,
                                    str(int(runner))], env={**cluster_env(), **tls}, cwd=ROOT, stdin=subprocess.DEVNULL,
                                   preexec_fn=die_with_parent(), start_new_session=True)
-    return EmbeddedCluster(f"tls://127.0.0.1:{port}", [supervisor], credentials)
+    return EmbeddedCluster(f"tls://127.0.0.1:{port}", [supervisor], directory)
 
 
 def stop_embedded(cluster: EmbeddedCluster | None, timeout_s: float = STOP_TIMEOUT_S) -> None:
