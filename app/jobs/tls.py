@@ -22,7 +22,7 @@ def credentials() -> tuple[str, dict[str, str]]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    key = ec.generate_private_key(ec.SECP256R1())  # a millisecond, where RSA takes tens
+    key = ec.generate_private_key(ec.SECP256R1())  # EC: far quicker to make than RSA (docs/jobs.md)
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "blockgrad-dask")])
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
