@@ -3,13 +3,11 @@ service makes at each start (app/jobs/tls.py), so that a local `distributed.Clie
 them runs nothing on any port the service listens on; and no open route says where it is."""
 import json
 import os
-import shutil
-import stat
+import ssl
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -85,26 +83,19 @@ def what_runs(attempts: list[tuple[str, str]], own: dict) -> dict[str, list]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_credentials_are_private_files_named_by_dask_configuration():
-    directory, env = credentials()
-    try:
-        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
-        files = sorted(Path(directory).iterdir())
-        assert [f.name for f in files] == ["cert.pem", "key.pem"]
-        assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in files)
-        assert env["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] == "True"
-        named = {value for name, value in env.items() if name.endswith(("__CERT", "__KEY", "__CA_FILE"))}
-        assert named == {str(f) for f in files}
-        for role in ("SCHEDULER", "WORKER", "CLIENT"):  # every role of a Dask process has them
-            assert {f"DASK_DISTRIBUTED__COMM__TLS__{role}__{part}" for part in ("CERT", "KEY")} <= set(env)
-        other, other_env = credentials()  # each start its own
-        try:
-            cert = "DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT"
-            assert Path(env[cert]).read_bytes() != Path(other_env[cert]).read_bytes()
-        finally:
-            shutil.rmtree(other)
-    finally:
-        shutil.rmtree(directory)
+def test_credentials_are_dask_configuration_for_every_role_made_afresh():
+    import dask.config
+    from distributed import Security
+
+    env = credentials()
+    assert env["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] == "True"
+    comm = dask.config.collect_env(env)["distributed"]["comm"]  # as a Dask process reads its environment
+    assert comm["require_encryption"] is True
+    tls = comm["tls"]
+    for role in ("scheduler", "worker", "client"):  # each loads as Dask loads it (PEM text, no file)
+        security = Security(tls_ca_file=tls["ca_file"], **{f"tls_{role}_{part}": tls[role][part] for part in ("cert", "key")})
+        assert security.get_listen_args(role)["ssl_context"].verify_mode == ssl.CERT_REQUIRED  # mutual
+    assert credentials()["DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY"] != env["DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY"]
 
 
 @pytest.mark.slow
@@ -130,6 +121,9 @@ def test_a_local_client_without_the_credentials_runs_nothing_on_any_port(served)
                 for scheme, who in (("tcp", "none"), ("tls", "stranger"))]
     ran = what_runs([*attempts, (scheduler, "own")], own)
     assert set(ran) == {f"own {scheduler}"}, f"an open door (or the control failed): {ran}"
+    # the supervisor has the credentials, gunicorn's master and workers (never Dask clients) do not
+    assert own["tls_client_key"] and not [p for p in [served.pid, *served.worker_pids()] if any(
+        name.startswith("DASK_DISTRIBUTED__COMM__TLS") for name in psutil.Process(p).environ())]
     # distributed's HTTP servers answer their health route alone (no task keys, logs, addresses)
     health = [p for p in ports if p != served.port and http_status(p, "/health") == 200]
     assert len(health) == 1 + int(workers), health  # the scheduler's and each worker's
@@ -145,22 +139,6 @@ def test_no_open_route_says_where_the_scheduler_is(served):
         assert f"127.0.0.1:{port}" not in body and f":{port}" not in body, path
     assert set(requests.get(served.url + "/readyz", timeout=WAIT_S).json()["cluster"]) == {
         "store", "reachable", "workers"}
-
-
-@pytest.mark.slow
-def test_the_credentials_live_while_the_cluster_does():
-    """Given to the supervisor alone (not to this process), removed when the cluster stops."""
-    from app.jobs.cluster import start_embedded, stop_embedded
-
-    cluster = start_embedded(0, runner=False)
-    try:
-        assert cluster.address.startswith("tls://127.0.0.1:")
-        env = cluster_tls_env(cluster.address)
-        assert Path(env["DASK_DISTRIBUTED__COMM__TLS__CA_FILE"]).parent == Path(cluster.credentials)
-        assert not any(name.startswith("DASK_DISTRIBUTED__COMM__TLS") for name in os.environ)
-    finally:
-        stop_embedded(cluster)
-    assert not Path(cluster.credentials).exists()
 
 
 def test_readyz_reports_the_runners_workers_never_waiting_for_the_store(tmp_path, monkeypatch):

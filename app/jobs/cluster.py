@@ -19,7 +19,6 @@ Dask configuration: nothing else can connect to it.
 """
 import ctypes
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -57,7 +56,6 @@ SCHEDULER_CONFIG = {"DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START":
 class EmbeddedCluster:
     address: str
     processes: list[subprocess.Popen] = field(default_factory=list)
-    credentials: str | None = None  # the directory of its TLS key and certificate, removed at its stop
 
 
 def free_port() -> int:
@@ -132,26 +130,24 @@ def start_embedded(workers: int, memory_limit: str = "auto", runner: bool = True
     `embedded`: the runner alone, of BLOCKGRAD_DASK_SCHEDULER's cluster (TLS as the environment's
     Dask configuration says)."""
     port = free_port() if embedded else 0
-    directory, tls = None, {}
+    tls = {}
     if embedded:
         from .tls import credentials  # here: cryptography only where a cluster starts
 
-        directory, tls = credentials()
+        tls = credentials()
     # A session of its own: a signal to the server's process group (Ctrl-C) reaches only the
     # supervisor's parent, and the supervisor stops the rest in order (a nanny's worker
     # killed by the group's signal instead leaks its semaphores).
     supervisor = subprocess.Popen([sys.executable, "-m", "app.jobs.supervisor", str(port), str(workers), memory_limit,
                                    str(int(runner))], env={**cluster_env(), **tls}, cwd=ROOT, stdin=subprocess.DEVNULL,
                                   preexec_fn=die_with_parent(), start_new_session=True)
-    return EmbeddedCluster(f"tls://127.0.0.1:{port}", [supervisor], directory)
+    return EmbeddedCluster(f"tls://127.0.0.1:{port}", [supervisor])
 
 
 def stop_embedded(cluster: EmbeddedCluster | None, timeout_s: float = STOP_TIMEOUT_S) -> None:
     """Stop the supervisor, which stops the rest (SIGKILL after timeout_s; its children then die with it)."""
     if cluster is not None:
         stop_processes(cluster.processes, timeout_s + 5)
-        if cluster.credentials:
-            shutil.rmtree(cluster.credentials, ignore_errors=True)
 
 
 def start_for_gunicorn(settings: JobSettings) -> EmbeddedCluster | None:

@@ -1,22 +1,23 @@
 """The embedded cluster's TLS credentials, made afresh at each start: a self-signed key and
 certificate that every process of the cluster (scheduler, workers, nannies, the job runner)
 presents and trusts, as `distributed.Security.temporary()` makes them. Dask's TLS is mutual: a
-listener refuses a peer without a certificate of its CA, so nothing without these files can
-talk to the cluster.
+listener refuses a peer without a certificate of its CA, so nothing without them can talk to
+the cluster.
 
+They are Dask configuration in the environment, PEM text in place of file names (Dask takes
+either): only the processes given that environment have them, no file outlives the service
+(a SIGKILLed one included), and /proc shows a process's environment to its own user only.
 Standard library and cryptography only (no Dask): gunicorn's master makes them before it
 spawns the cluster's supervisor.
 """
 import datetime
-import os
-import tempfile
 
 PREFIX = "DASK_DISTRIBUTED__COMM__"
 
 
-def credentials() -> tuple[str, dict[str, str]]:
-    """(a new 0700 directory holding key.pem and cert.pem, 0600, the Dask configuration that makes
-    a process of any role use them, as environment variables)."""
+def credentials() -> dict[str, str]:
+    """The Dask configuration, as environment variables, that makes a process of any role speak
+    TLS with a key and certificate made now."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -30,16 +31,10 @@ def credentials() -> tuple[str, dict[str, str]]:
             .not_valid_after(now + datetime.timedelta(days=3650))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .sign(key, hashes.SHA256()))
-    directory = tempfile.mkdtemp(prefix="blockgrad-dask-tls-")  # 0700
-    files = {"key.pem": key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                          serialization.NoEncryption()),
-             "cert.pem": cert.public_bytes(serialization.Encoding.PEM)}
-    for file, data in files.items():
-        fd = os.open(os.path.join(directory, file), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-    cert_path, key_path = (os.path.join(directory, file) for file in ("cert.pem", "key.pem"))
-    env = {f"{PREFIX}REQUIRE_ENCRYPTION": "True", f"{PREFIX}TLS__CA_FILE": cert_path}
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM).decode()
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption()).decode()
+    env = {f"{PREFIX}REQUIRE_ENCRYPTION": "True", f"{PREFIX}TLS__CA_FILE": cert_pem}
     for role in ("SCHEDULER", "WORKER", "CLIENT"):
-        env |= {f"{PREFIX}TLS__{role}__CERT": cert_path, f"{PREFIX}TLS__{role}__KEY": key_path}
-    return directory, env
+        env |= {f"{PREFIX}TLS__{role}__CERT": cert_pem, f"{PREFIX}TLS__{role}__KEY": key_pem}
+    return env
