@@ -19,7 +19,7 @@ from tools.server import wait_until
 
 WAIT_S = 120  # bounded: the cluster starts (workers import torch) beside the session's server
 CONNECT_S = 10  # each attempt's; a refusal comes at once (a TLS alert, a closed connection)
-DEADLINE_S = 30  # all attempts', tried at once: the control (the service's own credentials) takes < 1 s
+DEADLINE_S = 30  # all attempts', tried at once: far above what the control (the service's own credentials) needs
 
 
 def http_status(port: int, path: str) -> int | None:
@@ -93,7 +93,8 @@ def test_credentials_are_dask_configuration_for_every_role_made_afresh():
     assert comm["require_encryption"] is True
     tls = comm["tls"]
     for role in ("scheduler", "worker", "client"):  # each loads as Dask loads it (PEM text, no file)
-        security = Security(tls_ca_file=tls["ca_file"], **{f"tls_{role}_{part}": tls[role][part] for part in ("cert", "key")})
+        pems = {f"tls_{role}_{part}": tls[role][part] for part in ("cert", "key")}
+        security = Security(tls_ca_file=tls["ca_file"], **pems)
         assert security.get_listen_args(role)["ssl_context"].verify_mode == ssl.CERT_REQUIRED  # mutual
     assert credentials()["DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY"] != env["DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY"]
 

@@ -96,7 +96,8 @@ def start_worker(address: str, memory_limit: str) -> subprocess.Popen:
     # torch loaded before the first job, by the worker process only: `--preload` would have the
     # nanny's command line import it too (to check its arguments; docs/jobs.md, "Memory").
     env = {**cluster_env(), "DASK_DISTRIBUTED__WORKER__PRELOAD": '["app.core.job_tasks"]',
-           "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON": NANNY_ENVIRON, "DASK_DISTRIBUTED__WORKER__HTTP__ROUTES": HEALTH_ONLY}
+           "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON": NANNY_ENVIRON,
+           "DASK_DISTRIBUTED__WORKER__HTTP__ROUTES": HEALTH_ONLY}
     return subprocess.Popen(
         [*DASK, "worker", address, "--host", "127.0.0.1", "--nthreads", "1",
          "--no-dashboard", "--dashboard-address", LOOPBACK_ANY_PORT, "--memory-limit", memory_limit],
