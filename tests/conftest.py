@@ -29,14 +29,18 @@ def cluster():
     """A real local Dask cluster for one test module: app/jobs/cluster.py's embedded one, a
     scheduler and two single-threaded workers on 127.0.0.1 under their supervisor (which starts
     again whichever exits), without its job runner (tests run theirs: `runner`), stopped after
-    the module."""
+    the module. Its TLS credentials are this process's Dask configuration meanwhile (the
+    Clients of tests' runner threads use them)."""
+    import dask.config
+
     from app.jobs.cluster import start_embedded, stop_embedded
-    from tests.dask_cluster import close_clients, wait_for_workers
+    from tests.dask_cluster import close_clients, cluster_config, wait_for_workers
 
     cluster = start_embedded(2, runner=False)
     try:
-        wait_for_workers(cluster.address, 2)
-        yield cluster
+        with dask.config.set(cluster_config(cluster.address)):
+            wait_for_workers(cluster.address, 2)
+            yield cluster
     finally:
         close_clients()
         stop_embedded(cluster)

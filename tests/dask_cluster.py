@@ -17,13 +17,42 @@ JOB_S = 90  # a small job's bound, far above its time
 _clients: dict = {}
 
 
+def cluster_tls_env(address: str) -> dict[str, str]:
+    """The TLS credentials of the embedded cluster at `address` (tls://127.0.0.1:PORT), as Dask
+    configuration variables: those its supervisor (`-m app.jobs.supervisor PORT ...`, a process
+    of this user) has in its environment; {} for another address."""
+    import psutil
+
+    port = address.rsplit(":", 1)[-1]
+    for process in psutil.process_iter(["cmdline"]):
+        if (process.info["cmdline"] or [])[1:4] == ["-m", "app.jobs.supervisor", port]:
+            return {name: value for name, value in process.environ().items()
+                    if name.startswith("DASK_DISTRIBUTED__COMM__")}
+    return {}
+
+
+def cluster_config(address: str) -> dict:
+    """The credentials of cluster_tls_env as dask.config.set takes them (dotted keys): a Client of
+    a tls:// address then uses them; a tcp:// one is not refused (no require-encryption)."""
+    import dask.config
+
+    def flat(tree: dict, prefix: str = ""):
+        for key, value in tree.items():
+            yield from flat(value, f"{prefix}{key}.") if isinstance(value, dict) else [(prefix + key, value)]
+    env = {name: value for name, value in cluster_tls_env(address).items() if "__TLS__" in name}
+    return dict(flat(dask.config.collect_env(env)))
+
+
 def cluster_client(address: str):
-    """This test process's Client of `address`, made on first use (again once closed)."""
+    """This test process's Client of `address` (with the cluster's credentials), made on first
+    use (again once closed)."""
+    import dask.config
     from distributed import Client
 
     client = _clients.get(address)
     if client is None or client.status not in ("running", "connecting"):
-        client = _clients[address] = Client(address, timeout=30, set_as_default=False)
+        with dask.config.set(cluster_config(address)):  # the Client keeps the Security it makes now
+            client = _clients[address] = Client(address, timeout=30, set_as_default=False)
     return client
 
 

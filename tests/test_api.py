@@ -269,8 +269,8 @@ def test_health_and_ready(client):
     assert response.status_code == 200 and strict_json(response.get_data())["status"] == "ok"
     response = client.get("/readyz")
     assert response.status_code == 200
-    assert strict_json(response.get_data()) == {"status": "ready", "device": "cpu",  # asking neither:
-                                                "cluster": {"scheduler": None, "store": "sqlite"}}
+    assert strict_json(response.get_data()) == {"status": "ready", "device": "cpu",  # no runner: no worker
+                                                "cluster": {"store": "sqlite", "reachable": False, "workers": 0}}
 
 
 def test_not_ready_with_unusable_device():

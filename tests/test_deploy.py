@@ -362,12 +362,26 @@ def test_disruption_budgets_never_block_a_drain():
         assert pdb["spec"].get("maxUnavailable") == 1 and "minAvailable" not in pdb["spec"]
 
 
-def test_dask_overlay_points_blockgrad_at_its_scheduler_and_fences_the_scheduler():
+def dask_overlay_blockgrad() -> dict:
+    """The blockgrad Deployment as deploy/k8s/dask's patch leaves it (its JSON patch applied:
+    `add` operations appending to lists, all it uses)."""
+    import copy
+
     overlay = yaml.safe_load((K8S / "dask" / "kustomization.yaml").read_text())
     [patch] = overlay["patches"]
     assert patch["target"] == {"kind": "Deployment", "name": "blockgrad"}
-    [operation] = yaml.safe_load(patch["patch"])
-    assert operation["value"] == {"name": "BLOCKGRAD_DASK_SCHEDULER", "value": "tcp://dask-scheduler:8786"}
+    patched = copy.deepcopy(deployment_named("blockgrad"))
+    for operation in yaml.safe_load(patch["patch"]):
+        assert operation["op"] == "add" and operation["path"].endswith("/-"), operation
+        target = patched
+        for step in operation["path"].strip("/").split("/")[:-1]:
+            target = target[int(step)] if isinstance(target, list) else target[step]
+        target.append(operation["value"])
+    return patched
+
+
+def test_dask_overlay_points_blockgrad_at_its_scheduler_and_fences_the_scheduler():
+    assert env_of(dask_overlay_blockgrad())["BLOCKGRAD_DASK_SCHEDULER"] == "tls://dask-scheduler:8786"
     [(_, service)] = [(p, d) for p, d in resources("Service") if d["metadata"]["name"] == "dask-scheduler"]
     assert service["spec"]["ports"][0]["port"] == 8786
     policies = {d["metadata"]["name"]: d for _, d in resources("NetworkPolicy")}
@@ -379,6 +393,41 @@ def test_dask_overlay_points_blockgrad_at_its_scheduler_and_fences_the_scheduler
     for name in ("dask-scheduler", "dask-worker"):
         command = container(deployment_named(name))["command"]
         assert command[:4] == ["python", "-m", "dask", name.split("-")[1]] and "--no-dashboard" in command
+
+
+DASK_TLS = "blockgrad-dask-tls"  # the Secret: ca.pem, cert.pem, key.pem (docs/operations.md, "Dask TLS")
+
+
+@pytest.mark.parametrize("name, role", [("dask-scheduler", "SCHEDULER"), ("dask-worker", "WORKER"),
+                                        ("blockgrad", "CLIENT")])
+def test_the_external_cluster_speaks_tls_with_the_secrets_certificates(name, role):
+    """Every member of the external cluster (the blockgrad pods' runner a client) mounts the
+    Secret and names its files in Dask's configuration; encryption is required."""
+    workload = dask_overlay_blockgrad() if name == "blockgrad" else deployment_named(name)
+    pod, main = workload["spec"]["template"]["spec"], container(workload)
+    [volume] = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == DASK_TLS]
+    [mount] = [m for m in main["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True
+    env, tls = env_of(workload), "DASK_DISTRIBUTED__COMM__TLS__"
+    assert env["DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION"] == "True"
+    assert (env[tls + "CA_FILE"], env[f"{tls}{role}__CERT"], env[f"{tls}{role}__KEY"]) == tuple(
+        f"{mount['mountPath']}/{key}" for key in ("ca.pem", "cert.pem", "key.pem"))
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert f"kubectl create secret generic {DASK_TLS}" in operations
+    assert all(f'--from-file="$dir/{key}"' in operations for key in ("ca.pem", "cert.pem", "key.pem"))
+    if name == "blockgrad":  # the base (embedded cluster) needs no Secret: it makes its own credentials
+        assert DASK_TLS not in (K8S / "deployment.yaml").read_text()
+        return
+    from app.jobs.cluster import HEALTH_ONLY
+
+    assert env[f"DASK_DISTRIBUTED__{role}__HTTP__ROUTES"] == HEALTH_ONLY  # as the embedded cluster's
+    command = main["command"]
+    if role == "SCHEDULER":
+        assert command[command.index("--protocol") + 1] == "tls"
+        ports = {p["name"]: p["containerPort"] for p in main["ports"]}
+        assert main["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"} and ports["http"] == 8787
+    else:
+        assert command[4] == "tls://dask-scheduler:8786"
 
 
 def test_dask_workers_nanny_leaves_glibc_trim_threshold_alone_as_the_embedded_ones():

@@ -81,7 +81,7 @@ def test_gunicorn_runs_jobs_which_a_restart_after_a_sigkill_of_everything_finish
         first = requests.post(server.url + "/v1/jobs", json=body, timeout=30)  # as soon as /healthz answers
         assert first.status_code == 202, first.text
         [supervisor] = [pid for pid in children(server.pid) if " -m app.jobs.supervisor " in cmdline(pid)]
-        address = f"tcp://127.0.0.1:{cmdline(supervisor).split(' -m app.jobs.supervisor ')[1].split()[0]}"
+        address = f"tls://127.0.0.1:{cmdline(supervisor).split(' -m app.jobs.supervisor ')[1].split()[0]}"
         assert wait_until(lambda: len(children(supervisor)) == 3, JOB_S, 0.2)
         dask = [pid for pid in children(supervisor) if dask_role(cmdline(pid))]
         roles = sorted(dask_role(cmdline(pid)) for pid in dask)
@@ -140,7 +140,7 @@ def test_gunicorn_runs_jobs_which_a_restart_after_a_sigkill_of_everything_finish
                            "float64", what=f"accumulated, factor {factor}")
         assert requests.get(location, timeout=30).json()["attempts"] == 2  # the killed service's attempt counted
         [supervisor] = [pid for pid in children(server.pid) if " -m app.jobs.supervisor " in cmdline(pid)]
-        address = f"tcp://127.0.0.1:{cmdline(supervisor).split(' -m app.jobs.supervisor ')[1].split()[0]}"
+        address = f"tls://127.0.0.1:{cmdline(supervisor).split(' -m app.jobs.supervisor ')[1].split()[0]}"
         held = HeldTiles(address, tmp_path / "held-at-stop").__enter__()  # never left: the cluster stops holding it
         stopped = requests.post(server.url + "/v1/jobs", json={**body, "factor": 2}, timeout=30).json()
         held.wait_started(stopped["id"])

@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from app.jobs import db
-from tests.dask_cluster import HeldTiles
+from tests.dask_cluster import HeldTiles, cluster_tls_env
 from tests.numeric import assert_matches
 from tests.postgres import new_database
 from tests.oracle import expected, oracle
@@ -63,7 +63,7 @@ def services(cluster, database):
     """(A, B, the store's engine): started together, each with one web worker, both runners
     seen in the store with the cluster's workers."""
     env = {"BLOCKGRAD_DASK_SCHEDULER": cluster.address, "BLOCKGRAD_JOBS_DB": database,
-           "BLOCKGRAD_JOB_LEASE_S": LEASE_S}
+           "BLOCKGRAD_JOB_LEASE_S": LEASE_S, **cluster_tls_env(cluster.address)}  # its TLS, as Dask configuration
     managers = [gunicorn_server(workers=1, env=env) for _ in range(2)]
     engine = db.open_store(database)
     with contextlib.ExitStack() as stack:

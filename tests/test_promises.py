@@ -40,7 +40,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.dask_cluster import HeldTiles, cluster_client, dask_role, has_task
+from tests.dask_cluster import HeldTiles, cluster_client, cluster_tls_env, dask_role, has_task
 from tests.events import LISTEN, socket_inodes
 from tests.numeric import assert_matches
 from tests.oracle import expected, oracle
@@ -268,6 +268,7 @@ class Servers:
             (Path(env["PROMETHEUS_MULTIPROC_DIR"]) / "counter_999999.db").write_bytes(b"stale")
         if group == "ttl":  # an external scheduler needs a shared store
             env["BLOCKGRAD_DASK_SCHEDULER"] = jobs_scheduler(self)
+            env.update(cluster_tls_env(env["BLOCKGRAD_DASK_SCHEDULER"]))  # its TLS, as Dask configuration
             env["BLOCKGRAD_JOBS_DB"] = self.postgres()
         workers = int(env.pop("WEB_CONCURRENCY")) if "WEB_CONCURRENCY" in env else spec.workers
         manager = gunicorn_server(workers=workers, env=env)
@@ -300,7 +301,7 @@ def jobs_scheduler(servers) -> str:
     path = Path(servers.env_of("jobs")["BLOCKGRAD_DATA_DIR"]) / "jobs.sqlite3"
     with contextlib.closing(sqlite3.connect(path)) as conn:
         found = {row[0] for row in conn.execute("SELECT scheduler FROM job_runners")}
-    assert len(found) == 1 and next(iter(found)).startswith("tcp://127.0.0.1:"), found
+    assert len(found) == 1 and next(iter(found)).startswith("tls://127.0.0.1:"), found
     return found.pop()
 
 
@@ -697,9 +698,10 @@ def check_embedded_cluster(server, servers):
     wait_for(lambda: supervised(server) == ["runner", "scheduler", "worker"], "a runner, a scheduler, a worker")
     job_id = small_job(server)
     assert finished(server, job_id)["status"] == "succeeded"
-    cluster = requests.get(server.url + "/readyz", timeout=WAIT_S).json()["cluster"]
-    assert cluster == {"scheduler": None, "store": "sqlite"}
-    assert jobs_scheduler(servers).startswith("tcp://127.0.0.1:")  # its runner's, in the store
+    def cluster():  # from the store's last read, which this /readyz may have just started
+        return requests.get(server.url + "/readyz", timeout=WAIT_S).json()["cluster"]
+    wait_for(lambda: cluster() == {"store": "sqlite", "reachable": True, "workers": 1}, "/readyz: 1 worker")
+    assert jobs_scheduler(servers).startswith("tls://127.0.0.1:")  # its runner's, in the store, not in /readyz
     assert cmdline(runner_pid(server)).split()[-1] == jobs_scheduler(servers)
 
 
@@ -712,12 +714,14 @@ def check_data_dir(server, servers):
 
 
 def check_jobs_db(server, servers):
-    """/readyz names the store; a job posted here is a row of that database (its tiles held: the
-    row is read while it runs, before the TTL of 1 s could remove it), not of the jobs server's."""
+    """/readyz names the store's kind and sees the external cluster's worker (never its address); a
+    job posted here is a row of that database (its tiles held: the row is read while it runs,
+    before the TTL of 1 s could remove it), not of the jobs server's."""
     from app.jobs import db
 
-    cluster = requests.get(server.url + "/readyz", timeout=WAIT_S).json()["cluster"]
-    assert cluster == {"scheduler": jobs_scheduler(servers), "store": "postgresql"}
+    def cluster():  # from the store's last read, which this /readyz may have just started
+        return requests.get(server.url + "/readyz", timeout=WAIT_S).json()["cluster"]
+    wait_for(lambda: cluster() == {"store": "postgresql", "reachable": True, "workers": 1}, "/readyz: 1 worker")
     with HeldTiles(jobs_scheduler(servers), servers.tmp / f"held-{uuid.uuid4().hex}") as held:
         job_id = small_job(server)
         held.wait_started(job_id, timeout_s=WAIT_S)

@@ -19,9 +19,12 @@ class ReadySchema(Schema):
     device = fields.String(required=True, metadata={
         "example": "cpu", "description": "The device this worker computes on (BLOCKGRAD_DEVICE resolved)."})
     cluster = fields.Dict(metadata={
-        "description": "Where jobs live, asking neither (readiness is about synchronous serving): `scheduler`, the "
-                     "external Dask scheduler's address (null: the embedded cluster; `off`: no jobs), and `store`, "
-                     "the job store's kind (sqlite or postgresql). Informational: it never makes /readyz fail."})
+        "example": {"store": "sqlite", "reachable": True, "workers": 2},
+        "description": "The jobs' side, never where it is and never waited for (readiness is about synchronous "
+                     "serving): `store`, the job store's kind (sqlite or postgresql; null: no jobs), and, as the "
+                     "last read of the store found them (at most seconds old), `workers`, the Dask workers the job "
+                     "runners see, and `reachable`, whether they reach a cluster with a worker. Informational: it "
+                     "never makes /readyz fail."})
 
 @blp.route("/healthz", methods=["GET"])
 @blp.doc(**OPEN_ROUTE)

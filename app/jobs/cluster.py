@@ -1,7 +1,8 @@
 """The job runner and the embedded Dask cluster: `dask scheduler` and `dask worker` processes
 on 127.0.0.1.
 
-Standard library only: gunicorn's master calls `start_for_gunicorn` from on_starting and
+Standard library only (cryptography for the TLS credentials, imported when they are made):
+gunicorn's master calls `start_for_gunicorn` from on_starting and
 `stop_embedded` from on_exit, and must create no Dask object and no thread (it forks
 workers at every recycle), so the runner and the cluster are plain subprocesses under one
 supervisor process (app/jobs/supervisor.py) that starts again whichever of them exits. They run in a
@@ -12,7 +13,9 @@ machine, and a dead master's jobs are gone anyway. Each `dask worker` is a nanny
 restarts its worker process when it dies (the worker process exits when its nanny does).
 Workers run at nice 19, so that job tasks yield the CPU to synchronous requests. The runner
 (app/jobs/runner.py) holds the service's only Client, to the address on its command line;
-gunicorn's workers never talk to Dask.
+gunicorn's workers never talk to Dask. The cluster speaks TLS only, with credentials made at each
+start (app/jobs/tls.py) and given to the supervisor alone, which hands them to its children as
+Dask configuration: nothing else can connect to it.
 """
 import ctypes
 import os
@@ -37,13 +40,16 @@ STOP_TIMEOUT_S = 10
 # mmap (tasks.restore_malloc_reuse; None unsets a default). As Dask configuration, given in
 # the environment: deploy/k8s/dask/workers.yaml sets the same.
 NANNY_ENVIRON = '{"MALLOC_TRIM_THRESHOLD_": None, "OMP_NUM_THREADS": 1, "MKL_NUM_THREADS": 1, "OPENBLAS_NUM_THREADS": 1}'
+# Without a dashboard each process still serves HTTP, on loopback like the rest, and with its
+# health route alone: the others show task keys (job ids), logs and addresses (docs/jobs.md).
+LOOPBACK_ANY_PORT = "127.0.0.1:0"
+HEALTH_ONLY = '["distributed.http.health"]'
 # A job's vectors are scattered to every worker so that a worker's death loses no input; the
 # Active Memory Manager would drop those copies whenever fewer of the job's tiles wait on them
 # than there are workers (between the scatter and the graph, at a job's end). As Dask
 # configuration, given in the environment: deploy/k8s/dask/scheduler.yaml sets the same.
-SCHEDULER_CONFIG = {"DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False"}
-# Without a dashboard each process still serves HTTP (health, metrics): on loopback, like the rest.
-LOOPBACK_ANY_PORT = "127.0.0.1:0"
+SCHEDULER_CONFIG = {"DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
+                    "DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES": HEALTH_ONLY}
 
 
 @dataclass
@@ -78,9 +84,9 @@ def cluster_env() -> dict[str, str]:
 
 
 def start_scheduler(port: int) -> subprocess.Popen:
-    """A `dask scheduler` on 127.0.0.1:port (a fresh one, at the same address, after a restart)."""
-    return subprocess.Popen([*DASK, "scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard",
-                             "--dashboard-address", LOOPBACK_ANY_PORT],
+    """A `dask scheduler` on tls://127.0.0.1:port (a fresh one, at the same address, after a restart)."""
+    return subprocess.Popen([*DASK, "scheduler", "--protocol", "tls", "--host", "127.0.0.1", "--port", str(port),
+                             "--no-dashboard", "--dashboard-address", LOOPBACK_ANY_PORT],
                             env={**cluster_env(), **SCHEDULER_CONFIG}, cwd=ROOT, stdin=subprocess.DEVNULL,
                             preexec_fn=die_with_parent())
 
@@ -90,7 +96,8 @@ def start_worker(address: str, memory_limit: str) -> subprocess.Popen:
     # torch loaded before the first job, by the worker process only: `--preload` would have the
     # nanny's command line import it too (to check its arguments; docs/jobs.md, "Memory").
     env = {**cluster_env(), "DASK_DISTRIBUTED__WORKER__PRELOAD": '["app.core.job_tasks"]',
-           "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON": NANNY_ENVIRON}
+           "DASK_DISTRIBUTED__NANNY__PRE_SPAWN_ENVIRON": NANNY_ENVIRON,
+           "DASK_DISTRIBUTED__WORKER__HTTP__ROUTES": HEALTH_ONLY}
     return subprocess.Popen(
         [*DASK, "worker", address, "--host", "127.0.0.1", "--nthreads", "1",
          "--no-dashboard", "--dashboard-address", LOOPBACK_ANY_PORT, "--memory-limit", memory_limit],
@@ -121,15 +128,21 @@ def start_embedded(workers: int, memory_limit: str = "auto", runner: bool = True
                    embedded: bool = True) -> EmbeddedCluster:
     """Spawn the supervisor (app/jobs/supervisor.py) of a scheduler, `workers` nannied workers
     and (`runner`) the job runner; returns at once (workers join within seconds). Not
-    `embedded`: the runner alone, of BLOCKGRAD_DASK_SCHEDULER's cluster."""
+    `embedded`: the runner alone, of BLOCKGRAD_DASK_SCHEDULER's cluster (TLS as the environment's
+    Dask configuration says)."""
     port = free_port() if embedded else 0
+    tls = {}
+    if embedded:
+        from .tls import credentials  # here: cryptography only where a cluster starts
+
+        tls = credentials()
     # A session of its own: a signal to the server's process group (Ctrl-C) reaches only the
     # supervisor's parent, and the supervisor stops the rest in order (a nanny's worker
     # killed by the group's signal instead leaks its semaphores).
     supervisor = subprocess.Popen([sys.executable, "-m", "app.jobs.supervisor", str(port), str(workers), memory_limit,
-                                   str(int(runner))], env=cluster_env(), cwd=ROOT, stdin=subprocess.DEVNULL,
+                                   str(int(runner))], env={**cluster_env(), **tls}, cwd=ROOT, stdin=subprocess.DEVNULL,
                                   preexec_fn=die_with_parent(), start_new_session=True)
-    return EmbeddedCluster(f"tcp://127.0.0.1:{port}", [supervisor])
+    return EmbeddedCluster(f"tls://127.0.0.1:{port}", [supervisor])
 
 
 def stop_embedded(cluster: EmbeddedCluster | None, timeout_s: float = STOP_TIMEOUT_S) -> None:

@@ -59,6 +59,7 @@ class JobStore:
         self.metrics_read_after = 0.0  # time.monotonic() before which a scrape does not read
         self.reading: Future | None = None  # the scrape's read of the store, which may outlive the scrape
         self.reader: ThreadPoolExecutor | None = None
+        self.workers = 0  # the cluster's, as the last read of the store found them (0: unread)
 
     @property
     def engine(self):
@@ -78,32 +79,44 @@ class JobStore:
             return self._engine
 
     def cluster_report(self) -> dict:
-        """For /readyz, asking neither the store nor the cluster: where each is."""
-        off = self.settings.dask_scheduler == OFF
-        url = None if off else self.settings.database_url()
-        return {"scheduler": self.settings.dask_scheduler, "store": url and url.split(":", 1)[0].split("+")[0]}
+        """For /readyz, never waiting for the store: its kind, and the cluster's workers as the last
+        read of the job runners' heartbeats found them (refresh_metrics' read, started here if none
+        is under way); reachable: a runner seen lately reaches a cluster with a worker. Never where."""
+        if self.settings.dask_scheduler == OFF:
+            return {"store": None, "reachable": False, "workers": 0}
+        self.refresh_metrics(wait_s=0)
+        url = self.settings.database_url()
+        return {"store": url.split(":", 1)[0].split("+")[0], "reachable": self.workers > 0, "workers": self.workers}
 
-    def refresh_metrics(self) -> None:
-        """The job gauges read from the store now, for a scrape, waiting at most METRICS_READ_S.
-        A store that cannot be read: 0 workers, the job gauges as last read, and no read for
-        METRICS_RETRY_S (a read still running is not started again)."""
+    def refresh_metrics(self, wait_s: float = METRICS_READ_S) -> None:
+        """The job gauges read from the store now, for a scrape, waiting at most wait_s (0: the
+        read goes on alone). A store that cannot be read: 0 workers, the job gauges as last
+        read, and no read for METRICS_RETRY_S (a read still running is not started again)."""
         if self.settings.dask_scheduler == OFF or time.monotonic() < self.metrics_read_after:
             return
         if self.reading is None or self.reading.done():
             self.reader = self.reader or ThreadPoolExecutor(1, "job-metrics")
             self.reading = self.reader.submit(self.read_metrics)
+        if not wait_s:
+            return
         try:
-            self.reading.result(timeout=METRICS_READ_S)
+            self.reading.result(timeout=wait_s)
         except Exception as exc:  # noqa: BLE001 - a scrape answers whatever the store does
             if not isinstance(exc, (BlockgradError, TimeoutError)):  # store_unavailable is the expected one
                 log.warning("job_metrics_unread", extra={"fields": {"error": repr(exc)}})
             self.metrics_read_after = time.monotonic() + METRICS_RETRY_S
+            self.workers = 0
             observe_workers(0)
 
     def read_metrics(self) -> None:
-        engine = self.engine
-        observe_jobs(db.status_counts(engine))
-        observe_workers(db.cluster_workers(engine, time.time()))
+        try:
+            engine = self.engine
+            observe_jobs(db.status_counts(engine))
+            self.workers = db.cluster_workers(engine, time.time())
+        except Exception:
+            self.workers = 0  # /readyz, which does not wait for this read, says so too
+            raise
+        observe_workers(self.workers)
 
     def row(self, job_id: str) -> dict:
         """The job's row; 404 for an unknown one and for one finished longer than BLOCKGRAD_JOB_TTL_S

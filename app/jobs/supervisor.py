@@ -4,7 +4,8 @@ the embedded cluster up.
 gunicorn's master may start no thread and reaps every child of its own (it forks workers
 at every recycle), so it spawns this one process and leaves the rest to it: the job runner
 (`python -m app.jobs.runner`, RUNNER 1) and, PORT not 0, a `dask scheduler` on
-127.0.0.1:PORT and WORKERS nannied `dask worker`s; each is started again when it exits (a
+tls://127.0.0.1:PORT and WORKERS nannied `dask worker`s, all of them with the TLS credentials
+in this process's environment (cluster.start_embedded's); each is started again when it exits (a
 scheduler at the same address: the runner's Client reconnects to it; the workers it lost
 with the old one rejoin). Restarts of one process are spaced out, so a process that cannot
 start does not spin. On SIGTERM it stops the runner (which hands its jobs back), the
@@ -59,7 +60,7 @@ class Supervised:
 
 
 def supervise(port: int, workers: int, memory_limit: str, runner: bool) -> None:
-    address = f"tcp://127.0.0.1:{port}" if port else None  # None: the runner's is BLOCKGRAD_DASK_SCHEDULER
+    address = f"tls://127.0.0.1:{port}" if port else None  # None: the runner's is BLOCKGRAD_DASK_SCHEDULER
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
     signal.signal(signal.SIGINT, lambda *_: stopping.append(True))
