@@ -172,3 +172,23 @@ def test_readyz_reports_the_runners_workers_never_waiting_for_the_store(tmp_path
     assert wait_until(lambda: cluster()["workers"] == 3, WAIT_S, 0.05), cluster()
     assert cluster() == {"store": "sqlite", "reachable": True, "workers": 3}
     assert "45678" not in client.get("/readyz").get_data(as_text=True)
+
+
+def test_a_tls_address_without_tls_configuration_is_an_outage_not_a_failing_step(tmp_path, caplog):
+    """An operator's external tls:// scheduler without Dask's TLS variables: distributed refuses
+    the connection with a TypeError (and every later Client of the process); the runner says once
+    that it waits on the cluster, naming what is missing, and
+    keeps its jobs queued, instead of logging a failed step at every poll."""
+    from app.core.objectives import OBJECTIVES
+    from app.jobs import db
+    from app.jobs.runner import Runner
+    from app.jobs.settings import JobSettings
+
+    settings = JobSettings.from_env({"BLOCKGRAD_DATA_DIR": str(tmp_path)})
+    runner = Runner(settings, OBJECTIVES, db.open_store(settings.database_url()), "tls://127.0.0.1:9")
+    with caplog.at_level("INFO", logger="blockgrad.jobs"):
+        for _ in range(3):
+            runner.step(time.time())
+    assert (runner.client, runner.outage) == (None, "cluster")
+    waiting = [r.getMessage() for r in caplog.records if "jobs_waiting" in r.getMessage()]
+    assert len(waiting) == 1 and "needs Dask's TLS configuration" in waiting[0], caplog.text

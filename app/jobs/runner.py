@@ -111,8 +111,12 @@ class Runner:
         """This runner's Client, connected now if it has none; None while the cluster is down."""
         if self.client is not None and self.client.status in ("running", "connecting"):
             return self.client if self.client.status == "running" else None
-        from distributed import Client  # here: importing the module loads no Dask
+        from distributed import Client, Security  # here: importing the module loads no Dask
 
+        if self.address.startswith("tls://") and Security().get_connection_args("client")["ssl_context"] is None:
+            # distributed would raise TypeError, then fail every later Client in this process
+            self.down("cluster", f"{self.address} needs Dask's TLS configuration (docs/operations.md, Dask TLS)")
+            return None
         try:  # direct: data moves between this process and the workers, never through the scheduler
             self.client = Client(self.address, timeout=CONNECT_TIMEOUT_S, set_as_default=False, name="blockgrad-runner",
                                  direct_to_workers=True)
