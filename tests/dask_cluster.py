@@ -35,6 +35,8 @@ def cluster_config(address: str) -> dict:
     """The credentials of cluster_tls_env as dask.config.set takes them (dotted keys): a Client of
     a tls:// address then uses them; a tcp:// one is not refused (no require-encryption)."""
     import dask.config
+    import distributed  # noqa: F401 - its defaults in Dask's config now: dask.config.set's exit
+    # deletes every key that did not exist when it began, the whole "distributed" tree included
 
     def flat(tree: dict, prefix: str = ""):
         for key, value in tree.items():

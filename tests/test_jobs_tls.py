@@ -101,8 +101,8 @@ def test_credentials_are_dask_configuration_for_every_role_made_afresh():
 
 @pytest.mark.slow
 def test_a_local_client_without_the_credentials_runs_nothing_on_any_port(served):
-    """Every port of the served process tree (gunicorn's, the scheduler's, each nanny's and
-    worker's, their HTTP servers), tried as tcp:// without credentials and as tls:// with a
+    """Every port of the served process tree (gunicorn's HTTP and gRPC, the scheduler's, each
+    nanny's and worker's, their HTTP servers), tried as tcp:// without credentials and as tls:// with a
     certificate of another CA: nothing runs. The control: with the service's own credentials
     the same probe runs code on the scheduler, which is among the ports tried."""
     supervisor = supervisor_of(served.pid)
@@ -113,8 +113,9 @@ def test_a_local_client_without_the_credentials_runs_nothing_on_any_port(served)
         return requests.get(served.url + "/readyz", timeout=WAIT_S).json()["cluster"]
     assert wait_until(lambda: cluster()["workers"] == int(workers), WAIT_S, 0.5), f"{workers} workers: {cluster()}"
     ports = listening_ports(served.pid)
-    # gunicorn's; the scheduler's, each worker's and each nanny's; the scheduler's and each worker's HTTP
-    assert served.port in ports and int(port) in ports and len(ports) == 3 + 3 * int(workers), ports
+    # gunicorn's HTTP and gRPC; the scheduler's, each worker's and each nanny's; the scheduler's and
+    # each worker's HTTP
+    assert {served.port, served.grpc_port, int(port)} <= ports and len(ports) == 4 + 3 * int(workers), ports
     env = {name.split("__", 3)[-1]: value for name, value in cluster_tls_env(scheduler).items()}
     own = {"tls_ca_file": env.get("CA_FILE"), "tls_client_cert": env.get("CLIENT__CERT"),
            "tls_client_key": env.get("CLIENT__KEY")}
@@ -126,7 +127,7 @@ def test_a_local_client_without_the_credentials_runs_nothing_on_any_port(served)
     assert own["tls_client_key"] and not [p for p in [served.pid, *served.worker_pids()] if any(
         name.startswith("DASK_DISTRIBUTED__COMM__TLS") for name in psutil.Process(p).environ())]
     # distributed's HTTP servers answer their health route alone (no task keys, logs, addresses)
-    health = [p for p in ports if p != served.port and http_status(p, "/health") == 200]
+    health = [p for p in ports - {served.port, served.grpc_port} if http_status(p, "/health") == 200]
     assert len(health) == 1 + int(workers), health  # the scheduler's and each worker's
     for path in ("/json/identity.json", "/info/main/workers.html", "/metrics", "/statics/"):
         assert {p: http_status(p, path) for p in health} == dict.fromkeys(health, 404), path
