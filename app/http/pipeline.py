@@ -13,19 +13,28 @@ not admitted, and refused when converted), admits once, converts with the core (
 `compute` for /v1 and /v2 (a compute slot, then the engine), the job store's submit for
 /v1/jobs, whose admission is its own limits'. The renderer turns what was executed into the
 Response; the request is recorded when its last byte is written (record.py).
+
+A traced request (record.begin started its span, `state.span`) gets a span per stage, the
+request's span current meanwhile: decode (arrival to here), admit (validate, admit,
+convert), queue (the wait for a compute slot), compute, and render until its last byte
+(ended by record.py); /v1/jobs's submit instead of queue and compute.
 """
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from flask import current_app, g, request
+from opentelemetry import context, trace
+
+import app.tracing as tracing
 
 from ..core import slots  # slots.Deadline looked up per request (tests replace it)
 from ..core.admission import AnswerCost, admit
 from ..core.device import ready_device
+from ..core.engine import plan_bands
 from ..core.errors import validation_error
 from ..core.objectives import Objective
 from ..core.request import (GradientRequest, Sizes, build_request, default_factor, factor_refusal, ordered_outputs,
@@ -87,12 +96,48 @@ Execute = Callable[[GradientRequest, Described, Services], Any]
 
 def pipeline(described: Described, call: Call, execute: Execute | None = None, admit_sizes: Admit | None = None) -> Any:
     """Validate, admit once, convert, execute (default: `compute`, admitted by `admit_to_compute`)."""
-    served = call.served
-    sizes = validated_sizes(described, served.objectives)
-    if sizes is not None:
-        admit_sizes(sizes, described, served) if admit_sizes else admit_to_compute(sizes, described, call)
-    req = convert(described, served.objectives)
-    return execute(req, described, served) if execute else compute(req, described, call)
+    served, span = call.served, getattr(call.state, "span", None)
+    token = None if span is None else context.attach(trace.set_span_in_context(span))
+    try:
+        if span is not None:
+            tracing.TRACER.start_span("decode", start_time=span.start_time).end()
+        with stage(span, "admit"):
+            sizes = validated_sizes(described, served.objectives)
+            if sizes is not None:
+                if span is not None:
+                    span.set_attributes({key: value for key, value in (
+                        ("blockgrad.n", sizes.n), ("blockgrad.dim", sizes.dim), ("blockgrad.factor", sizes.factor),
+                        ("blockgrad.objective", described.fields.get("objective"))) if value is not None})
+                admit_sizes(sizes, described, served) if admit_sizes else admit_to_compute(sizes, described, call)
+            req = convert(described, served.objectives)
+        if execute is None:
+            executed = compute(req, described, call)
+        else:
+            with stage(span, "submit"):
+                executed = execute(req, described, served)
+        if span is not None:  # ended with the request (record.py)
+            call.state.render_span = tracing.TRACER.start_span("render")
+        return executed
+    finally:
+        if token is not None:
+            context.detach(token)
+
+
+def stage(span, name: str):
+    """A span of the request's stage `name` while it runs, its error code recorded (off: nothing)."""
+    return nullcontext() if span is None else traced_stage(name)
+
+
+@contextmanager
+def traced_stage(name: str) -> Iterator:
+    span = tracing.TRACER.start_span(name)  # the request's span stays current (a job stores its traceparent)
+    try:
+        yield span
+    except Exception as exc:
+        span.set_attribute("blockgrad.outcome", getattr(exc, "code", "internal_error"))
+        raise
+    finally:
+        span.end()
 
 
 def validated_sizes(described: Described, objectives: Mapping[str, Objective]) -> Sizes | None:
@@ -141,12 +186,18 @@ def compute(req: GradientRequest, described: Described, call: Call) -> Computed:
         device = ready_device(served.settings.device)
         state.device = str(device)
         return Computed(req, None, device, record.timed, described.own)
-    deadline = request_deadline(call)
+    deadline, span = request_deadline(call), getattr(state, "span", None)
     # The request's first slot (overloaded / deadline_exceeded / client_closed); its executor may take more.
-    ticket = served.gate.acquire(deadline)
+    with stage(span, "queue"):
+        ticket = served.gate.acquire(deadline)
     start = time.perf_counter()
     try:
-        result = run(req, served.settings, deadline, served.executor)
+        with stage(span, "compute") as computing:
+            result = run(req, served.settings, deadline, served.executor)
+            if computing is not None:
+                bands = list(plan_bands(n, dim, req.factor, result.chunk_elements))
+                computing.set_attributes({"blockgrad.bands": len(bands), "blockgrad.chunks": sum(map(len, bands)),
+                                          "blockgrad.blocks_kept": result.kept is not None})
     finally:
         record.compute_s += time.perf_counter() - start
         ticket.release()
