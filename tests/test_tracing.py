@@ -17,7 +17,7 @@ from tools.server import gunicorn_server, wait_until
 
 pytestmark = pytest.mark.slow
 WAIT_S = 120
-STAGES = {"decode", "admit", "queue", "compute", "render"}
+STAGES = {"decode", "admit", "compute", "render"}
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ Response; the request is recorded when its last byte is written (record.py).
 
 A traced request (record.begin started its span, `state.span`) gets a span per stage, the
 request's span current meanwhile: decode (arrival to here), admit (validate, admit,
-convert), queue (the wait for a compute slot), compute, and render until its last byte
-(ended by record.py); /v1/jobs's submit instead of queue and compute.
+convert, the wait for a compute slot), compute, and render until its last byte (ended by
+record.py); /v1/jobs's submit instead of compute.
 """
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -110,8 +110,9 @@ def pipeline(described: Described, call: Call, execute: Execute | None = None, a
                         ("blockgrad.objective", described.fields.get("objective"))) if value is not None})
                 admit_sizes(sizes, described, served) if admit_sizes else admit_to_compute(sizes, described, call)
             req = convert(described, served.objectives)
+            slot = take_slot(call) if execute is None and req.outputs else None  # its queue wait admission's
         if execute is None:
-            executed = compute(req, described, call)
+            executed = compute(req, described, call, slot)
         else:
             with stage(span, "submit"):
                 executed = execute(req, described, served)
@@ -176,9 +177,17 @@ def convert(described: Described, objectives: Mapping[str, Objective]) -> Gradie
     return build_request(matrix, objectives=objectives, **described.fields)
 
 
-def compute(req: GradientRequest, described: Described, call: Call) -> Computed:
-    """Take a compute slot, run the engine, give the slot back: the answer is written without
-    it, and each band of blocks recomputed while it is written takes one again (BandSlots)."""
+def take_slot(call: Call) -> tuple[slots.Deadline, Any]:
+    """The request's deadline and first compute slot (overloaded / deadline_exceeded /
+    client_closed); its executor may take more."""
+    deadline = request_deadline(call)
+    return deadline, call.served.gate.acquire(deadline)
+
+
+def compute(req: GradientRequest, described: Described, call: Call, slot: tuple | None = None) -> Computed:
+    """Take a compute slot (unless `slot`: take_slot's), run the engine, give the slot back: the
+    answer is written without it, and each band of blocks recomputed while it is written takes
+    one again (BandSlots)."""
     n, dim = req.vectors.shape
     served, state = call.served, call.state
     state.work = record = RequestRecord(n, dim, req.factor, described.logged_outputs or req.outputs, req.outputs)
@@ -186,13 +195,10 @@ def compute(req: GradientRequest, described: Described, call: Call) -> Computed:
         device = ready_device(served.settings.device)
         state.device = str(device)
         return Computed(req, None, device, record.timed, described.own)
-    deadline, span = request_deadline(call), getattr(state, "span", None)
-    # The request's first slot (overloaded / deadline_exceeded / client_closed); its executor may take more.
-    with stage(span, "queue"):
-        ticket = served.gate.acquire(deadline)
+    deadline, ticket = slot or take_slot(call)
     start = time.perf_counter()
     try:
-        with stage(span, "compute") as computing:
+        with stage(getattr(state, "span", None), "compute") as computing:
             result = run(req, served.settings, deadline, served.executor)
             if computing is not None:
                 bands = list(plan_bands(n, dim, req.factor, result.chunk_elements))
