@@ -2,7 +2,9 @@
 on (exporting OTLP/HTTP to a receiver in this process) against off, and off against the
 commit before tracing (its tree extracted with `git archive`, served by the same gunicorn
 command and virtual environment), 1 and 4 clients. The three servers run side by side and
-are measured in alternated rounds, so all see the same load; ratios are medians over rounds."""
+are measured in alternated rounds, so all see the same load; ratios are medians over rounds.
+The detail adds each server's workers' CPU time per request (every thread: the exporter's
+too), which a busy machine disturbs less than the rate."""
 import contextlib
 import os
 import statistics
@@ -20,7 +22,7 @@ from .measure import Result, at_most
 from .rows import load
 
 BEFORE = "4e7dd7c"  # main before tracing (the merge of issue 31 and its last test fix)
-ROUNDS = 3
+ROUNDS = 5
 ROUND_S = 2.0
 
 
@@ -61,6 +63,13 @@ def commit_server(commit: str):
             stop(process)
 
 
+def workers_cpu_s(server: Server) -> float:
+    """CPU seconds (user + system, every thread) the server's workers have used so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    return sum(sum(map(int, Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13])) / ticks
+               for pid in server.worker_pids())
+
+
 def tracing_cost(bench) -> list[Result]:
     body = workloads.body(workloads.SEED_EXAMPLE)
     sink = ThreadingHTTPServer(("127.0.0.1", 0), Sink)
@@ -72,13 +81,17 @@ def tracing_cost(bench) -> list[Result]:
                 gunicorn_server(workers=2, device=None, ready_path="/readyz") as off, \
                 commit_server(BEFORE) as before:
             for clients in (1, 4):
-                rates = {"on": [], "off": [], "before": []}
+                rates, cpu = {"on": [], "off": [], "before": []}, {"on": [], "off": [], "before": []}
                 for _ in range(ROUNDS):
                     for name, server in (("on", on), ("off", off), ("before", before)):
-                        rates[name].append(load(server, "/v1/gradients", body, clients=clients, seconds=ROUND_S)[0])
+                        spent = workers_cpu_s(server)
+                        rate, latencies, _ = load(server, "/v1/gradients", body, clients=clients, seconds=ROUND_S)
+                        rates[name].append(rate)
+                        cpu[name].append((workers_cpu_s(server) - spent) / len(latencies))
                 on_off = statistics.median(o / t for o, t in zip(rates["off"], rates["on"]))  # time on / time off
                 off_before = statistics.median(b / o for b, o in zip(rates["before"], rates["off"]))
-                detail = ", ".join(f"{name} {statistics.median(r):.0f} req/s" for name, r in rates.items())
+                detail = ", ".join(f"{name} {statistics.median(rates[name]):.0f} req/s, "
+                                   f"{statistics.median(cpu[name]) * 1e3:.2f} ms CPU" for name in rates)
                 results += [
                     Result(f"32. seed 10x5, {clients} client(s): traces on vs off (time per request)", "<= 1.10x",
                            f"{on_off:.2f}x", at_most(on_off, 1.10), f"{detail}; medians of {ROUNDS} alternated "

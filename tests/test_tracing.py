@@ -116,3 +116,20 @@ def test_a_jobs_tile_tasks_are_spans_of_the_posts_trace_from_a_dask_worker(serve
         assert tile.span.parent_span_id == post.span.span_id
         assert tile.resource["service.name"] == "blockgrad"
         assert tile.resource["process.pid"] not in web
+
+
+def test_a_caller_that_does_not_sample_gets_its_answer_and_no_span(server, receiver):
+    """traceparent flags 00: the SDK's parent-based sampler records nothing of the request. Its
+    spans would be queued before those of the sampled request that follows it, so once that
+    one's have arrived, the first's would have too."""
+    unsampled, _, traceparent = caller()
+    body = {"vectors": [[1.0, 2.0], [3.0, 4.0], [5.0, 7.0]], "factor": 1}
+    answer = requests.post(server.url + "/v1/gradients", json=body, headers={"traceparent": traceparent[:-2] + "00"},
+                           timeout=WAIT_S)
+    assert answer.status_code == 200, answer.text
+    assert log_line(server, answer.headers["X-Request-ID"])["trace_id"] == unsampled
+    sampled, _, traceparent = caller()
+    assert requests.post(server.url + "/v1/gradients", json=body, headers={"traceparent": traceparent},
+                         timeout=WAIT_S).status_code == 200
+    receiver.wait_for(sampled, STAGES, WAIT_S)
+    assert receiver.of_trace(unsampled) == []

@@ -97,6 +97,7 @@ Execute = Callable[[GradientRequest, Described, Services], Any]
 def pipeline(described: Described, call: Call, execute: Execute | None = None, admit_sizes: Admit | None = None) -> Any:
     """Validate, admit once, convert, execute (default: `compute`, admitted by `admit_to_compute`)."""
     served, span = call.served, getattr(call.state, "span", None)
+    span = span if span is not None and span.is_recording() else None  # not sampled: no stage spans
     token = None if span is None else context.attach(trace.set_span_in_context(span))
     try:
         if span is not None:
@@ -125,8 +126,9 @@ def pipeline(described: Described, call: Call, execute: Execute | None = None, a
 
 
 def stage(span, name: str):
-    """A span of the request's stage `name` while it runs, its error code recorded (off: nothing)."""
-    return nullcontext() if span is None else traced_stage(name)
+    """A span of the request's stage `name` while it runs, its error code recorded (off or not
+    sampled: nothing)."""
+    return nullcontext() if span is None or not span.is_recording() else traced_stage(name)
 
 
 @contextmanager

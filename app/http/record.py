@@ -319,12 +319,13 @@ def finisher(status: int | str, state, route: str, method: str,
 
 def end_trace(state, span, status: int | str, code: str | None, fields: dict[str, Any]) -> None:
     """End the render stage and the request's span with its outcome; its ids go in the log line."""
-    for ending in (getattr(state, "render_span", None), span):
-        if ending is not None:
-            ending.set_attributes({"blockgrad.status": status, "blockgrad.outcome": code or "ok"})
-            if code:
-                ending.set_status(StatusCode.ERROR, code)
-            ending.end()
+    render = getattr(state, "render_span", None)
+    if render is not None:
+        render.end()
+    span.set_attributes({"blockgrad.status": status, "blockgrad.outcome": code or "ok"})
+    if code:
+        span.set_status(StatusCode.ERROR, code)
+    span.end()
     ids = span.get_span_context()
     fields.update(trace_id=format(ids.trace_id, "032x"), span_id=format(ids.span_id, "016x"))
 
