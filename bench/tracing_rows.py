@@ -1,6 +1,6 @@
 """Traces' cost (issue 32): the seed example through gunicorn as `make serve` runs it, tracing
 on (exporting OTLP/HTTP to a receiver in this process) against off, and off against the
-commit before tracing (its tree extracted with `git archive`, served by the same gunicorn
+commit before tracing, and with 10% of traces sampled (the SDK's own sampler) (its tree extracted with `git archive`, served by the same gunicorn
 command and virtual environment), 1 and 4 clients. The three servers run side by side and
 are measured in alternated rounds, so all see the same load; ratios are medians over rounds.
 The detail adds each server's workers' CPU time per request (every thread: the exporter's
@@ -24,6 +24,7 @@ from .rows import load
 BEFORE = "4e7dd7c"  # main before tracing (the merge of issue 31 and its last test fix)
 ROUNDS = 5
 ROUND_S = 2.0
+SAMPLED = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
 
 
 class Sink(BaseHTTPRequestHandler):
@@ -78,17 +79,20 @@ def tracing_cost(bench) -> list[Result]:
     results = []
     try:
         with gunicorn_server(workers=2, device=None, ready_path="/readyz", env=on_env) as on, \
+                gunicorn_server(workers=2, device=None, ready_path="/readyz", env={**on_env, **SAMPLED}) as sampled, \
                 gunicorn_server(workers=2, device=None, ready_path="/readyz") as off, \
                 commit_server(BEFORE) as before:
+            servers = {"on": on, "on 10%": sampled, "off": off, "before": before}
             for clients in (1, 4):
-                rates, cpu = {"on": [], "off": [], "before": []}, {"on": [], "off": [], "before": []}
+                rates, cpu = {name: [] for name in servers}, {name: [] for name in servers}
                 for _ in range(ROUNDS):
-                    for name, server in (("on", on), ("off", off), ("before", before)):
+                    for name, server in servers.items():
                         spent = workers_cpu_s(server)
                         rate, latencies, _ = load(server, "/v1/gradients", body, clients=clients, seconds=ROUND_S)
                         rates[name].append(rate)
                         cpu[name].append((workers_cpu_s(server) - spent) / len(latencies))
                 on_off = statistics.median(o / t for o, t in zip(rates["off"], rates["on"]))  # time on / time off
+                sampled_off = statistics.median(o / t for o, t in zip(rates["off"], rates["on 10%"]))
                 off_before = statistics.median(b / o for b, o in zip(rates["before"], rates["off"]))
                 detail = ", ".join(f"{name} {statistics.median(rates[name]):.0f} req/s, "
                                    f"{statistics.median(cpu[name]) * 1e3:.2f} ms CPU" for name in rates)
@@ -96,6 +100,8 @@ def tracing_cost(bench) -> list[Result]:
                     Result(f"32. seed 10x5, {clients} client(s): traces on vs off (time per request)", "<= 1.10x",
                            f"{on_off:.2f}x", at_most(on_off, 1.10), f"{detail}; medians of {ROUNDS} alternated "
                            f"rounds of {ROUND_S:.0f} s"),
+                    Result(f"32. seed 10x5, {clients} client(s): traces on, 10% of traces sampled, vs off", "- (info)",
+                           f"{sampled_off:.2f}x", "-", "OTEL_TRACES_SAMPLER=parentbased_traceidratio, _ARG=0.1"),
                     Result(f"32. seed 10x5, {clients} client(s): traces off vs {BEFORE} (before tracing)",
                            "within noise (<= 1.10x)", f"{off_before:.2f}x", at_most(off_before, 1.10), detail)]
             results[0] = replace(results[0], detail=f"{results[0].detail}; {Sink.received} exports received")
