@@ -12,7 +12,8 @@ from pathlib import Path
 
 from tools.server import gunicorn_settings
 
-from . import attacks, client_rows, cores, grpc_rows, jobs, recycling, rows, small_requests, uploads, worker_growth
+from . import (attacks, client_rows, cores, grpc_rows, jobs, recycling, rows, small_requests, tracing_rows, uploads,
+               worker_growth)
 from .measure import Result, table
 
 def dripping_uploads(bench) -> list:
@@ -28,6 +29,7 @@ ROWS = [
     rows.parse_vs_loads,
     rows.v2_binary_infer,
     grpc_rows.grpc_vs_v2,
+    tracing_rows.tracing_cost,
     rows.serving_small_requests,
     rows.model_scorer,
     client_rows.client_v1_read,

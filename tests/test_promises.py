@@ -44,6 +44,7 @@ from tests.dask_cluster import HeldTiles, cluster_client, cluster_tls_env, dask_
 from tests.events import LISTEN, socket_inodes
 from tests.numeric import assert_matches
 from tests.oracle import expected, oracle
+from tests.otlp_receiver import GrpcReceiver, Receiver
 from tools.server import ROOT, children, gunicorn_command, gunicorn_server, is_dask_process, wait_until
 
 pytestmark = pytest.mark.slow
@@ -953,6 +954,38 @@ def check_auth(server, servers):
     assert requests.get(f"{server.url}/healthz", timeout=WAIT_S).status_code == 200
 
 
+# Traces' collectors, one per protocol, up before any server exports to them.
+OTLP = {"http": Receiver(), "grpc": GrpcReceiver()}
+
+
+def traced_request(server, headers: dict | None = None) -> tuple[str, str]:
+    """A /v1 request with a traceparent: (its trace id, the caller's span id)."""
+    trace_id, parent_id = uuid.uuid4().hex, uuid.uuid4().hex[:16]
+    answer = post(server, "/v1/gradients", gradients(2, 1, 1), {"traceparent": f"00-{trace_id}-{parent_id}-01",
+                                                               **(headers or {})})
+    assert answer.status_code == 200, answer.text
+    return trace_id, parent_id
+
+
+def check_otlp_endpoint(server, servers):
+    trace_id, parent_id = traced_request(server, AUTH)
+    received = OTLP["http"].wait_for(trace_id, {"POST /v1/gradients", "compute"}, WAIT_S)
+    assert [got.span.parent_span_id.hex() for got in received if got.name == "POST /v1/gradients"] == [parent_id]
+
+
+def check_service_name(server, servers):
+    trace_id, _ = traced_request(server, AUTH)
+    assert {got.resource["service.name"] for got in OTLP["http"].wait_for(trace_id, {"render"}, WAIT_S)} == {
+        "blockgrad-promises"}
+
+
+def check_otlp_grpc(server, servers):
+    """The traces endpoint alone, over gRPC: its collector gets them, the HTTP one nothing."""
+    trace_id, _ = traced_request(server)
+    assert OTLP["grpc"].wait_for(trace_id, {"POST /v1/gradients", "render"}, WAIT_S)
+    assert OTLP["http"].of_trace(trace_id) == []
+
+
 VARIABLES = [
     Var("BLOCKGRAD_BIND", "(127.0.0.1:<free port>, set by tools/server.py)", "limits",
         "the server listens and answers there", check_bind),
@@ -1017,6 +1050,12 @@ VARIABLES = [
     Var("BLOCKGRAD_LOG_LEVEL", "(INFO, the default)", "timeouts", "one log line per request", check_log_info),
     Var("PROMETHEUS_MULTIPROC_DIR", "{tmp}/metrics", "limits", "emptied at start, then holds the values",
         check_metrics_dir),
+    Var("OTEL_EXPORTER_OTLP_ENDPOINT", OTLP["http"].endpoint, "limits", "a /v1 request's spans reach this "
+        "collector, the caller's span their parent", check_otlp_endpoint),
+    Var("OTEL_SERVICE_NAME", "blockgrad-promises", "limits", "the spans' service.name", check_service_name),
+    Var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", OTLP["grpc"].endpoint, "timeouts", "the spans reach this "
+        "(gRPC) collector", check_otlp_grpc),
+    Var("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc", "timeouts", "spans sent over gRPC", check_otlp_grpc),
 ]
 
 

@@ -60,6 +60,7 @@ class JobSpec:
     chunk_elements: int  # numbers per chunk (engine.elements_per_chunk)
     outputs: tuple[str, ...] = JOB_OUTPUTS  # what the job returns: only these are moved and assembled
     program: str | None = None  # a model's program: the sha256 of its bytes (job_models.py)
+    traceparent: str | None = None  # the W3C traceparent of the POST that made the job (its tasks' parent)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,9 @@ from typing import Any
 import orjson
 from flask import Flask, Request, Response, current_app, g, has_request_context, request
 
+from opentelemetry.trace import SpanKind, StatusCode
+
+import app.tracing as tracing
 from ..core.admission import output_elements
 from ..core.slots import GateListener
 from ..extensions import KEY
@@ -44,6 +47,7 @@ SOCKET_KEY = "gunicorn.socket"  # the client's socket, as gunicorn hands it to t
 REQUEST_ID_HEADER = "X-Request-ID"
 # An incoming id is echoed into headers and logs, so only a short, plain token is kept.
 SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
+TRACED = ("/v1/", "/v2/models/")  # the routes traced, but for readiness: probes and /metrics are not
 
 request_log = logging.getLogger("blockgrad.request")
 
@@ -193,15 +197,20 @@ UNFINISHED: dict[int, Callable[[str | None], None]] = {}
 
 def before_request() -> None:
     req = request._get_current_object()  # one proxy lookup
-    begin(g._get_current_object(), request_id_from(req.headers.get(REQUEST_ID_HEADER)), route_of(req), req.method)
+    route = route_of(req)
+    begin(g._get_current_object(), request_id_from(req.headers.get(REQUEST_ID_HEADER)), route, req.method,
+          req.headers if route.startswith(TRACED) and not route.endswith("/ready") else None)
 
 
-def begin(state, request_id: str, route: str, method: str) -> None:
-    """A request starts: its record is `state` (Flask's `g`, or a gRPC call's own namespace)."""
+def begin(state, request_id: str, route: str, method: str, carrier=None) -> None:
+    """A request starts: its record is `state` (Flask's `g`, or a gRPC call's own namespace).
+    `carrier` (headers, gRPC metadata): the request is traced, as a child of its traceparent if any."""
     state.started = time.perf_counter()
     state.cpu_started = (threading.get_ident(), time.thread_time())  # cpu_ms: this thread's CPU time
     state.arrived = time.monotonic()  # the request's deadline counts from here (the pipeline's deadline)
     state.request_id = request_id
+    state.span = None if carrier is None or tracing.TRACER is None else tracing.TRACER.start_span(
+        f"{method} {route}", tracing.parent(carrier), SpanKind.SERVER, {"blockgrad.request_id": request_id})
     metrics.IN_FLIGHT.inc()
     state.in_flight = True
     key = state.unfinished_key = id(state)
@@ -267,6 +276,7 @@ def finisher(status: int | str, state, route: str, method: str,
     device: str | None = getattr(state, "device", None)
     error_code: str | None = getattr(state, "error_code", None)
     key = getattr(state, "unfinished_key", None)
+    span = getattr(state, "span", None)
 
     def finish(stream_error: str | None) -> None:
         """`stream_error`: the code of what cut a streamed body short, if anything did."""
@@ -300,9 +310,24 @@ def finisher(status: int | str, state, route: str, method: str,
             fields["error"] = code
         if stream_error is not None and answered:
             fields["stream_aborted"] = True
+        if span is not None:
+            end_trace(state, span, status, code, fields)
         log_request(fields)
 
     return finish
+
+
+def end_trace(state, span, status: int | str, code: str | None, fields: dict[str, Any]) -> None:
+    """End the render stage and the request's span with its outcome; its ids go in the log line."""
+    render = getattr(state, "render_span", None)
+    if render is not None:
+        render.end()
+    span.set_attributes({"blockgrad.status": status, "blockgrad.outcome": code or "ok"})
+    if code:
+        span.set_status(StatusCode.ERROR, code)
+    span.end()
+    ids = span.get_span_context()
+    fields.update(trace_id=format(ids.trace_id, "032x"), span_id=format(ids.span_id, "016x"))
 
 
 def init_app(app: Flask) -> None:

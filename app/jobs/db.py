@@ -68,7 +68,8 @@ def first_job_columns() -> list[sa.Column]:
 
 
 jobs = sa.Table("jobs", meta, *first_job_columns(),
-                sa.Column("request_hash", sa.String(64)))  # sha256 of the job's vectors and fields (store.submit)
+                sa.Column("request_hash", sa.String(64)),  # sha256 of the job's vectors and fields (store.submit)
+                sa.Column("traceparent", sa.String(55)))  # the POST's W3C traceparent, None when not traced
 inputs = sa.Table(
     "job_inputs", meta,
     sa.Column("job_id", sa.String(32), primary_key=True),
@@ -95,6 +96,7 @@ MIGRATIONS = [
     lambda conn: conn.execute(sa.text("ALTER TABLE jobs ADD COLUMN request_hash VARCHAR(64)")),
     # admit's counts read this index alone, whatever the table's width
     lambda conn: conn.execute(sa.text("CREATE INDEX ix_jobs_status_bytes ON jobs (status, result_bytes)")),
+    lambda conn: conn.execute(sa.text("ALTER TABLE jobs ADD COLUMN traceparent VARCHAR(55)")),
 ]
 
 

@@ -193,7 +193,8 @@ class Runner:
             return
         spec = JobSpec(record["n"], record["dim"], record["factor"], record["objective"], record["offset"],
                        record["dtype"], elements_per_chunk(self.settings.max_job_block_elements, objective,
-                                                           record["dim"], vectors.itemsize), tuple(record["outputs"]))
+                                                           record["dim"], vectors.itemsize), tuple(record["outputs"]),
+                       traceparent=record.get("traceparent"))
         tiles = plan_tiles(spec.n, spec.dim, spec.factor, self.workers or 1)
         try:
             graph = submit(client, f"{job_id}-{number}", vectors, spec, tiles, objective,

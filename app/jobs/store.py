@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+import app.tracing as tracing
+
 from ..core.admission import output_elements
 from ..core.errors import BlockgradError, job_done, job_not_done, job_not_found, no_cluster, store_unavailable
 from ..core.request import GradientRequest
@@ -143,7 +145,8 @@ class JobStore:
                "objective": req.objective, "offset": float(req.offset), "dtype": req.dtype,
                "outputs": list(req.outputs), "blocks_total": req.factor ** 2,
                "result_bytes": output_elements(req.n, req.dim, req.factor, req.outputs) * vectors.itemsize,
-               "idempotency_key": idempotency_key, "request_hash": digest.hexdigest(), "created_at": time.time()}
+               "idempotency_key": idempotency_key, "request_hash": digest.hexdigest(), "created_at": time.time(),
+               "traceparent": tracing.current_traceparent()}
         stored, created = db.insert_job(self.engine, row, buffer.getvalue(), self.settings)
         if created:
             EVENTS.labels("submitted").inc()

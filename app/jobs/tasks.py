@@ -5,6 +5,8 @@ wrappers and their arguments import nothing heavy, so the scheduler never loads 
 (it would stall its event loop for seconds); the workers import app.core.job_tasks on
 the first task they run.
 """
+from contextlib import nullcontext
+
 from ..core.heap import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, mallopt
 
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # the ceiling of glibc's own dynamic threshold (64-bit)
@@ -35,11 +37,23 @@ def tile_task(vectors, spec: dict, rows: tuple[int, int], cols: tuple[int, int],
 
     restore_malloc_reuse()
     job, tile = JobSpec(**spec), Tile(0, range(*rows), range(*cols))
-    try:
-        objective = job_objective(job.objective, job.dim, job.dtype, job.program, program)
-    except ProgramError as exc:
-        return failed_tile(job, tile, exc.error)
-    return run_tile(vectors, job, tile, objective)
+    with traced(job.traceparent, "tile", {"blockgrad.rows": rows, "blockgrad.cols": cols}):
+        try:
+            objective = job_objective(job.objective, job.dim, job.dtype, job.program, program)
+        except ProgramError as exc:
+            return failed_tile(job, tile, exc.error)
+        return run_tile(vectors, job, tile, objective)
+
+
+def traced(traceparent: str | None, name: str, attributes: dict):
+    """A span of the job's trace (the POST's traceparent) while a task runs on this worker;
+    tracing set up at the worker's first traced task, from the environment it inherited."""
+    import app.tracing as tracing
+
+    if traceparent is None or not tracing.configure():
+        return nullcontext()
+    return tracing.TRACER.start_as_current_span(name, tracing.parent({"traceparent": traceparent}),
+                                                attributes=attributes)
 
 
 def band_task(kind: str, *parts):

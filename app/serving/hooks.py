@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from gunicorn import systemd
 
+import app.tracing as tracing
 from app.core import host
 from app.core.settings import Settings, available_cores
 from app.jobs import cluster as dask_cluster
@@ -73,6 +74,7 @@ def post_fork(server, worker):
 def post_worker_init(worker):
     """Loaded: warm the engine up, then serve gRPC, before accepting HTTP. SIGTERM starts the
     gRPC drain at once, beside HTTP's (gunicorn's own handler runs after ours)."""
+    tracing.configure()  # after the fork: the exporter's thread is this worker's (off: nothing)
     failed = warmup.warm_up(process.settings)
     if failed is not None:
         worker.log.warning("warm-up computation failed (the worker starts; /readyz reports the device): %s", failed)

@@ -49,15 +49,16 @@ def status_of(code: str) -> grpc.StatusCode:
                                         else Status.INTERNAL)
 
 
-def recorded(name: str, guarded: bool = True) -> Callable:
-    """An RPC recorded (its id, timing, one log line and the metrics), its token checked when
-    `guarded`, and its BlockgradError answered as the table's status, message and code."""
+def recorded(name: str, guarded: bool = True, traced: bool = False) -> Callable:
+    """An RPC recorded (its id, timing, one log line and the metrics; a span when `traced`, the
+    child of its metadata's traceparent), its token checked when `guarded`, and its BlockgradError answered as the table's status, message and code."""
     route = f"/{SERVICE}/{name}"
 
     def wrap(method):
         def rpc(self, message, context):
             state, metadata = SimpleNamespace(), dict(context.invocation_metadata())
-            record.begin(state, record.request_id_from(metadata.get(REQUEST_ID_KEY)), route, "GRPC")
+            record.begin(state, record.request_id_from(metadata.get(REQUEST_ID_KEY)), route, "GRPC",
+                         metadata if traced else None)
             status, error = "OK", None
             try:
                 if guarded:
@@ -122,7 +123,7 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"], platform=meta["platform"],
                                         **tensors)
 
-    @recorded("ModelInfer")
+    @recorded("ModelInfer", traced=True)
     def ModelInfer(self, message, context, state):
         check_model(message.model_name, message.model_version or None)
         # Ours ends DEADLINE_MARGIN_S before gRPC's, whose end also makes the call inactive: an

@@ -1,0 +1,69 @@
+"""Traces: OpenTelemetry's SDK set up once in each process that makes spans (a gunicorn worker
+after the fork, a Dask worker at its first tile), only when OTEL_EXPORTER_OTLP_ENDPOINT or
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set. Off, no provider is set, `TRACER` stays None and the
+span code does nothing. The SDK reads the other OTEL_* variables itself (the exporter's
+endpoint, headers and timeout, the batch processor's OTEL_BSP_*). A layer-free leaf: the
+HTTP glue, serving and the job tasks import it; it imports only opentelemetry
+(docs/operations.md, "Traces")."""
+import os
+from collections.abc import Mapping
+
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+TRACER: trace.Tracer | None = None
+PROCESSOR = None  # the batch processor, whose `dropped` counts spans a full queue dropped
+PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def configure(environ: Mapping[str, str] = os.environ) -> bool:
+    """Set this process's tracer provider (once) when an endpoint is set; whether tracing is on."""
+    global TRACER, PROCESSOR
+    if TRACER is not None or not any(environ.get(name) for name in ENDPOINTS):
+        return TRACER is not None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    else:  # http/protobuf, the default
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME") or "blockgrad",
+                                "process.pid": os.getpid()})
+    provider = TracerProvider(resource=resource)
+    PROCESSOR = batch_processor(OTLPSpanExporter())
+    provider.add_span_processor(PROCESSOR)
+    trace.set_tracer_provider(provider)
+    TRACER = provider.get_tracer("blockgrad")
+    return True
+
+
+def batch_processor(exporter, **options):
+    """The SDK's batch processor (a bounded queue, OTEL_BSP_*, a thread that exports), which
+    counts in `dropped` the spans it drops when its queue is full (the SDK only logs them)."""
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    class CountingProcessor(BatchSpanProcessor):
+        dropped = 0
+
+        def on_end(self, span) -> None:
+            queue = self._batch_processor._queue  # noqa: SLF001 - the pinned SDK's bounded deque
+            if span.context.trace_flags.sampled and len(queue) >= queue.maxlen:
+                self.dropped += 1
+            super().on_end(span)
+
+    return CountingProcessor(exporter, **options)
+
+
+def parent(carrier: Mapping[str, str] | None):
+    """The context a W3C traceparent in `carrier` (headers, gRPC metadata) names; none: a new trace."""
+    return PROPAGATOR.extract(carrier) if carrier else None
+
+
+def current_traceparent() -> str | None:
+    """The W3C traceparent of the current span (None: none), to carry into a job's tasks."""
+    carrier: dict[str, str] = {}
+    PROPAGATOR.inject(carrier)
+    return carrier.get("traceparent")
