@@ -229,6 +229,7 @@ class Servers:
         self.tmp, self.started, self.managers = tmp, {}, []
         self.observed: dict = {}  # observations several rows read (e.g. a held slot's scrapes)
         self.request, self.database, self.engine = request, None, None
+        self.receivers: dict = {}  # OTLP receivers by protocol, started on first use
 
     def postgres(self) -> str:
         """A PostgreSQL database of this module (tests/postgres.py's server, started on first use)."""
@@ -256,8 +257,23 @@ class Servers:
         env = {name: value.format(tmp=self.tmp) for name, value in GROUPS[group].env.items()}
         for row in VARIABLES:
             if row.group == group and row.sets:
-                env[row.variable] = row.value.format(tmp=self.tmp, group=group)
+                env[row.variable] = row.value.format(tmp=self.tmp, group=group, otlp=self.OtlpEndpoints(self))
         return env
+
+    def otlp(self, protocol: str):
+        """The module's OTLP receiver over `protocol` (http or grpc), started on first use."""
+        if protocol not in self.receivers:
+            self.receivers[protocol] = Receiver() if protocol == "http" else GrpcReceiver()
+        return self.receivers[protocol]
+
+    class OtlpEndpoints:
+        """`{otlp[http]}` in a row's value: that receiver's endpoint (it starts when a server needs it)."""
+
+        def __init__(self, servers):
+            self.servers = servers
+
+        def __getitem__(self, protocol: str) -> str:
+            return self.servers.otlp(protocol).endpoint
 
     def start(self, group: str):
         spec, env = GROUPS[group], self.env_of(group)
@@ -293,6 +309,8 @@ class Servers:
             self.engine.dispose()
         if self.database is not None:
             self.database.__exit__(None, None, None)
+        for receiver in self.receivers.values():
+            receiver.close()
 
 
 def jobs_scheduler(servers) -> str:
@@ -893,7 +911,8 @@ def check_job_records(server, servers):
     records are written into the store as the runner leaves failed jobs."""
     path = Path(servers.env_of("results")["BLOCKGRAD_DATA_DIR"]) / "jobs.sqlite3"
     with contextlib.closing(sqlite3.connect(path, timeout=WAIT_S)) as conn, conn:
-        kept = conn.execute("SELECT count(*) FROM jobs WHERE status IN ('succeeded', 'failed', 'cancelled')").fetchone()[0]
+        kept = conn.execute("SELECT count(*) FROM jobs WHERE status IN ('succeeded', 'failed', 'cancelled')"
+                            ).fetchone()[0]
         now = time.time()
         fillers = [(uuid.uuid4().hex, now) for _ in range(1000 - kept)]
         conn.executemany("INSERT INTO jobs (id, status, n, dim, factor, objective, \"offset\", dtype, outputs, "
@@ -955,7 +974,6 @@ def check_auth(server, servers):
 
 
 # Traces' collectors, one per protocol, up before any server exports to them.
-OTLP = {"http": Receiver(), "grpc": GrpcReceiver()}
 
 
 def traced_request(server, headers: dict | None = None) -> tuple[str, str]:
@@ -969,21 +987,21 @@ def traced_request(server, headers: dict | None = None) -> tuple[str, str]:
 
 def check_otlp_endpoint(server, servers):
     trace_id, parent_id = traced_request(server, AUTH)
-    received = OTLP["http"].wait_for(trace_id, {"POST /v1/gradients", "compute"}, WAIT_S)
+    received = servers.otlp("http").wait_for(trace_id, {"POST /v1/gradients", "compute"}, WAIT_S)
     assert [got.span.parent_span_id.hex() for got in received if got.name == "POST /v1/gradients"] == [parent_id]
 
 
 def check_service_name(server, servers):
     trace_id, _ = traced_request(server, AUTH)
-    assert {got.resource["service.name"] for got in OTLP["http"].wait_for(trace_id, {"render"}, WAIT_S)} == {
-        "blockgrad-promises"}
+    received = servers.otlp("http").wait_for(trace_id, {"render"}, WAIT_S)
+    assert {got.resource["service.name"] for got in received} == {"blockgrad-promises"}
 
 
 def check_otlp_grpc(server, servers):
     """The traces endpoint alone, over gRPC: its collector gets them, the HTTP one nothing."""
     trace_id, _ = traced_request(server)
-    assert OTLP["grpc"].wait_for(trace_id, {"POST /v1/gradients", "render"}, WAIT_S)
-    assert OTLP["http"].of_trace(trace_id) == []
+    assert servers.otlp("grpc").wait_for(trace_id, {"POST /v1/gradients", "render"}, WAIT_S)
+    assert servers.otlp("http").of_trace(trace_id) == []
 
 
 VARIABLES = [
@@ -1050,10 +1068,10 @@ VARIABLES = [
     Var("BLOCKGRAD_LOG_LEVEL", "(INFO, the default)", "timeouts", "one log line per request", check_log_info),
     Var("PROMETHEUS_MULTIPROC_DIR", "{tmp}/metrics", "limits", "emptied at start, then holds the values",
         check_metrics_dir),
-    Var("OTEL_EXPORTER_OTLP_ENDPOINT", OTLP["http"].endpoint, "limits", "a /v1 request's spans reach this "
+    Var("OTEL_EXPORTER_OTLP_ENDPOINT", "{otlp[http]}", "limits", "a /v1 request's spans reach this "
         "collector, the caller's span their parent", check_otlp_endpoint),
     Var("OTEL_SERVICE_NAME", "blockgrad-promises", "limits", "the spans' service.name", check_service_name),
-    Var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", OTLP["grpc"].endpoint, "timeouts", "the spans reach this "
+    Var("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "{otlp[grpc]}", "timeouts", "the spans reach this "
         "(gRPC) collector", check_otlp_grpc),
     Var("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc", "timeouts", "spans sent over gRPC", check_otlp_grpc),
 ]

@@ -42,11 +42,11 @@ def caller() -> tuple[str, str, str]:
 
 
 def log_line(server, request_id: str) -> dict:
-    found = []
-    assert wait_until(lambda: found.extend(line for line in map(json.loads, (
-        text for text in server.log().splitlines() if text.startswith('{"ts"'))) if line.get("request_id") == request_id)
-        or found, WAIT_S), f"no log line for {request_id}"
-    return found[0]
+    def found():
+        lines = (json.loads(text) for text in server.log().splitlines() if text.startswith('{"ts"'))
+        return next((line for line in lines if line.get("request_id") == request_id), None)
+    assert wait_until(lambda: found() is not None, WAIT_S), f"no log line for {request_id}"
+    return found()
 
 
 def check_request_trace(received, trace_id: str, parent_id: str, server_name: str) -> dict:
@@ -64,15 +64,15 @@ def check_request_trace(received, trace_id: str, parent_id: str, server_name: st
 def test_a_v1_request_with_a_traceparent_is_its_callers_child_with_a_span_per_stage(server, receiver):
     trace_id, parent_id, traceparent = caller()
     body = {"vectors": np.random.default_rng(0).uniform(-1, 1, (12, 3)).tolist(), "factor": 3}
-    answer = requests.post(server.url + "/v1/gradients", json=body, headers={"traceparent": traceparent}, timeout=WAIT_S)
+    answer = requests.post(server.url + "/v1/gradients", json=body, headers={"traceparent": traceparent},
+                           timeout=WAIT_S)
     assert answer.status_code == 200, answer.text
     spans = check_request_trace(receiver.wait_for(trace_id, STAGES | {"POST /v1/gradients"}, WAIT_S),
                                 trace_id, parent_id, "POST /v1/gradients")
     served = spans["POST /v1/gradients"]
     request_id = answer.headers["X-Request-ID"]
-    assert (served.attribute("blockgrad.request_id"), served.attribute("blockgrad.n"), served.attribute("blockgrad.dim"),
-            served.attribute("blockgrad.factor"), served.attribute("blockgrad.objective"),
-            served.attribute("blockgrad.outcome")) == (request_id, 12, 3, 3, "sum", "ok")
+    names = ("request_id", "n", "dim", "factor", "objective", "outcome")
+    assert tuple(served.attribute(f"blockgrad.{name}") for name in names) == (request_id, 12, 3, 3, "sum", "ok")
     assert spans["compute"].attribute("blockgrad.chunks") >= 1
     line = log_line(server, request_id)
     assert (line["trace_id"], line["span_id"]) == (trace_id, served.span.span_id.hex())
