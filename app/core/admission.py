@@ -256,8 +256,7 @@ def largest_block_side(n: int, factor: int) -> int:
 
 
 def block_elements(n: int, dim: int, factor: int) -> int:
-    side = largest_block_side(n, factor)
-    return side * side * 2 * dim
+    return largest_block_side(n, factor) ** 2 * 2 * dim
 
 
 def suggested_factor(sizes: Sizes, settings: Settings) -> int | None:
@@ -320,8 +319,7 @@ def check_block_and_answer(sizes: Sizes, settings: Settings) -> None:
 
 def activation_bytes(n: int, factor: int, bytes_per_pair: int) -> int:
     """A model's estimated peak activation memory for the largest block: its pairs x bytes_per_pair."""
-    side = largest_block_side(n, factor)
-    return side * side * bytes_per_pair
+    return largest_block_side(n, factor) ** 2 * bytes_per_pair
 
 
 def check_activations(sizes: Sizes, settings: Settings) -> None:
@@ -403,27 +401,16 @@ class MemoryLedger:
         if nbytes > self.budget:
             raise memory_limit_exceeded(nbytes, self.budget)
 
-    def reserve_upload(self, nbytes: int) -> Reservation:
-        """`nbytes` for a body still arriving: within the budget and the uploads' share
-        (uploads_busy when other uploads fill it)."""
-        reservation = Reservation(self, 0, uploading=True)
+    def reserve(self, nbytes: int, uploading: bool = False) -> Reservation:
+        """`nbytes` reserved until released; limit_exceeded (over the budget alone) or
+        memory_busy (only the current load is in the way). `uploading`: for a body still
+        arriving, within the uploads' share too (uploads_busy when other uploads fill it)."""
+        reservation = Reservation(self, 0, uploading=uploading)
         self._resize(reservation, nbytes)
         return reservation
 
-    def reserve(self, nbytes: int) -> Reservation:
-        """`nbytes` reserved until released; limit_exceeded (over the budget alone) or
-        memory_busy (only the current load is in the way)."""
-        if nbytes > self.budget:
-            raise memory_limit_exceeded(nbytes, self.budget)
-        with self._lock:
-            if self.reserved + nbytes > self.budget:
-                raise memory_busy(nbytes, self.reserved, self.budget)
-            self.reserved += nbytes
-        return Reservation(self, nbytes)
-
     def _resize(self, reservation: Reservation, nbytes: int) -> None:
-        if nbytes > self.budget:
-            raise memory_limit_exceeded(nbytes, self.budget)
+        self.check_budget(nbytes)
         with self._lock:
             if reservation.released:
                 return

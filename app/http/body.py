@@ -163,7 +163,7 @@ def reserve_for_request(ledger: MemoryLedger, nbytes: int, upload: bool = False,
     state = g if state is None else state
     held = getattr(state, "memory_reservation", None)
     if held is None:
-        state.memory_reservation = ledger.reserve_upload(nbytes) if upload else ledger.reserve(nbytes)
+        state.memory_reservation = ledger.reserve(nbytes, uploading=upload)
         return
     if not upload:
         held.settle()
