@@ -87,9 +87,8 @@ SCALAR_GRADIENTS = frozenset({"sum", "mean"})
 
 def measured_or_set(costs: tuple[float, float], settings: Settings) -> tuple[float, float]:
     """(seconds per block, seconds per number): the table's, or the settings' where set."""
-    per_block, per_number = costs
-    return (per_block if settings.cost_per_block_s is None else settings.cost_per_block_s,
-            per_number if settings.cost_per_number_s is None else settings.cost_per_number_s)
+    return tuple(measured if set_ is None else set_
+                 for measured, set_ in zip(costs, (settings.cost_per_block_s, settings.cost_per_number_s)))
 
 
 def engine_work(n: int, dim: int, factor: int) -> tuple[int, int]:
