@@ -225,8 +225,7 @@ class ConnectionWorker(gthread.ThreadWorker):
             future = self.tpool.submit(self.handle, conn)
         except RuntimeError:  # threading's "can't start new thread", or the pool shut down
             self.log.exception("no pool thread for a request: its connection is closed")
-            self.counts_closed(NO_THREAD)
-            self.close_after_answer(conn, counted=True)
+            self.close_after_answer(conn, NO_THREAD)
             return
         future.add_done_callback(lambda done: self.method_queue.defer(self.finish_request, conn, done))
 
@@ -403,9 +402,8 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def refuse(self, conn: Conn, error: Exception) -> None:
         """gunicorn's own answer to a head it cannot take (handle_error), then close."""
-        self.counts_closed(HEAD_TOO_LARGE)
         self.handle_error(None, conn.sock, conn.client, error)
-        self.close_after_answer(conn, counted=True)
+        self.close_after_answer(conn, HEAD_TOO_LARGE)
 
     def finish_request(self, conn, done):
         """A pool thread is done with `conn` (on the main loop): kept alive when gthread's
@@ -435,12 +433,12 @@ class ConnectionWorker(gthread.ThreadWorker):
             self.wait(conn, IDLE, now + min(self.cfg.keepalive, linger))
         self.make_room(keep=conn)
 
-    def close_after_answer(self, conn: Conn, counted: bool = False) -> None:
-        """FIN now, close when the peer's FIN arrives or after CLOSE_LINGER_S (never blocking)."""
+    def close_after_answer(self, conn: Conn, reason: str = SERVED) -> None:
+        """FIN now, close when the peer's FIN arrives or after CLOSE_LINGER_S (never blocking);
+        `reason` counted."""
         if conn.closed:
             return
-        if not counted:
-            self.counts_closed(SERVED)
+        self.counts_closed(reason)
         try:
             conn.sock.setblocking(False)
             conn.sock.shutdown(socket.SHUT_WR)
@@ -479,8 +477,7 @@ class ConnectionWorker(gthread.ThreadWorker):
             if conn.state == HEAD:
                 with suppress(OSError):
                     conn.sock.send(self.head_timeout_answer)
-                self.counts_closed(HEAD_TIMEOUT)
-                self.close_after_answer(conn, counted=True)
+                self.close_after_answer(conn, HEAD_TIMEOUT)
             elif conn.state != BUSY:  # NEW, IDLE or CLOSING (a closing one is counted already)
                 self.close(conn, EXPIRED.get(conn.state))
 
