@@ -190,14 +190,13 @@ def predict_peak_bytes(sizes: Sizes, answer: AnswerCost, settings: Settings, lan
         # A chunk as predicted: at most max_block_elements, at least one block, never more
         # than the whole pair matrix.
         chunk = max(block, min(settings.max_block_elements, grid))
-        chunk_bytes = chunk * item
         total += working_set_bytes(sizes, settings, lanes, chunk, block)
         total += min(settings.max_block_elements, grid) * item  # blocks kept between the passes
         if "blocks" in outputs:
             # Keeping blocks fragments the heap by up to a chunk's temporaries per chunk, until
             # app/core/heap.py trims it at TRIM_SLACK_BYTES of growth.
             chunks = -(-grid // max(1, chunk))
-            heap_slack = min(TRIM_SLACK_BYTES, untrimmed_growth(chunks * chunk_bytes))  # a bound: no margin
+            heap_slack = min(TRIM_SLACK_BYTES, untrimmed_growth(chunks * chunk * item))  # a bound: no margin
     if "blocks" in outputs:
         total += answer.block_per_number * block
         total += answer.block_row_per_number * side * n * 2 * dim

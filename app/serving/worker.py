@@ -295,10 +295,8 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def poll_timeout(self) -> float:
         now = time.monotonic()
-        due = min(now + POLL_S, self.deadlines[0][0] if self.deadlines else math.inf)
-        if self.deferred_until > now:
-            due = min(due, self.deferred_until)
-        return max(0.0, due - now)
+        deferred = self.deferred_until if self.deferred_until > now else math.inf
+        return max(0.0, min(now + POLL_S, self.deadlines[0][0] if self.deadlines else math.inf, deferred) - now)
 
     def accept(self, listener):
         if self.leave_to_sibling():  # stop polling the listener for a while; a sibling accepts
