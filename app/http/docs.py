@@ -111,7 +111,7 @@ def spec_options(settings: Settings, objectives) -> dict:
     return options
 
 
-def register_docs(app: Flask, api: Api, objectives) -> None:
+def register_docs(app: Flask, api: Api) -> None:
     """Serve Swagger UI's files under /docs/assets/ and describe /openapi.json and /docs."""
     api.spec.components.security_scheme(BEARER_SCHEME, {
         "type": "http", "scheme": "bearer",

@@ -436,7 +436,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         `reason` counted."""
         if conn.closed:
             return
-        self.counts_closed(reason)
+        self.metrics.CLOSED.labels(reason).inc()
         try:
             conn.sock.setblocking(False)
             conn.sock.shutdown(socket.SHUT_WR)
@@ -461,11 +461,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         conn.version += 1
         self.nr_conns -= 1
         if reason is not None and conn.state != CLOSING:
-            self.counts_closed(reason)
+            self.metrics.CLOSED.labels(reason).inc()
         gthread.util.close(conn.sock)
-
-    def counts_closed(self, reason: str) -> None:
-        self.metrics.CLOSED.labels(reason).inc()
 
     def expire(self, now: float) -> None:
         while self.deadlines and self.deadlines[0][0] <= now:
