@@ -232,7 +232,8 @@ class PodSlots:
         self._markers = {name: open(os.path.join(self.path, name), "r") for name in (WAITING_NAME, *MARKERS)}
         self._probe_file = open(os.path.join(self.path, WAITING_NAME), "r")  # a description of its own
         self._opened = [*self._files, *self._markers.values(), self._probe_file]
-        self._pid = os.getpid()  # _close left nothing held, waiting or marked
+        self._held, self._waiting, self._marked = set(), 0, set()
+        self._pid = os.getpid()
 
     def _close(self) -> None:
         for f in self._opened:
