@@ -356,7 +356,7 @@ def bare_worker(recorded: Recorded):
 
     worker = object.__new__(ConnectionWorker)  # no loop: only the two methods below run
     worker.log, worker.metrics = recorded.log, recorded.metrics
-    worker.close_after_answer = lambda conn, counted=False: recorded.closed.append((conn, counted))
+    worker.close_after_answer = lambda conn, reason="served": recorded.closed.append((conn, reason))
     return worker
 
 
@@ -367,7 +367,7 @@ def test_a_request_whose_pool_thread_raised_is_logged_when_its_connection_closes
     error = RuntimeError("escaped gthread's handle()")
     failed.set_exception(error)
     bare_worker(recorded).finish_request(conn, failed)
-    assert recorded.closed == [(conn, False)]
+    assert recorded.closed == [(conn, "served")]
     assert [exc_info for _, exc_info in recorded.errors] == [error]
 
 
@@ -380,4 +380,4 @@ def test_a_connection_closed_because_no_thread_could_start_is_not_counted_served
     worker = bare_worker(recorded)
     worker.tpool = NoThreads()
     worker.enqueue_req(conn)
-    assert recorded.reasons == ["no_thread"] and recorded.closed == [(conn, True)]
+    assert recorded.closed == [(conn, "no_thread")]

@@ -62,7 +62,7 @@ def test_two_processes_hold_the_two_slots_at_once_and_a_third_waits_for_one(two_
         assert report_a.get(timeout=WAIT_S) == (a.pid, True, 1)
         assert report_b.get(timeout=WAIT_S) == (b.pid, True, 1)
         state = two_slots.pod_state()
-        assert state.busy == two_slots.busy_slots() == 2
+        assert state.busy == two_slots.busy == 2
         assert state.holders == {a.pid: 1, b.pid: 1}
         assert two_slots.try_acquire() is None  # none left for this process either
         assert two_slots.held_here() == 0
@@ -77,7 +77,7 @@ def test_two_processes_hold_the_two_slots_at_once_and_a_third_waits_for_one(two_
             assert state.holders == {b.pid: 1, c.pid: 1} and state.waiting_processes == 0
             go_b.set(), go_c.set()
             report_b.get(timeout=WAIT_S), report_c.get(timeout=WAIT_S)
-            wait_until(lambda: two_slots.busy_slots() == 0, "every slot released")
+            wait_until(lambda: two_slots.busy == 0, "every slot released")
         finally:
             stop(c)
     finally:
@@ -106,17 +106,17 @@ def test_one_process_holds_several_slots_and_counts_them(two_slots):
     first = two_slots.try_acquire()
     second = two_slots.try_acquire()
     assert first is not None and second is not None and first.index != second.index
-    assert two_slots.held_here() == 2 and two_slots.busy_slots() == 2
+    assert two_slots.held_here() == 2 and two_slots.busy == 2
     assert two_slots.pod_state().holders == {os.getpid(): 2}
     assert two_slots.try_acquire() is None
     assert two_slots.acquire(timeout=0.05) is None  # a bounded wait gives up
     first.release()
     first.release()  # idempotent: one release frees one slot
-    assert two_slots.held_here() == 1 and two_slots.busy_slots() == 1
+    assert two_slots.held_here() == 1 and two_slots.busy == 1
     again = two_slots.acquire(timeout=WAIT_S)
     assert again is not None and again.index == first.index
     again.release(), second.release()
-    assert two_slots.busy_slots() == 0
+    assert two_slots.busy == 0
 
 
 def test_a_waiting_process_goes_before_a_non_blocking_taker(tmp_path):
@@ -147,7 +147,7 @@ def test_a_forked_child_holds_none_of_its_parents_slots(tmp_path):
         finally:
             stop(child)
         mine.release()
-        assert slots.busy_slots() == 0
+        assert slots.busy == 0
     finally:
         pod.remove(slots)
 
@@ -163,11 +163,11 @@ def test_slots_attached_from_another_process_tree_conflict_and_poll(two_slots):
                              stdout=subprocess.PIPE, text=True)
     try:
         assert other.stdout.readline().split() == ["True", "True"]  # one free, the second not
-        assert two_slots.busy_slots() == 2
+        assert two_slots.busy == 2
         mine.release()
         other.stdin.write("\n"), other.stdin.flush()
         other.wait(WAIT_S)
-        assert two_slots.busy_slots() == 0
+        assert two_slots.busy == 0
     finally:
         other.kill()
         other.wait(WAIT_S)
@@ -203,7 +203,7 @@ def test_the_executor_runs_tiles_on_the_pods_slots(two_slots):
     finally:
         executor.shutdown()
         own.release()
-    assert two_slots.busy_slots() == 0
+    assert two_slots.busy == 0
 
 
 def sibling(slots, commands, report):

@@ -22,9 +22,9 @@ LARGE = {"vectors": [[float(i * 40 + j) / 7 for j in range(40)] for i in range(3
 
 def test_uploads_share_is_a_ceiling_for_uploads_only():
     ledger = MemoryLedger(100, upload_share=0.5)
-    upload = ledger.reserve_upload(30)
+    upload = ledger.reserve(30, uploading=True)
     with pytest.raises(BlockgradError) as refused:
-        ledger.reserve_upload(21)  # 30 + 21 over the uploads' 50
+        ledger.reserve(21, uploading=True)  # 30 + 21 over the uploads' 50
     assert refused.value.code == "overloaded"
     assert refused.value.details == {"limit": "BLOCKGRAD_UPLOAD_MEMORY_SHARE", "value": 21, "reserved": 30,
                                      "allowed": 50}
@@ -37,7 +37,7 @@ def test_uploads_share_is_a_ceiling_for_uploads_only():
     assert ledger.uploading == 50
     upload.settle()  # its body has arrived: out of the uploads' share, still in the budget
     assert (ledger.reserved, ledger.uploading) == (50, 0)
-    second = ledger.reserve_upload(50)
+    second = ledger.reserve(50, uploading=True)
     upload.resize(50)
     second.release()
     upload.release()
@@ -47,8 +47,8 @@ def test_uploads_share_is_a_ceiling_for_uploads_only():
 
 def test_a_released_upload_leaves_the_share():
     ledger = MemoryLedger(100, upload_share=0.5)
-    ledger.reserve_upload(50).release()
-    ledger.reserve_upload(50)
+    ledger.reserve(50, uploading=True).release()
+    ledger.reserve(50, uploading=True)
     assert ledger.uploading == 50
 
 
@@ -93,7 +93,7 @@ def test_a_small_body_is_never_an_upload(monkeypatch):
 def test_uploads_filling_their_share_hold_back_uploads_not_small_requests(chunked):
     app = create_app({"TESTING": True})
     ledger = services_of(app).ledger
-    others = ledger.reserve_upload(ledger.upload_budget)  # slow uploads hold the whole share
+    others = ledger.reserve(ledger.upload_budget, uploading=True)  # slow uploads hold the whole share
     client = app.test_client()
 
     def post(document):

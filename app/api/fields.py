@@ -1,6 +1,6 @@
 """marshmallow field types shared by the front ends' schemas."""
 from marshmallow import ValidationError, fields
-from marshmallow.validate import Range, Validator
+from marshmallow.validate import Validator
 
 from ..core.request import unknown_objective
 from ..extensions import services
@@ -13,17 +13,6 @@ class JsonNumber(fields.Float):
         if isinstance(value, (str, bool)):
             raise self.make_error("invalid")
         return super()._deserialize(value, attr, data, **kwargs)
-
-
-class FactorRange(Range):
-    """Documents `minimum: 1` and checks nothing: a factor is checked where N is known (the
-    core's factor_refusal: "Must be between 1 and N = <n>.")."""
-
-    def __init__(self):
-        super().__init__(min=1)
-
-    def __call__(self, value):
-        return value
 
 
 class ObjectiveName(Validator):

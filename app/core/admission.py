@@ -87,9 +87,8 @@ SCALAR_GRADIENTS = frozenset({"sum", "mean"})
 
 def measured_or_set(costs: tuple[float, float], settings: Settings) -> tuple[float, float]:
     """(seconds per block, seconds per number): the table's, or the settings' where set."""
-    per_block, per_number = costs
-    return (per_block if settings.cost_per_block_s is None else settings.cost_per_block_s,
-            per_number if settings.cost_per_number_s is None else settings.cost_per_number_s)
+    return tuple(measured if set_ is None else set_
+                 for measured, set_ in zip(costs, (settings.cost_per_block_s, settings.cost_per_number_s)))
 
 
 def engine_work(n: int, dim: int, factor: int) -> tuple[int, int]:
@@ -191,14 +190,13 @@ def predict_peak_bytes(sizes: Sizes, answer: AnswerCost, settings: Settings, lan
         # A chunk as predicted: at most max_block_elements, at least one block, never more
         # than the whole pair matrix.
         chunk = max(block, min(settings.max_block_elements, grid))
-        chunk_bytes = chunk * item
         total += working_set_bytes(sizes, settings, lanes, chunk, block)
         total += min(settings.max_block_elements, grid) * item  # blocks kept between the passes
         if "blocks" in outputs:
             # Keeping blocks fragments the heap by up to a chunk's temporaries per chunk, until
             # app/core/heap.py trims it at TRIM_SLACK_BYTES of growth.
             chunks = -(-grid // max(1, chunk))
-            heap_slack = min(TRIM_SLACK_BYTES, untrimmed_growth(chunks * chunk_bytes))  # a bound: no margin
+            heap_slack = min(TRIM_SLACK_BYTES, untrimmed_growth(chunks * chunk * item))  # a bound: no margin
     if "blocks" in outputs:
         total += answer.block_per_number * block
         total += answer.block_row_per_number * side * n * 2 * dim
@@ -256,8 +254,7 @@ def largest_block_side(n: int, factor: int) -> int:
 
 
 def block_elements(n: int, dim: int, factor: int) -> int:
-    side = largest_block_side(n, factor)
-    return side * side * 2 * dim
+    return largest_block_side(n, factor) ** 2 * 2 * dim
 
 
 def suggested_factor(sizes: Sizes, settings: Settings) -> int | None:
@@ -320,8 +317,7 @@ def check_block_and_answer(sizes: Sizes, settings: Settings) -> None:
 
 def activation_bytes(n: int, factor: int, bytes_per_pair: int) -> int:
     """A model's estimated peak activation memory for the largest block: its pairs x bytes_per_pair."""
-    side = largest_block_side(n, factor)
-    return side * side * bytes_per_pair
+    return largest_block_side(n, factor) ** 2 * bytes_per_pair
 
 
 def check_activations(sizes: Sizes, settings: Settings) -> None:
@@ -403,27 +399,16 @@ class MemoryLedger:
         if nbytes > self.budget:
             raise memory_limit_exceeded(nbytes, self.budget)
 
-    def reserve_upload(self, nbytes: int) -> Reservation:
-        """`nbytes` for a body still arriving: within the budget and the uploads' share
-        (uploads_busy when other uploads fill it)."""
-        reservation = Reservation(self, 0, uploading=True)
+    def reserve(self, nbytes: int, uploading: bool = False) -> Reservation:
+        """`nbytes` reserved until released; limit_exceeded (over the budget alone) or
+        memory_busy (only the current load is in the way). `uploading`: for a body still
+        arriving, within the uploads' share too (uploads_busy when other uploads fill it)."""
+        reservation = Reservation(self, 0, uploading=uploading)
         self._resize(reservation, nbytes)
         return reservation
 
-    def reserve(self, nbytes: int) -> Reservation:
-        """`nbytes` reserved until released; limit_exceeded (over the budget alone) or
-        memory_busy (only the current load is in the way)."""
-        if nbytes > self.budget:
-            raise memory_limit_exceeded(nbytes, self.budget)
-        with self._lock:
-            if self.reserved + nbytes > self.budget:
-                raise memory_busy(nbytes, self.reserved, self.budget)
-            self.reserved += nbytes
-        return Reservation(self, nbytes)
-
     def _resize(self, reservation: Reservation, nbytes: int) -> None:
-        if nbytes > self.budget:
-            raise memory_limit_exceeded(nbytes, self.budget)
+        self.check_budget(nbytes)
         with self._lock:
             if reservation.released:
                 return

@@ -87,9 +87,8 @@ def limit_exceeded(message: str, limit: str, value: int, allowed: int, **extra: 
 
 def non_finite_advice(dtype: str) -> str:
     """What to change; float64 is worth suggesting only to a float32 request."""
-    if dtype == "float32":
-        return "send smaller values, another objective, or dtype float64"
-    return "send smaller values or another objective"
+    return ("send smaller values, another objective, or dtype float64" if dtype == "float32"
+            else "send smaller values or another objective")
 
 
 def non_finite_block(row: int, col: int, dtype: str) -> BlockgradError:
@@ -108,15 +107,11 @@ def non_finite_accumulated(dtype: str) -> BlockgradError:
 
 def deadline_exceeded(timeout_s: float, queued: bool = False) -> BlockgradError:
     """`queued`: the deadline passed while the request waited for the compute slot."""
-    if queued:
-        message = (f"The request waited for the compute slot until its {timeout_s:g} s deadline passed; "
-                   "the server is busy, retry later.")
-    else:
-        message = (f"The request did not finish within {timeout_s:g} s; retry later, or send a larger factor "
-                   "or fewer outputs.")
-    details: dict[str, Any] = {"timeout_s": timeout_s}
-    if queued:
-        details["queued"] = True
+    message = (f"The request waited for the compute slot until its {timeout_s:g} s deadline passed; "
+               "the server is busy, retry later." if queued else
+               f"The request did not finish within {timeout_s:g} s; retry later, or send a larger factor "
+               "or fewer outputs.")
+    details = {"timeout_s": timeout_s, **({"queued": True} if queued else {})}
     return BlockgradError("deadline_exceeded", message, details, retry_after_s=max(1, math.ceil(timeout_s / 10)))
 
 

@@ -152,7 +152,6 @@ class LocalExecutor:
         if slots_per_request < 1:
             raise ValueError("slots_per_request must be at least 1")
         self.slots = slots
-        self.slots_per_request = slots_per_request
         self.parallel = slots_per_request > 1
         self.most_lanes = slots_per_request
         workers = threads if threads is not None else max(1, slots_per_request - 1)
@@ -233,9 +232,13 @@ class ChunkRun:
                 slot.release()  # never ran to release its own
         wait_for_futures([future for future, _ in started])
 
+    def _claimable(self) -> bool:
+        """Under the lock: whether a chunk may be claimed now (not stopped, one left, within the window)."""
+        return not self._stopped and self._claimed < len(self._chunks) and self._claimed - self._consumed < self._window
+
     def _claim(self) -> int | None:
         """The next chunk to compute, under the lock; None when none may be claimed now."""
-        if self._stopped or self._claimed >= len(self._chunks) or self._claimed - self._consumed >= self._window:
+        if not self._claimable():
             return None
         self._claimed += 1
         return self._claimed - 1
@@ -254,8 +257,7 @@ class ChunkRun:
         try that found none, the next only some chunks later (MOST_CHUNKS_BETWEEN_TRIES)."""
         while True:
             with self._cond:
-                if not self._idle or self._stopped or self._claimed >= len(self._chunks) \
-                        or self._claimed - self._consumed >= self._window or self._consumed < self._next_try:
+                if not self._idle or not self._claimable() or self._consumed < self._next_try:
                     return
             slot = self._slots.try_acquire()
             if slot is None:

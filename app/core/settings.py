@@ -9,6 +9,7 @@ accepts (docs/configuration.md).
 import math
 import os
 from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -46,13 +47,11 @@ def available_cores(cpu_max: str = "/sys/fs/cgroup/cpu.max") -> int:
     """Cores this process may use: the cgroup CPU quota in a container (rounded down), else
     the affinity mask. os.cpu_count() alone would see the whole node from inside a pod."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
+    with suppress(OSError, ValueError):
         with open(cpu_max) as f:  # cgroup v2: "<quota> <period>" or "max <period>"
             quota, period = f.read().split()[:2]
         if quota != "max":
             cores = min(cores, max(1, math.floor(int(quota) / int(period))))
-    except (OSError, ValueError):
-        pass
     return max(1, cores)
 
 

@@ -175,36 +175,31 @@ class Gate:
     def acquire(self, deadline: Deadline) -> Ticket:
         """A slot, waiting in line up to the deadline; overloaded if the line is full."""
         start = time.monotonic()
-        with self._lock:
-            if not self._queue:
-                slot = self.source.try_acquire()
-                if slot is not None:
-                    self._busy += 1
-                    self.listener.waited(0.0)
-                    return Ticket(self, slot)
-            if len(self._queue) >= self.queue_depth:
-                self.listener.shed()
-                raise overloaded(self.queue_depth)
-            token = object()
-            self._queue.append(token)
-            self.listener.waiting(len(self._queue))
-        ticket = self._in_line(token, deadline)
-        self.listener.waited(time.monotonic() - start)
+        ticket, queued = self._take(deadline, resuming=False)
+        self.listener.waited(time.monotonic() - start if queued else 0.0)
         return ticket
 
     def resume(self, deadline: Deadline) -> Ticket:
         """A slot again for a request that is already answering (a stream between the bands
         it recomputes): never refused for a full line, and next in it, behind only the first
         (already waiting on the slots). Not a request's wait: the listener hears nothing of it."""
+        return self._take(deadline, resuming=True)[0]
+
+    def _take(self, deadline: Deadline, resuming: bool) -> tuple[Ticket, bool]:
+        """The ticket, and whether it waited in line: a free slot at once unless others are in
+        line (a resuming request is not held back by them), else a place in line."""
         with self._lock:
-            slot = self.source.try_acquire()
+            slot = self.source.try_acquire() if resuming or not self._queue else None
             if slot is not None:
                 self._busy += 1
-                return Ticket(self, slot)
+                return Ticket(self, slot), False
+            if not resuming and len(self._queue) >= self.queue_depth:
+                self.listener.shed()
+                raise overloaded(self.queue_depth)
             token = object()
-            self._queue.insert(1 if self._queue else 0, token)
+            self._queue.insert(min(1, len(self._queue)) if resuming else len(self._queue), token)
             self.listener.waiting(len(self._queue))
-        return self._in_line(token, deadline)
+        return self._in_line(token, deadline), True
 
     def _in_line(self, token: object, deadline: Deadline) -> Ticket:
         """The ticket of `token`, queued under the lock: waited for, then out of the line."""

@@ -33,15 +33,21 @@ def parse_matrix(value: object) -> np.ndarray:
     if any(len(row) != width for row in value):
         i = next(i for i, row in enumerate(value) if len(row) != width)
         raise MatrixError(f"Rows must all have the same length: row 0 has {width} numbers, row {i} has {len(value[i])}.")
-    if not set(map(type, chain.from_iterable(value))) <= NUMBER_TYPES:
-        i, j, x = first_cell(value, lambda x: type(x) not in NUMBER_TYPES)
+    return check_finite(float64_array(value, chain.from_iterable(value),  # (N, D)
+                                      lambda: ((i, j, x) for i, row in enumerate(value) for j, x in enumerate(row))))
+
+
+def float64_array(value: list, numbers, cells) -> np.ndarray:
+    """`value` (rows, or flat numbers) as one float64 array. `numbers`: its items, flat;
+    `cells()`: (row, column, item) in order, walked only to name the first refused item."""
+    if not set(map(type, numbers)) <= NUMBER_TYPES:
+        i, j, x = next(cell for cell in cells() if type(cell[2]) not in NUMBER_TYPES)
         raise MatrixError(f"Row {i}, column {j} is {json_type(x)}; only numbers are allowed.")
     try:
-        matrix = np.array(value, dtype=np.float64)  # (N, D)
+        return np.array(value, dtype=np.float64)
     except OverflowError:  # an integer beyond float64
-        i, j, _ = first_cell(value, lambda x: not np.isfinite(float_or_inf(x)))
+        i, j, _ = next(cell for cell in cells() if not np.isfinite(float_or_inf(cell[2])))
         raise MatrixError(f"Row {i}, column {j} is too large for a 64-bit float.") from None
-    return check_finite(matrix)
 
 
 @dataclass(frozen=True)
@@ -106,14 +112,6 @@ def fits_dtype(matrix: np.ndarray, dtype: np.dtype) -> tuple[int, int] | None:
     return int(i), int(j)
 
 
-def first_cell(rows: list, bad) -> tuple[int, int, object]:
-    for i, row in enumerate(rows):
-        for j, x in enumerate(row):
-            if bad(x):
-                return i, j, x
-    raise AssertionError("no offending cell")
-
-
 def float_or_inf(x: int | float) -> float:
     try:
         return float(x)
@@ -128,12 +126,5 @@ def json_type(x: object) -> str:
 def parse_flat(values: list, n: int, dim: int) -> np.ndarray:
     """N x D JSON numbers, flat and row-major, as one (N, D) float64 array (no row lists);
     the same rules and messages as parse_matrix. `values` holds exactly N x D items."""
-    if not set(map(type, values)) <= NUMBER_TYPES:
-        k = next(k for k, x in enumerate(values) if type(x) not in NUMBER_TYPES)
-        raise MatrixError(f"Row {k // dim}, column {k % dim} is {json_type(values[k])}; only numbers are allowed.")
-    try:
-        flat = np.array(values, dtype=np.float64)  # (N * D,)
-    except OverflowError:  # an integer beyond float64
-        k = next(k for k, x in enumerate(values) if not np.isfinite(float_or_inf(x)))
-        raise MatrixError(f"Row {k // dim}, column {k % dim} is too large for a 64-bit float.") from None
+    flat = float64_array(values, values, lambda: ((k // dim, k % dim, x) for k, x in enumerate(values)))  # (N * D,)
     return check_finite(flat.reshape(n, dim))  # a view: no copy

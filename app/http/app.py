@@ -12,7 +12,7 @@ from ..core.objectives import served_objectives
 from ..core.run import LocalExecutor
 from ..core.settings import COMPUTE_SLOTS, environment
 from ..core.slots import Gate, SlotSource, ThreadSlots
-from ..extensions import Services, install_services, services_of
+from ..extensions import Services, install_services
 from . import record
 from .auth import install_auth
 from .docs import ErrorSchema, register_docs, spec_options
@@ -76,6 +76,6 @@ def chunk_executor(slots: SlotSource, settings: Settings) -> LocalExecutor:
 
 def finish_app(app: Flask, api: Api) -> Flask:
     """After the front ends: the docs (which read their routes) and the error handlers."""
-    register_docs(app, api, services_of(app).objectives)
+    register_docs(app, api)
     register_error_handlers(app)  # after Api, which installs its own HTTP error handler
     return app

@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 import orjson
@@ -113,10 +114,8 @@ class Watchdog:
                 self._wakes_at = -math.inf
                 _, _, alarm = heapq.heappop(self._heap)
                 alarm.fired = True
-            try:
+            with suppress(Exception):  # a watchdog must outlive any one action
                 alarm.action()
-            except Exception:  # noqa: BLE001 - a watchdog must outlive any one action
-                pass
 
 
 WATCHDOG = Watchdog()
@@ -124,10 +123,8 @@ WATCHDOG = Watchdog()
 
 def shut_reading(sock: socket.socket) -> Callable[[], None]:
     def action() -> None:
-        try:
+        with suppress(OSError):
             sock.shutdown(socket.SHUT_RD)  # a blocked recv returns b"" at once; writing still works
-        except OSError:
-            pass
     return action
 
 
@@ -163,7 +160,7 @@ def reserve_for_request(ledger: MemoryLedger, nbytes: int, upload: bool = False,
     state = g if state is None else state
     held = getattr(state, "memory_reservation", None)
     if held is None:
-        state.memory_reservation = ledger.reserve_upload(nbytes) if upload else ledger.reserve(nbytes)
+        state.memory_reservation = ledger.reserve(nbytes, uploading=upload)
         return
     if not upload:
         held.settle()
@@ -174,6 +171,7 @@ SLICE_BYTES = 1024 * 1024
 SLICED_ABOVE = 4 * SLICE_BYTES  # smaller bodies parse at once, quickly enough
 VECTORS_KEY = re.compile(rb'"vectors"\s*:\s*\[')
 ROW_END = re.compile(rb'\]\s*,')
+ROW_FOLLOWER = re.compile(rb"\][ \t\r\n]*(.?)", re.S)  # a row's `]` and what follows it
 # A string no client can guess stands for the array while the rest is parsed.
 PLACEHOLDER = secrets.token_hex(16)
 
@@ -212,16 +210,10 @@ def loads_sliced(body: bytes) -> dict | None:
 def outer_end(body: bytes, pos: int) -> int | None:
     """Index of the `]` closing the vectors array, from the last slice's start: the first
     `]` that follows a row's `]` (whitespace between)."""
-    row_end = body.find(b"]", pos)
-    while row_end != -1:
-        after = row_end + 1
-        while after < len(body) and body[after] in b" \t\r\n":
-            after += 1
-        if after < len(body) and body[after] == ord("]"):
-            return after
-        if after >= len(body) or body[after] != ord(","):
-            return None
-        row_end = body.find(b"]", after)
+    for row_end in ROW_FOLLOWER.finditer(body, pos):
+        follower = row_end.group(1)
+        if follower != b",":  # after a comma another row follows: look on
+            return row_end.start(1) if follower == b"]" else None
     return None
 
 

@@ -6,6 +6,7 @@ app/http/app.py). Swagger UI's files come from the pinned `swagger-ui-bundle`
 package and are served here under /docs/assets/, so the page needs no internet.
 """
 from collections.abc import Callable
+from functools import reduce
 from pathlib import Path
 
 from flask import Blueprint, Flask, send_from_directory
@@ -62,10 +63,7 @@ def documented(*decorators: Callable) -> Callable:
     decorators that document and pass a view's Response through (doc, alt_response, and
     response on a view that always returns a Response): each wrapper is a call per request."""
     def decorate(view):
-        wrapped = view
-        for decorator in reversed(decorators):
-            wrapped = decorator(wrapped)
-        view._apidoc = wrapped._apidoc
+        view._apidoc = reduce(lambda wrapped, decorator: decorator(wrapped), reversed(decorators), view)._apidoc
         return view
     return decorate
 
@@ -78,12 +76,9 @@ def documents_errors(blp, *codes: str, style: ErrorStyle = DEFAULT_STYLE, schema
 
 
 def objectives_table(objectives) -> str:
-    rows = []
-    for name, objective in objectives.items():
-        entry = describe(name, objective)
-        dim = "any" if entry["dim"] is None else entry["dim"]
-        rows.append(f"| `{name}` | {entry['kind']} | {dim} | {', '.join(entry['dtypes'])} | {entry['description']} |")
-    return "\n".join(rows)
+    entries = (describe(name, objective) for name, objective in objectives.items())
+    return "\n".join(f"| `{e['name']}` | {e['kind']} | {'any' if e['dim'] is None else e['dim']} | "
+                     f"{', '.join(e['dtypes'])} | {e['description']} |" for e in entries)
 
 
 def api_description(settings: Settings, objectives) -> str:
@@ -116,7 +111,7 @@ def spec_options(settings: Settings, objectives) -> dict:
     return options
 
 
-def register_docs(app: Flask, api: Api, objectives) -> None:
+def register_docs(app: Flask, api: Api) -> None:
     """Serve Swagger UI's files under /docs/assets/ and describe /openapi.json and /docs."""
     api.spec.components.security_scheme(BEARER_SCHEME, {
         "type": "http", "scheme": "bearer",

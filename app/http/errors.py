@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 from flask import Flask, Response, current_app, g, request
+from gunicorn.http.errors import NoMoreData, ParseException
 from werkzeug.exceptions import HTTPException
 
 from ..core import errors as core
@@ -36,12 +37,8 @@ class HttpError(BlockgradError):
         self.headers = headers or {}
 
 
-try:  # what gunicorn raises while the app reads a body it cannot parse (e.g. a bad chunk size)
-    from gunicorn.http.errors import NoMoreData, ParseException
-
-    BODY_STREAM_ERRORS: tuple[type[BaseException], ...] = (ParseException, NoMoreData)
-except ImportError:  # another WSGI server: werkzeug's own body errors are HTTP 400s already
-    BODY_STREAM_ERRORS = ()
+# What gunicorn raises while the app reads a body it cannot parse (e.g. a bad chunk size).
+BODY_STREAM_ERRORS = (ParseException, NoMoreData)
 
 
 # Constructors of the HTTP-level errors (the core's are in app/core/errors.py).

@@ -102,12 +102,8 @@ class WatchedBody:
                 for piece in pieces(item):
                     self.handed_at = time.monotonic()
                     yield piece
-        except BlockgradError as exc:
-            self.error = exc.code
-            self.finish(self.error)
-            raise
-        except Exception:
-            self.error = "internal_error"
+        except Exception as exc:
+            self.error = exc.code if isinstance(exc, BlockgradError) else "internal_error"
             self.finish(self.error)
             raise
         self.complete = True

@@ -32,10 +32,6 @@ LOCK_NAME = "archive.lock"
 LOCK_POLL_S = 0.005
 
 
-def archive_path(path: str, kind: str) -> str:
-    return os.path.join(path, f"{kind}_{ARCHIVE}.db")
-
-
 def dead_files(path: str, live_pids: set[int]) -> tuple[dict[str, list[str]], set[int]]:
     """Value files of processes not in `live_pids`, by metric type, and those processes' pids."""
     by_type: dict[str, list[str]] = defaultdict(list)
@@ -54,7 +50,7 @@ def fold_into_archive(path: str, kind: str, files: list[str]) -> None:
     """The archive of `kind` plus `files`, key by key, written atomically; then `files` removed."""
     from prometheus_client.mmap_dict import MmapedDict
 
-    archive = archive_path(path, kind)
+    archive = os.path.join(path, f"{kind}_{ARCHIVE}.db")
     totals: dict[str, tuple[float, float]] = {}
     for name in ([archive] if os.path.exists(archive) else []) + files:
         for key, value, timestamp, _ in MmapedDict.read_all_values_from_file(name):

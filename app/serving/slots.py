@@ -147,11 +147,10 @@ class PodSlots:
         with self._lock:
             return len(self._held) if self._pid is not None else 0
 
-    def busy_slots(self) -> int:
+    @property
+    def busy(self) -> int:
         """Slots held anywhere in the pod."""
         return self.pod_state().busy
-
-    busy = property(busy_slots)  # SlotSource's name for it
 
     # --- what a worker says of itself, as shared flocks on marker files (the kernel drops a
     # dead process's): serving connections now, booted and taking them, how many it holds ---

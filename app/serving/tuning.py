@@ -14,19 +14,15 @@ MALLOC_ARENAS = 1
 TORCH_THREADS = 1
 
 
-def limit_malloc_arenas() -> None:
-    """glibc gives each new thread its own malloc arena (up to 8 per core): with a pool of
-    threads parsing bodies, every arena would grow to a large request's size and the worker's
-    memory with them. One is enough: a worker computes on few lanes, and torch's own work does not
-    allocate per element. Not glibc: skip."""
-    mallopt(M_ARENA_MAX, MALLOC_ARENAS)
-
-
 def tune_worker() -> None:
     import torch  # in the worker only: the master must stay free of it
 
     torch.set_num_threads(TORCH_THREADS)
-    limit_malloc_arenas()
+    # glibc gives each new thread its own malloc arena (up to 8 per core): with a pool of
+    # threads parsing bodies, every arena would grow to a large request's size and the worker's
+    # memory with them. One is enough: a worker computes on few lanes, and torch's own work does
+    # not allocate per element. Not glibc: nothing happens.
+    mallopt(M_ARENA_MAX, MALLOC_ARENAS)
     # A thread waiting for the GIL (the main loop handing over a connection, a probe) waits
     # for the running thread's switch interval: 5 ms by default.
     sys.setswitchinterval(SWITCH_INTERVAL_S)

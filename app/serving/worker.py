@@ -32,6 +32,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from contextlib import suppress
 from functools import partial
 
 from gunicorn.http.errors import LimitRequestHeaders
@@ -82,6 +83,7 @@ EVICTED = "evicted"  # the longest-idle one without a head, past BLOCKGRAD_MAX_C
 CLIENT_CLOSED = "client_closed"  # the client closed or reset it while it waited in the poller
 SHUTDOWN = "shutdown"  # still open when the worker stopped
 NO_THREAD = "no_thread"  # closed unanswered: no pool thread could start for its request
+EXPIRED = {NEW: NO_REQUEST, IDLE: KEEPALIVE_TIMEOUT}  # why a connection waiting in this state is closed at its deadline
 
 
 def head_timeout_answer(variable: str, seconds: float) -> bytes:
@@ -110,11 +112,9 @@ def raise_open_files_limit(needed: int) -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < needed:
         target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-        try:
+        with suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
-        except (ValueError, OSError):
-            pass
     return soft
 
 
@@ -225,8 +225,7 @@ class ConnectionWorker(gthread.ThreadWorker):
             future = self.tpool.submit(self.handle, conn)
         except RuntimeError:  # threading's "can't start new thread", or the pool shut down
             self.log.exception("no pool thread for a request: its connection is closed")
-            self.counts_closed(NO_THREAD)
-            self.close_after_answer(conn, counted=True)
+            self.close_after_answer(conn, NO_THREAD)
             return
         future.add_done_callback(lambda done: self.method_queue.defer(self.finish_request, conn, done))
 
@@ -296,10 +295,8 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def poll_timeout(self) -> float:
         now = time.monotonic()
-        due = min(now + POLL_S, self.deadlines[0][0] if self.deadlines else math.inf)
-        if self.deferred_until > now:
-            due = min(due, self.deferred_until)
-        return max(0.0, due - now)
+        deferred = self.deferred_until if self.deferred_until > now else math.inf
+        return max(0.0, min(now + POLL_S, self.deadlines[0][0] if self.deadlines else math.inf, deferred) - now)
 
     def accept(self, listener):
         if self.leave_to_sibling():  # stop polling the listener for a while; a sibling accepts
@@ -312,7 +309,7 @@ class ConnectionWorker(gthread.ThreadWorker):
             if e.errno in (errno.EMFILE, errno.ENFILE):  # out of descriptors: free one, the next accept takes it
                 oldest = next(iter(self.waiting), None)
                 if oldest is not None:
-                    self.close(oldest, None if oldest.state == CLOSING else EVICTED)
+                    self.close(oldest, EVICTED)  # not counted if it was closing
             elif e.errno not in (errno.EAGAIN, errno.ECONNABORTED, errno.EWOULDBLOCK):
                 raise
             return
@@ -362,13 +359,10 @@ class ConnectionWorker(gthread.ThreadWorker):
         if not data:
             self.close(conn, CLIENT_CLOSED)
             return
-        now = time.monotonic()
         if conn.state == IDLE:  # the next request's clock starts with its first byte
-            conn.started = now
-            self.wait(conn, HEAD, now + self.header_timeout_s)
-        elif conn.state == NEW:
-            self.set_state(conn, HEAD)
-            self.push_deadline(conn, conn.started + self.header_timeout_s)
+            conn.started = time.monotonic()
+        if conn.state in (NEW, IDLE):
+            self.wait(conn, HEAD, conn.started + self.header_timeout_s)
         self.waiting.move_to_end(conn)
         searched = max(0, len(conn.head) - 3)
         conn.head += data
@@ -401,16 +395,13 @@ class ConnectionWorker(gthread.ThreadWorker):
     def leave_poller(self, conn: Conn) -> None:
         if self.waiting.pop(conn, False) is None:
             self.head_bytes -= len(conn.head)
-            try:
+            with suppress(KeyError, ValueError, OSError):
                 self.poller.unregister(conn.sock)
-            except (KeyError, ValueError, OSError):
-                pass
 
     def refuse(self, conn: Conn, error: Exception) -> None:
         """gunicorn's own answer to a head it cannot take (handle_error), then close."""
-        self.counts_closed(HEAD_TOO_LARGE)
         self.handle_error(None, conn.sock, conn.client, error)
-        self.close_after_answer(conn, counted=True)
+        self.close_after_answer(conn, HEAD_TOO_LARGE)
 
     def finish_request(self, conn, done):
         """A pool thread is done with `conn` (on the main loop): kept alive when gthread's
@@ -436,18 +427,16 @@ class ConnectionWorker(gthread.ThreadWorker):
             self.examine(conn, 0)
         else:
             conn.started = None
-            due = now + self.cfg.keepalive
-            if not self.alive:
-                due = min(due, now + gthread.STOP_KEEPALIVE_LINGER)
-            self.wait(conn, IDLE, due)
+            linger = math.inf if self.alive else gthread.STOP_KEEPALIVE_LINGER  # stopping: gthread's short linger
+            self.wait(conn, IDLE, now + min(self.cfg.keepalive, linger))
         self.make_room(keep=conn)
 
-    def close_after_answer(self, conn: Conn, counted: bool = False) -> None:
-        """FIN now, close when the peer's FIN arrives or after CLOSE_LINGER_S (never blocking)."""
+    def close_after_answer(self, conn: Conn, reason: str = SERVED) -> None:
+        """FIN now, close when the peer's FIN arrives or after CLOSE_LINGER_S (never blocking);
+        `reason` counted."""
         if conn.closed:
             return
-        if not counted:
-            self.counts_closed(SERVED)
+        self.metrics.CLOSED.labels(reason).inc()
         try:
             conn.sock.setblocking(False)
             conn.sock.shutdown(socket.SHUT_WR)
@@ -472,11 +461,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         conn.version += 1
         self.nr_conns -= 1
         if reason is not None and conn.state != CLOSING:
-            self.counts_closed(reason)
+            self.metrics.CLOSED.labels(reason).inc()
         gthread.util.close(conn.sock)
-
-    def counts_closed(self, reason: str) -> None:
-        self.metrics.CLOSED.labels(reason).inc()
 
     def expire(self, now: float) -> None:
         while self.deadlines and self.deadlines[0][0] <= now:
@@ -484,18 +470,11 @@ class ConnectionWorker(gthread.ThreadWorker):
             if version != conn.version or conn.closed:
                 continue
             if conn.state == HEAD:
-                try:
+                with suppress(OSError):
                     conn.sock.send(self.head_timeout_answer)
-                except OSError:
-                    pass
-                self.counts_closed(HEAD_TIMEOUT)
-                self.close_after_answer(conn, counted=True)
-            elif conn.state == NEW:
-                self.close(conn, NO_REQUEST)
-            elif conn.state == IDLE:
-                self.close(conn, KEEPALIVE_TIMEOUT)
-            elif conn.state == CLOSING:
-                self.close(conn, None)
+                self.close_after_answer(conn, HEAD_TIMEOUT)
+            elif conn.state != BUSY:  # NEW, IDLE or CLOSING (a closing one is counted already)
+                self.close(conn, EXPIRED.get(conn.state))
 
     def make_room(self, keep: Conn | None) -> None:
         """Past the bound, close the longest-idle waiting connection; past the bytes of heads
@@ -504,7 +483,7 @@ class ConnectionWorker(gthread.ThreadWorker):
             oldest = next(iter(self.waiting), None)
             if oldest is None or oldest is keep:
                 break
-            self.close(oldest, None if oldest.state == CLOSING else EVICTED)
+            self.close(oldest, EVICTED)  # not counted if it was closing
         while self.head_bytes > HEAD_BYTES_BUDGET:  # only under attack: a scan is fine
             largest = max((c for c in self.waiting if c is not keep), key=lambda c: len(c.head), default=None)
             if largest is None or not largest.head:

@@ -96,10 +96,7 @@ def answer_head(result: Result) -> dict:
     n, dim = req.vectors.shape
     head = {"n": n, "dim": dim, "factor": req.factor, "bounds": result.bounds,
             "objective": req.objective, "dtype": req.dtype, "device": str(result.device)}
-    if "accumulated" in req.outputs:
-        head["accumulated"] = to_numpy(result.accumulated)
-    if "losses" in req.outputs:
-        head["losses"] = to_numpy(result.losses)
+    head.update({name: to_numpy(getattr(result, name)) for name in ("accumulated", "losses") if name in req.outputs})
     return head
 
 

@@ -10,7 +10,7 @@ from marshmallow.validate import Length, OneOf
 from ...core.dtypes import DEFAULT_DTYPE, DTYPES
 from ...core.objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET
 from ...core.request import DEFAULT_OUTPUTS, OUTPUTS
-from ..fields import FactorRange, JsonNumber, ObjectiveName
+from ..fields import JsonNumber, ObjectiveName
 
 
 class GradientRequestSchema(Schema):
@@ -23,12 +23,13 @@ class GradientRequestSchema(Schema):
                        "this server's values are in the description at the top).",
         "example": [[0.5, -1.0], [2.0, 0.25], [1.5, 3.0]],
     })
-    factor = fields.Integer(strict=True, validate=FactorRange(), metadata={
-        "description": "Split factor F, an integer with 1 <= F <= N (booleans, floats and strings are refused); "
-                       "the matrix is cut into F x F blocks, the last row and column of blocks taking the "
-                       "remainder. Default ceil(N / 6). The largest block (side x side x 2D numbers) must fit "
-                       "BLOCKGRAD_MAX_BLOCK_ELEMENTS (413 limit_exceeded; details.suggested_factor is the fastest "
-                       "factor that fits)."})
+    # `minimum` documented only: a factor is checked where N is known (the core's factor_refusal).
+    factor = fields.Integer(strict=True, metadata={
+        "minimum": 1, "description": "Split factor F, an integer with 1 <= F <= N (booleans, floats and strings are "
+                                     "refused); the matrix is cut into F x F blocks, the last row and column of "
+                                     "blocks taking the remainder. Default ceil(N / 6). The largest block (side x "
+                                     "side x 2D numbers) must fit BLOCKGRAD_MAX_BLOCK_ELEMENTS (413 limit_exceeded; "
+                                     "details.suggested_factor is the fastest factor that fits)."})
     objective = fields.String(load_default=DEFAULT_OBJECTIVE, validate=ObjectiveName(), metadata={
         "description": "Loss of one block B: sum = sum(B + offset), mean = mean(B), sum_of_squares = sum(B*B), "
                        "l2_norm = ||B||_2 (gradient 0 where the norm is 0), logsumexp = log(sum(exp(B))); "

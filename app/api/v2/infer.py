@@ -231,12 +231,10 @@ def output_tensors(req: GradientRequest, outputs: tuple[RequestedOutput, ...], r
 
     tensors = [OutputTensor(output.name, "INT64" if output.name == "bounds" else datatype,
                             output_array(output), output.binary) for output in outputs]
-    head = {"model_name": MODEL_NAME, "model_version": MODEL_VERSION}
-    if request_id is not None:
-        head["id"] = request_id
-    head["parameters"] = {"factor": req.factor, "objective": req.objective, "offset": req.offset,
-                          "device": str(result.device if result is not None else device)}
-    return head, tensors
+    parameters = {"factor": req.factor, "objective": req.objective, "offset": req.offset,
+                  "device": str(result.device if result is not None else device)}
+    return {"model_name": MODEL_NAME, "model_version": MODEL_VERSION,
+            **({} if request_id is None else {"id": request_id}), "parameters": parameters}, tensors
 
 
 def gradient_rows(result: Result, timed: Callable[[Iterator], Iterator] = iter) -> Iterator[np.ndarray]:
@@ -258,9 +256,8 @@ def gradient_rows(result: Result, timed: Callable[[Iterator], Iterator] = iter) 
             continue
         if slab is None:
             slab = empty_slab(block, n, dim)
-            copy_into(slab, numbers)
-            numbers = []
-        copy_into(slab, [block])
+        copy_into(slab, [*numbers, block])  # the numbers held so far, then this block
+        numbers = []
     if top is not None:
         yield slab.numpy() if slab is not None else broadcast_row(numbers, n, dim)
 

@@ -7,7 +7,7 @@ rules that need the numbers. The response schemas document the routes.
 from marshmallow import Schema, fields
 from marshmallow.validate import Length, Range
 
-from ..fields import FactorRange, JsonNumber, ObjectiveName
+from ..fields import JsonNumber, ObjectiveName
 
 Parameters = fields.Dict  # $parameters: {name: $string | $number | $boolean}
 
@@ -24,7 +24,7 @@ class RequestInputSchema(Schema):
 
 class ParametersSchema(Schema):
     """The model's parameters (factor, objective, offset): JSON types as /v1 takes them."""
-    factor = fields.Integer(strict=True, validate=FactorRange())  # build_request checks it against N
+    factor = fields.Integer(strict=True, metadata={"minimum": 1})  # documented only: build_request checks it
     objective = fields.String(validate=ObjectiveName())
     offset = JsonNumber()
 
