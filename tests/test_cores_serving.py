@@ -131,6 +131,9 @@ def test_a_worker_serving_a_request_leaves_fresh_connections_to_its_idle_sibling
     would leave the next to A. Each connection waits until the pod's marks say A alone is
     serving (an event read from /proc/locks), so the verdict is a count of owners."""
     pod = PodSlots(slot_directory(server))  # its marks, only read
+    # Both booted: the server answers once one worker is up; the other may still be warming up
+    # and starting its gRPC server, and a worker not ready yet is never left a connection.
+    assert wait_until(lambda: pod.pod_state().ready == set(server.worker_pids()), WAIT_S), pod.pod_state()
     body = json.dumps(GOOD).encode()
     held = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
     kept = []
