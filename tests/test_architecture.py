@@ -8,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 WEB_OR_SERIALISATION = {"flask", "werkzeug", "marshmallow", "flask_smorest", "webargs", "apispec", "orjson",
-                        "prometheus_client", "gunicorn", "requests"}
+                        "prometheus_client", "gunicorn", "requests", "grpc", "grpc_health", "google", "tritonclient",
+                        "opentelemetry"}
 
 
 def module_name(path: Path) -> str:

@@ -253,6 +253,8 @@ def test_an_unusable_device_is_not_ready_and_unavailable():
     with gunicorn_server(workers=1, device="cuda:9") as started, grpc.insecure_channel(started.grpc_target) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         assert not stub.ServerReady(pb.ServerReadyRequest(), timeout=WAIT_S).ready
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=WAIT_S)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING  # as /readyz: a gRPC probe sees it
         error = failure(stub.ModelInfer, infer_request(vectors(4, 2)), ())
     assert error.code() == grpc.StatusCode.UNAVAILABLE and trailing(error)["blockgrad-error-code"] == "not_ready"
 

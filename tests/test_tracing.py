@@ -111,9 +111,12 @@ def test_a_jobs_tile_tasks_are_spans_of_the_posts_trace_from_a_dask_worker(serve
     [post] = [got for got in received if got.name == "POST /v1/jobs"]
     assert post.span.parent_span_id.hex() == parent_id
     tiles = [got for got in received if got.name == "tile"]
+    [submit] = [got for got in received if got.name == "submit"]
     web = {server.pid, *server.worker_pids()}
     for tile in tiles:  # the POST's span's children, made by another process: a Dask worker
         assert tile.span.parent_span_id == post.span.span_id
+        # after the job was stored (the submit span ends at its commit), so after the 202's decision
+        assert tile.span.start_time_unix_nano >= submit.span.end_time_unix_nano
         assert tile.resource["service.name"] == "blockgrad"
         assert tile.resource["process.pid"] not in web
 

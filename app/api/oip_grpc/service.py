@@ -19,6 +19,7 @@ from ...core.errors import BlockgradError
 from ...extensions import services_of
 from ...http import record
 from ...http.auth import bearer_token
+from ...http.body import reserve_for_request
 from ...http.errors import ERRORS, bounded_error, internal_error, invalid_token, missing_token
 from ...http.pipeline import Call, admit_to_compute, pipeline
 from ..v2.infer import field_messages, invalid
@@ -27,6 +28,7 @@ from ..v2.views import check_model, device_ready
 from .codec import check_message, decode, render
 
 log = logging.getLogger("blockgrad")
+DECODE_COPIES = 3  # the message, its tensor's bytes joined or converted, the (N, D) array
 
 SERVICE = "inference.GRPCInferenceService"
 ERROR_CODE_KEY = "blockgrad-error-code"  # trailing metadata of every failed call
@@ -59,22 +61,25 @@ def recorded(name: str, guarded: bool = True, traced: bool = False) -> Callable:
             state, metadata = SimpleNamespace(), dict(context.invocation_metadata())
             record.begin(state, record.request_id_from(metadata.get(REQUEST_ID_KEY)), route, "GRPC",
                          metadata if traced else None)
-            status, error = "OK", None
+            error = None
             try:
                 if guarded:
                     self.authorize(metadata.get("authorization"))
-                return method(self, message, context, state)
+                answer = method(self, message, context, state)
             except BlockgradError as exc:
                 error = exc
             except Exception:  # noqa: BLE001 - internals go to the log, never the answer
                 log.exception("unhandled error")
                 error = internal_error()
-            finally:
-                if error is not None:
-                    state.error_code, status = error.code, status_of(error.code)
-                context.set_trailing_metadata(((REQUEST_ID_KEY, state.request_id),)
-                                              + (((ERROR_CODE_KEY, error.code),) if error else ()))
-                record.finisher(getattr(status, "name", status), state, route, "GRPC")(None)
+            context.set_trailing_metadata(((REQUEST_ID_KEY, state.request_id),)
+                                          + (((ERROR_CODE_KEY, error.code),) if error else ()))
+            if error is None:  # recorded, and its memory given back, once the answer is sent (or the call ends)
+                finish = record.finisher("OK", state, route, "GRPC")
+                if not context.add_callback(lambda: finish(None)):
+                    finish(None)
+                return answer
+            state.error_code, status = error.code, status_of(error.code)
+            record.finisher(status.name, state, route, "GRPC")(None)
             context.abort(status, bounded_error(error).message)
         return rpc
     return wrap
@@ -136,6 +141,9 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
         def admit(sizes, described, _served):
             check_message(sizes, self.max_message_bytes)
             admit_to_compute(sizes, described, call)
+        # The message and its decoding held from here, as an HTTP body is while it arrives; the
+        # admission then resizes the reservation to the request's predicted peak.
+        reserve_for_request(self.served.ledger, DECODE_COPIES * message.ByteSize(), state=state)
         try:
             with self.app.app_context():  # /v2's schema names the app's objectives; no request context
                 described = decode(message)
@@ -146,11 +154,27 @@ class Servicer(pb_grpc.GRPCInferenceServiceServicer):
             raise
 
 
+class Health(health.HealthServicer):
+    """grpc.health.v1: Check (what Kubernetes' gRPC probes call) answers NOT_SERVING while the
+    device is not usable, as /readyz does. A Watch holds one of the capped calls while it lasts."""
+
+    def __init__(self, settings):
+        super().__init__(experimental_non_blocking=False)
+        self.settings = settings
+
+    def Check(self, request, context):
+        answer = super().Check(request, context)
+        if answer.status == health_pb2.HealthCheckResponse.SERVING and not device_ready(self.settings,
+                                                                                         SimpleNamespace()):
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return answer
+
+
 def add_services(server: grpc.Server, app: Flask, max_message_bytes: int) -> Callable[[], None]:
     """The inference service and grpc.health.v1 on `server`; returns what to call when the
     worker starts draining (health then answers NOT_SERVING)."""
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(app, max_message_bytes), server)
-    checker = health.HealthServicer(experimental_non_blocking=False)  # a Watch holds one of the capped calls
+    checker = Health(services_of(app).settings)
     for name in ("", SERVICE):
         checker.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
