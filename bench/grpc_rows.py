@@ -3,8 +3,6 @@ against /v2 binary tensors and /v1 JSON, end to end through gunicorn as `make se
 each client decoding the answer to arrays. Ratios are of times measured in one run, the
 front ends alternated so all see the same load."""
 import statistics
-import threading
-import time
 
 import grpc
 import numpy as np
@@ -13,7 +11,7 @@ from blockgrad_client.infer import binary_infer_request
 from tritonclient.grpc import service_pb2 as pb, service_pb2_grpc as pb_grpc
 
 from . import workloads
-from .measure import Result, at_least, ms, paired
+from .measure import Result, at_least, clients_rate, ms, paired
 from .rows import binary_infer, json_answer
 
 V1_OUTPUTS = {"blocks": "block_gradients", "accumulated": "accumulated", "losses": "losses"}
@@ -37,31 +35,6 @@ def grpc_infer(stub, message) -> dict[str, np.ndarray]:
             for out, raw in zip(answer.outputs, answer.raw_output_contents)}
 
 
-def clients_rate(make_call, clients: int) -> tuple[float, float]:
-    """(requests per second, median latency) of `clients` threads calling for ROUND_S each."""
-    latencies, lock = [], threading.Lock()
-
-    def client():
-        call, mine = make_call(), []
-        for _ in range(3):  # warm the connection
-            call()
-        stop = time.monotonic() + ROUND_S
-        while time.monotonic() < stop:
-            start = time.perf_counter()
-            call()
-            mine.append(time.perf_counter() - start)
-        with lock:
-            latencies.extend(mine)
-
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    start = time.perf_counter()
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return len(latencies) / (time.perf_counter() - start), statistics.median(latencies)
-
-
 def grpc_vs_v2(bench) -> list[Result]:
     server, results = bench.server(), []
     channel = grpc.insecure_channel(server.grpc_target, options=[("grpc.max_receive_message_length", 1 << 30)])
@@ -80,7 +53,7 @@ def grpc_vs_v2(bench) -> list[Result]:
         latency = {name: [] for name in front_ends}
         for _ in range(ROUNDS):
             for name, make_call in front_ends.items():
-                rate, median = clients_rate(make_call, clients)
+                rate, median, _ = clients_rate(make_call, clients, ROUND_S)
                 rates[name].append(rate)
                 latency[name].append(median)
         rate = {name: statistics.median(values) for name, values in rates.items()}

@@ -89,3 +89,31 @@ def all_started_together(calls: list[Callable[[], object]]) -> float:
     for thread in threads:
         thread.join()
     return time.perf_counter() - began
+
+
+def clients_rate(make_call: Callable[[], Callable[[], object]], clients: int, seconds: float,
+                 calls: int | None = None, warm: int = 3) -> tuple[float, float, int]:
+    """(requests per second, median latency, requests) of `clients` threads at once, each with
+    its own call (`make_call()`: its own connection), warmed `warm` times, then calling for
+    `seconds` (and at most `calls` times)."""
+    latencies, lock = [], threading.Lock()
+
+    def client():
+        call, mine = make_call(), []
+        for _ in range(warm):
+            call()
+        stop = time.monotonic() + seconds
+        while (calls is None or len(mine) < calls) and (not mine or time.monotonic() < stop):
+            start = time.perf_counter()
+            call()
+            mine.append(time.perf_counter() - start)
+        with lock:
+            latencies.extend(mine)
+
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return len(latencies) / (time.perf_counter() - start), statistics.median(latencies), len(latencies)

@@ -23,7 +23,7 @@ from app.core.run import Deadline, run
 from app.core.settings import Settings
 
 from . import inprocess, workloads
-from .measure import Result, at_least, at_most, median_time, ms, paired, timed
+from .measure import Result, at_least, at_most, clients_rate, median_time, ms, paired, timed
 
 MB = 1024 * 1024
 
@@ -117,34 +117,12 @@ def small_requests(bench: Bench) -> list[Result]:
     server = bench.server()
     body = workloads.body(workloads.SEED_EXAMPLE)
     results = []
-    for clients, per_client in ((1, 300), (4, 150)):
-        latencies, lock = [], threading.Lock()
-
-        def client():
-            session, mine = requests.Session(), []
-            for _ in range(5):  # warm the connection
-                post(session, server.url, body)
-            stop = time.monotonic() + 15  # bounded in count and time
-            for _ in range(per_client):
-                start = time.perf_counter()
-                post(session, server.url, body)
-                mine.append(time.perf_counter() - start)
-                if time.monotonic() > stop:
-                    break
-            with lock:
-                latencies.extend(mine)
-
-        threads = [threading.Thread(target=client) for _ in range(clients)]
-        start = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - start
-        rate = len(latencies) / wall
+    for clients, per_client in ((1, 300), (4, 150)):  # bounded in count and time
+        rate, median, count = clients_rate(lambda: (lambda s=requests.Session(): post(s, server.url, body)), clients,
+                                           15, per_client, warm=5)
         results.append(Result(f"3. seed 10x5 example, {clients} client{'s' if clients > 1 else ''}", "-",
                               f"{rate:.0f} req/s", "-",
-                              f"median latency {ms(statistics.median(latencies))}, {len(latencies)} requests"))
+                              f"median latency {ms(median)}, {count} requests"))
     return results
 
 
