@@ -13,7 +13,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TRACER: trace.Tracer | None = None
-PROCESSOR = None  # the batch processor, whose `dropped` counts spans a full queue dropped
+PROCESSOR = None  # the batch processor
+DROPPED = lambda: None  # noqa: E731 - called per span a full queue drops (record.py: a Prometheus counter's inc)
 PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -42,16 +43,14 @@ def configure(environ: Mapping[str, str] = os.environ) -> bool:
 
 def batch_processor(exporter, **options):
     """The SDK's batch processor (a bounded queue, OTEL_BSP_*, a thread that exports), which
-    counts in `dropped` the spans it drops when its queue is full (the SDK only logs them)."""
+    counts (DROPPED) the spans it drops when its queue is full (the SDK only logs them)."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     class CountingProcessor(BatchSpanProcessor):
-        dropped = 0
-
         def on_end(self, span) -> None:
             queue = self._batch_processor._queue  # noqa: SLF001 - the pinned SDK's bounded deque
             if span.context.trace_flags.sampled and len(queue) >= queue.maxlen:
-                self.dropped += 1
+                DROPPED()
             super().on_end(span)
 
     return CountingProcessor(exporter, **options)

@@ -331,6 +331,7 @@ def end_trace(state, span, status: int | str, code: str | None, fields: dict[str
 
 
 def init_app(app: Flask) -> None:
+    tracing.DROPPED = metrics.TRACE_SPANS_DROPPED.inc  # a worker's drops in its own metrics file
     app.before_request(before_request)
     app.after_request(after_request)
     app.teardown_request(teardown_request)
