@@ -1,5 +1,5 @@
 """Traces: OpenTelemetry's SDK set up once in each process that makes spans (a gunicorn worker
-after the fork, a Dask worker at its first tile), only when OTEL_EXPORTER_OTLP_ENDPOINT or
+after the fork, a Dask worker at its first traced task), only when OTEL_EXPORTER_OTLP_ENDPOINT or
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set. Off, no provider is set, `TRACER` stays None and the
 span code does nothing. The SDK reads the other OTEL_* variables itself (the exporter's
 endpoint, headers and timeout, the batch processor's OTEL_BSP_*). A layer-free leaf: the
@@ -58,9 +58,9 @@ def batch_processor(exporter, **options):
     return CountingProcessor(exporter, **options)
 
 
-def parent(carrier: Mapping[str, str] | None):
+def parent(carrier: Mapping[str, str]):
     """The context a W3C traceparent in `carrier` (headers, gRPC metadata) names; none: a new trace."""
-    return PROPAGATOR.extract(carrier) if carrier and "traceparent" in carrier else None
+    return PROPAGATOR.extract(carrier) if "traceparent" in carrier else None  # (bool(headers) counts them)
 
 
 def current_traceparent() -> str | None:

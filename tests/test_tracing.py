@@ -74,6 +74,10 @@ def test_a_v1_request_with_a_traceparent_is_its_callers_child_with_a_span_per_st
     names = ("request_id", "n", "dim", "factor", "objective", "outcome")
     assert tuple(served.attribute(f"blockgrad.{name}") for name in names) == (request_id, 12, 3, 3, "sum", "ok")
     assert spans["compute"].attribute("blockgrad.chunks") >= 1
+    order = [spans[name].span for name in ("decode", "admit", "compute", "render")]  # one after another
+    assert order[0].start_time_unix_nano == served.span.start_time_unix_nano
+    assert [a.end_time_unix_nano == b.start_time_unix_nano for a, b in zip(order, order[1:])] == [True] * 3
+    assert order[-1].end_time_unix_nano == served.span.end_time_unix_nano
     line = log_line(server, request_id)
     assert (line["trace_id"], line["span_id"]) == (trace_id, served.span.span_id.hex())
 
