@@ -1,5 +1,5 @@
 """Traces: OpenTelemetry's SDK set up once in each process that makes spans (a gunicorn worker
-after the fork, a Dask worker at its first tile), only when OTEL_EXPORTER_OTLP_ENDPOINT or
+after the fork, a Dask worker at its first traced task), only when OTEL_EXPORTER_OTLP_ENDPOINT or
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT is set. Off, no provider is set, `TRACER` stays None and the
 span code does nothing. The SDK reads the other OTEL_* variables itself (the exporter's
 endpoint, headers and timeout, the batch processor's OTEL_BSP_*). A layer-free leaf: the
@@ -13,7 +13,8 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TRACER: trace.Tracer | None = None
-PROCESSOR = None  # the batch processor, whose `dropped` counts spans a full queue dropped
+PROCESSOR = None  # the batch processor
+DROPPED = lambda: None  # noqa: E731 - called per span a full queue drops (record.py: a Prometheus counter's inc)
 PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -30,8 +31,10 @@ def configure(environ: Mapping[str, str] = os.environ) -> bool:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     else:  # http/protobuf, the default
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME") or "blockgrad",
-                                "process.pid": os.getpid()})
+    created = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME") or "blockgrad",
+                               "process.pid": os.getpid()})
+    hashed = hash(created)  # once: the exporter hashes every span's resource, which the SDK dumps to JSON each time
+    resource = type("HashedOnce", (Resource,), {"__hash__": lambda _: hashed})(created.attributes, created.schema_url)
     provider = TracerProvider(resource=resource)
     PROCESSOR = batch_processor(OTLPSpanExporter())
     provider.add_span_processor(PROCESSOR)
@@ -42,24 +45,22 @@ def configure(environ: Mapping[str, str] = os.environ) -> bool:
 
 def batch_processor(exporter, **options):
     """The SDK's batch processor (a bounded queue, OTEL_BSP_*, a thread that exports), which
-    counts in `dropped` the spans it drops when its queue is full (the SDK only logs them)."""
+    counts (DROPPED) the spans it drops when its queue is full (the SDK only logs them)."""
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     class CountingProcessor(BatchSpanProcessor):
-        dropped = 0
-
         def on_end(self, span) -> None:
             queue = self._batch_processor._queue  # noqa: SLF001 - the pinned SDK's bounded deque
             if span.context.trace_flags.sampled and len(queue) >= queue.maxlen:
-                self.dropped += 1
+                DROPPED()
             super().on_end(span)
 
     return CountingProcessor(exporter, **options)
 
 
-def parent(carrier: Mapping[str, str] | None):
+def parent(carrier: Mapping[str, str]):
     """The context a W3C traceparent in `carrier` (headers, gRPC metadata) names; none: a new trace."""
-    return PROPAGATOR.extract(carrier) if carrier else None
+    return PROPAGATOR.extract(carrier) if "traceparent" in carrier else None  # (bool(headers) counts them)
 
 
 def current_traceparent() -> str | None:
@@ -67,3 +68,22 @@ def current_traceparent() -> str | None:
     carrier: dict[str, str] = {}
     PROPAGATOR.inject(carrier)
     return carrier.get("traceparent")
+
+
+def end_stages(server, stages: list[tuple[str, int, dict | None]], end_ns: int, outcome: str | None) -> None:
+    """The request's stage spans, children of its (recording) server span, made at its end from
+    `stages` (name, start, attributes): each ends where the next starts, the last at `end_ns`
+    with the outcome when there is one (where the request stopped). Handed to the processor as
+    the finished spans the SDK itself makes at a span's end: its per-span machinery (sampler,
+    limits, locks, context) costs ten times as much, and they follow the server span's sampling."""
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    parent, new_id = server.get_span_context(), TRACER.id_generator.generate_span_id
+    for i, (name, start, attributes) in enumerate(stages):
+        last = i + 1 == len(stages)
+        if last and outcome:
+            attributes = {**(attributes or {}), "blockgrad.outcome": outcome}
+        context = trace.SpanContext(parent.trace_id, new_id(), False, parent.trace_flags, parent.trace_state)
+        PROCESSOR.on_end(ReadableSpan(name, context, parent, server.resource, attributes, start_time=start,
+                                      end_time=end_ns if last else stages[i + 1][1],
+                                      instrumentation_scope=server.instrumentation_scope))

@@ -2,7 +2,7 @@
 serve` starts it, with the embedded Dask cluster), exporting OTLP/HTTP to a receiver on
 loopback (tests/otlp_receiver.py): a /v1 request and a gRPC ModelInfer carrying a W3C
 traceparent get a server span, the caller's span's child, and a span per stage, in the
-caller's trace, from service.name blockgrad; a job's tile tasks are spans of the POST's trace,
+caller's trace, from service.name blockgrad; a job's tile and finish tasks are spans of the POST's trace,
 made in a Dask worker process. Every wait is bounded; verdicts are spans and ids, never times."""
 import json
 import secrets
@@ -74,6 +74,10 @@ def test_a_v1_request_with_a_traceparent_is_its_callers_child_with_a_span_per_st
     names = ("request_id", "n", "dim", "factor", "objective", "outcome")
     assert tuple(served.attribute(f"blockgrad.{name}") for name in names) == (request_id, 12, 3, 3, "sum", "ok")
     assert spans["compute"].attribute("blockgrad.chunks") >= 1
+    order = [spans[name].span for name in ("decode", "admit", "compute", "render")]  # one after another
+    assert order[0].start_time_unix_nano == served.span.start_time_unix_nano
+    assert [a.end_time_unix_nano == b.start_time_unix_nano for a, b in zip(order, order[1:])] == [True] * 3
+    assert order[-1].end_time_unix_nano == served.span.end_time_unix_nano
     line = log_line(server, request_id)
     assert (line["trace_id"], line["span_id"]) == (trace_id, served.span.span_id.hex())
 
@@ -102,23 +106,25 @@ def test_grpc_model_infer_with_traceparent_metadata(server, receiver):
     assert spans[name].attribute("blockgrad.n") == 9
 
 
-def test_a_jobs_tile_tasks_are_spans_of_the_posts_trace_from_a_dask_worker(server, receiver):
+def test_a_jobs_tasks_are_spans_of_the_posts_trace_from_a_dask_worker(server, receiver):
+    """Its tile tasks and its finish task (a job this small has one tile and no band task: the
+    graph's band spans are tests/test_tracing_setup.py's)."""
     trace_id, parent_id, traceparent = caller()
     body = {"vectors": np.random.default_rng(2).uniform(-1, 1, (20, 3)).tolist(), "factor": 4}
     posted = requests.post(server.url + "/v1/jobs", json=body, headers={"traceparent": traceparent}, timeout=WAIT_S)
     assert posted.status_code == 202, posted.text
-    received = receiver.wait_for(trace_id, {"POST /v1/jobs", "submit", "tile"}, WAIT_S)
+    received = receiver.wait_for(trace_id, {"POST /v1/jobs", "submit", "tile", "finish"}, WAIT_S)
     [post] = [got for got in received if got.name == "POST /v1/jobs"]
     assert post.span.parent_span_id.hex() == parent_id
-    tiles = [got for got in received if got.name == "tile"]
+    tasks = [got for got in received if got.name in ("tile", "finish")]
     [submit] = [got for got in received if got.name == "submit"]
     web = {server.pid, *server.worker_pids()}
-    for tile in tiles:  # the POST's span's children, made by another process: a Dask worker
-        assert tile.span.parent_span_id == post.span.span_id
+    for task in tasks:  # the POST's span's children, made by another process: a Dask worker
+        assert task.span.parent_span_id == post.span.span_id
         # after the job was stored (the submit span ends at its commit), so after the 202's decision
-        assert tile.span.start_time_unix_nano >= submit.span.end_time_unix_nano
-        assert tile.resource["service.name"] == "blockgrad"
-        assert tile.resource["process.pid"] not in web
+        assert task.span.start_time_unix_nano >= submit.span.end_time_unix_nano
+        assert task.resource["service.name"] == "blockgrad"
+        assert task.resource["process.pid"] not in web
 
 
 def test_a_caller_that_does_not_sample_gets_its_answer_and_no_span(server, receiver):

@@ -1,14 +1,16 @@
-"""Traces to a collector that is down (a port nobody listens on): every request is answered as
-without tracing, and the service keeps serving; with no OTLP endpoint set (the session's
-`served`), a traceparent changes nothing and the log line carries no trace ids. Counts and
-statuses, never times."""
+"""Traces to a collector that never answers (it takes the connection, never the request): every
+request is answered as without tracing, the service keeps serving, and the spans its full queue
+drops are counted in /metrics; with no OTLP endpoint set (the session's `served`), a traceparent
+changes nothing and the log line carries no trace ids. Counts and statuses, never times."""
 import json
+import re
 import secrets
+import socket
 
 import pytest
 import requests
 
-from tools.server import free_port, gunicorn_server, wait_until
+from tools.server import gunicorn_server, wait_until
 
 pytestmark = pytest.mark.slow
 WAIT_S = 120
@@ -24,16 +26,28 @@ def request_lines(server) -> list[dict]:
             if line.get("message") == "request" and line.get("route") == "/v1/gradients"]
 
 
-def test_a_dead_collector_leaves_every_request_answered():
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{free_port()}", "OTEL_BSP_SCHEDULE_DELAY": "10",
-           "OTEL_BSP_MAX_QUEUE_SIZE": "4", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "2", "OTEL_EXPORTER_OTLP_TIMEOUT": "1"}
-    with gunicorn_server(workers=1, env=env) as server, requests.Session() as session:
+def dropped(metrics_text: str) -> float:
+    [value] = re.findall(r"^blockgrad_trace_spans_dropped_total (\S+)$", metrics_text, re.M)
+    return float(value)
+
+
+def test_a_collector_that_never_answers_leaves_every_request_answered_and_drops_are_counted():
+    """The first batch of 4 spans is exported to a collector whose listen backlog takes the
+    connection and never the request: the export thread waits on it (for longer than the
+    test), 4 spans fill the queue, every later span is dropped: of 40 requests' 5 spans each
+    (server, decode, admit, compute, render), at least 200 - 8 are counted."""
+    collector = socket.create_server(("127.0.0.1", 0), backlog=64)  # never accepted
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{collector.getsockname()[1]}",
+           "OTEL_BSP_SCHEDULE_DELAY": "600000", "OTEL_BSP_MAX_QUEUE_SIZE": "4", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4",
+           "OTEL_EXPORTER_OTLP_TIMEOUT": "600"}
+    with collector, gunicorn_server(workers=1, env=env) as server, requests.Session() as session:
         statuses = [session.post(server.url + "/v1/gradients", json=BODY, headers={"traceparent": traceparent()},
                                  timeout=WAIT_S).status_code for _ in range(40)]
         assert statuses == [200] * 40
         assert wait_until(lambda: len(request_lines(server)) == 40, WAIT_S), len(request_lines(server))
         assert all("trace_id" in line for line in request_lines(server))  # traced all along
         assert session.get(server.url + "/readyz", timeout=WAIT_S).status_code == 200
+        assert dropped(session.get(server.url + "/metrics", timeout=WAIT_S).text) >= 40 * 5 - 8
 
 
 def test_off_a_traceparent_changes_nothing(served):

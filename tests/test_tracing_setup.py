@@ -30,7 +30,9 @@ class HeldExporter:
         pass
 
 
-def test_a_full_queue_drops_spans_and_counts_them():
+def test_a_full_queue_drops_spans_and_counts_them(monkeypatch):
+    drops = []
+    monkeypatch.setattr(tracing, "DROPPED", lambda: drops.append(1))
     exporter = HeldExporter()
     processor = tracing.batch_processor(exporter, max_queue_size=2, max_export_batch_size=2,
                                         schedule_delay_millis=60_000)
@@ -43,7 +45,48 @@ def test_a_full_queue_drops_spans_and_counts_them():
         assert exporter.entered.wait(60), "the batch was never exported"
         for _ in range(5):  # two fill the queue again, three push out older ones
             tracer.start_span("s").end()
-        assert processor.dropped == 3
+        assert len(drops) == 3
     finally:
         exporter.release.set()
         provider.shutdown()
+
+
+class SyncClient:
+    """Dask's Client as graph.submit uses it, each task run at once in this process."""
+
+    class Done:
+        def __init__(self, key, value):
+            self.key, self.value = key, value
+
+    def scatter(self, values, **options):
+        return [self.Done("scattered", value) for value in values]
+
+    def submit(self, function, *args, key, pure):
+        plain = [arg.value if isinstance(arg, self.Done) else arg for arg in args]
+        return self.Done(key, function(*plain))
+
+
+def test_a_jobs_tile_band_and_finish_tasks_are_spans_of_its_trace(monkeypatch):
+    """The graph (app/jobs/graph.py) with more tiles than FINISH_FAN_IN: every task, bands and
+    finish too, is a child of the POST's traceparent, on a tracer of this test's."""
+    import numpy as np
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from app.core.job_tasks import JobSpec, plan_tiles
+    from app.core.objectives import OBJECTIVES
+    from app.jobs import graph
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "TRACER", provider.get_tracer("test"))
+    monkeypatch.setattr(graph, "FINISH_FAN_IN", 2)
+    trace_id, parent_id = 0x5EED << 64 | 1, 0xCA11E4
+    spec = JobSpec(12, 2, 3, "sum", 5.0, "float32", 1 << 20, traceparent=f"00-{trace_id:032x}-{parent_id:016x}-01")
+    tiles = plan_tiles(12, 2, 3, 1, tile_numbers=1, least_numbers=1)  # one block each: 9 tiles, 3 rows, 3 columns
+    vectors = np.random.default_rng(0).standard_normal((12, 2)).astype(np.float32)
+    outcome = graph.submit(SyncClient(), "job-1", vectors, spec, tiles, OBJECTIVES["sum"], 60).final.value
+    assert outcome.error is None
+    spans = exporter.get_finished_spans()
+    assert sorted(span.name for span in spans) == ["band"] * 6 + ["finish"] + ["tile"] * 9
+    assert {(span.context.trace_id, span.parent.span_id) for span in spans} == {(trace_id, parent_id)}

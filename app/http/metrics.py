@@ -31,6 +31,8 @@ OUTPUT_NUMBERS = Counter("blockgrad_output_numbers", "Numbers written in complet
 COMPUTE_SECONDS = Counter("blockgrad_compute_seconds", "Seconds spent in the gradient engine, failed requests too.")
 ERRORS = Counter("blockgrad_errors", "Error answers by error code (including errors that cut a stream).",
                  ["code"])
+TRACE_SPANS_DROPPED = Counter("blockgrad_trace_spans_dropped", "Spans dropped unexported: the trace exporter's "
+                              "queue (OTEL_BSP_MAX_QUEUE_SIZE) was full.")
 DEVICE = Gauge("blockgrad_device_info", "1 for the torch device each live worker computes on (label device).",
                ["device"], multiprocess_mode="liveall")
 

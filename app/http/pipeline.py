@@ -14,22 +14,20 @@ not admitted, and refused when converted), admits once, converts with the core (
 /v1/jobs, whose admission is its own limits'. The renderer turns what was executed into the
 Response; the request is recorded when its last byte is written (record.py).
 
-A traced request (record.begin started its span, `state.span`) gets a span per stage, the
-request's span current meanwhile: decode (arrival to here), admit (validate, admit,
-convert, the wait for a compute slot), compute, and render until its last byte (ended by
-record.py); /v1/jobs's submit instead of compute.
+A traced request (record.begin started its span, `state.span`) gets a span per stage, each
+from its start to the next's: decode (arrival to here), admit (validate, admit, convert, the
+wait for a compute slot), compute (/v1/jobs: submit, the request's span current), and render
+until its last byte. The stages are timestamps here; record.py makes their spans at the end.
 """
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from flask import current_app, g, request
-from opentelemetry import context, trace
-
-import app.tracing as tracing
+from opentelemetry import trace
 
 from ..core import slots  # slots.Deadline looked up per request (tests replace it)
 from ..core.admission import AnswerCost, admit
@@ -97,50 +95,29 @@ Execute = Callable[[GradientRequest, Described, Services], Any]
 def pipeline(described: Described, call: Call, execute: Execute | None = None, admit_sizes: Admit | None = None) -> Any:
     """Validate, admit once, convert, execute (default: `compute`, admitted by `admit_to_compute`)."""
     served, span = call.served, getattr(call.state, "span", None)
-    span = span if span is not None and span.is_recording() else None  # not sampled: no stage spans
-    token = None if span is None else context.attach(trace.set_span_in_context(span))
-    try:
-        if span is not None:
-            tracing.TRACER.start_span("decode", start_time=span.start_time).end()
-        with stage(span, "admit"):
-            sizes = validated_sizes(described, served.objectives)
-            if sizes is not None:
-                if span is not None:
-                    span.set_attributes({key: value for key, value in (
-                        ("blockgrad.n", sizes.n), ("blockgrad.dim", sizes.dim), ("blockgrad.factor", sizes.factor),
-                        ("blockgrad.objective", described.fields.get("objective"))) if value is not None})
-                admit_sizes(sizes, described, served) if admit_sizes else admit_to_compute(sizes, described, call)
-            req = convert(described, served.objectives)
-            slot = take_slot(call) if execute is None and req.outputs else None  # its queue wait admission's
-        if execute is None:
-            executed = compute(req, described, call, slot)
-        else:
-            with stage(span, "submit"):
-                executed = execute(req, described, served)
-        if span is not None:  # ended with the request (record.py)
-            call.state.render_span = tracing.TRACER.start_span("render")
-        return executed
-    finally:
-        if token is not None:
-            context.detach(token)
-
-
-def stage(span, name: str):
-    """A span of the request's stage `name` while it runs, its error code recorded (off or not
-    sampled: nothing)."""
-    return nullcontext() if span is None or not span.is_recording() else traced_stage(name)
-
-
-@contextmanager
-def traced_stage(name: str) -> Iterator:
-    span = tracing.TRACER.start_span(name)  # the request's span stays current (a job stores its traceparent)
-    try:
-        yield span
-    except Exception as exc:
-        span.set_attribute("blockgrad.outcome", getattr(exc, "code", "internal_error"))
-        raise
-    finally:
-        span.end()
+    stages = None
+    if span is not None and span.is_recording():  # not sampled: no stage spans
+        stages = call.state.stages = [("decode", span.start_time, None), ("admit", time.time_ns(), None)]
+    sizes = validated_sizes(described, served.objectives)
+    if sizes is not None:
+        if stages is not None:
+            span.set_attributes({key: value for key, value in (
+                ("blockgrad.n", sizes.n), ("blockgrad.dim", sizes.dim), ("blockgrad.factor", sizes.factor),
+                ("blockgrad.objective", described.fields.get("objective"))) if value is not None})
+        admit_sizes(sizes, described, served) if admit_sizes else admit_to_compute(sizes, described, call)
+    req = convert(described, served.objectives)
+    slot = take_slot(call) if execute is None and req.outputs else None  # its queue wait admission's
+    if execute is None:
+        executed = compute(req, described, call, slot)
+    elif stages is None:
+        executed = execute(req, described, served)
+    else:
+        stages.append(("submit", time.time_ns(), None))
+        with trace.use_span(span, record_exception=False):  # current: the job stores its traceparent
+            executed = execute(req, described, served)
+    if stages is not None:
+        stages.append(("render", time.time_ns(), None))
+    return executed
 
 
 def validated_sizes(described: Described, objectives: Mapping[str, Objective]) -> Sizes | None:
@@ -198,14 +175,15 @@ def compute(req: GradientRequest, described: Described, call: Call, slot: tuple 
         state.device = str(device)
         return Computed(req, None, device, record.timed, described.own)
     deadline, ticket = slot or take_slot(call)
-    start = time.perf_counter()
+    start, stages = time.perf_counter(), getattr(state, "stages", None)
     try:
-        with stage(getattr(state, "span", None), "compute") as computing:
-            result = run(req, served.settings, deadline, served.executor)
-            if computing is not None:
-                bands = list(plan_bands(n, dim, req.factor, result.chunk_elements))
-                computing.set_attributes({"blockgrad.bands": len(bands), "blockgrad.chunks": sum(map(len, bands)),
-                                          "blockgrad.blocks_kept": result.kept is not None})
+        if stages is not None:
+            stages.append(("compute", time.time_ns(), computing := {}))
+        result = run(req, served.settings, deadline, served.executor)
+        if stages is not None:
+            bands = list(plan_bands(n, dim, req.factor, result.chunk_elements))
+            computing.update({"blockgrad.bands": len(bands), "blockgrad.chunks": sum(map(len, bands)),
+                              "blockgrad.blocks_kept": result.kept is not None})
     finally:
         record.compute_s += time.perf_counter() - start
         ticket.release()

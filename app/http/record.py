@@ -318,19 +318,21 @@ def finisher(status: int | str, state, route: str, method: str,
 
 
 def end_trace(state, span, status: int | str, code: str | None, fields: dict[str, Any]) -> None:
-    """End the render stage and the request's span with its outcome; its ids go in the log line."""
-    render = getattr(state, "render_span", None)
-    if render is not None:
-        render.end()
+    """End the request's span with its outcome, and make its stages' (pipeline.py); its ids go in
+    the log line."""
     span.set_attributes({"blockgrad.status": status, "blockgrad.outcome": code or "ok"})
     if code:
         span.set_status(StatusCode.ERROR, code)
-    span.end()
+    end_ns = time.time_ns()
+    span.end(end_ns)
+    if getattr(state, "stages", None):
+        tracing.end_stages(span, state.stages, end_ns, code)
     ids = span.get_span_context()
     fields.update(trace_id=format(ids.trace_id, "032x"), span_id=format(ids.span_id, "016x"))
 
 
 def init_app(app: Flask) -> None:
+    tracing.DROPPED = metrics.TRACE_SPANS_DROPPED.inc  # a worker's drops in its own metrics file
     app.before_request(before_request)
     app.after_request(after_request)
     app.teardown_request(teardown_request)

@@ -32,19 +32,19 @@ def submit(client, name: str, vectors: np.ndarray, spec: JobSpec, tiles: list[Ti
     parts = [client.submit(tile_task, scattered, plain, (tile.rows.start, tile.rows.stop),
                            (tile.cols.start, tile.cols.stop), program, key=f"blockgrad-tile-{name}-{tile.index}",
                            pure=False) for tile in tiles]
-    finals = parts if len(parts) <= FINISH_FAN_IN else band_sums(client, name, tiles, parts)
+    finals = parts if len(parts) <= FINISH_FAN_IN else band_sums(client, name, tiles, parts, spec.traceparent)
     final = client.submit(finish_task, plain, *finals, key=f"blockgrad-finish-{name}", pure=False)
     return Graph(final, {part.key: (part, tile.blocks) for part, tile in zip(parts, tiles)}, [scattered, program])
 
 
-def band_sums(client, name: str, tiles: list[Tile], parts: list) -> list:
+def band_sums(client, name: str, tiles: list[Tile], parts: list, traceparent: str | None) -> list:
     """A tree of sums per tile row (their row shares and losses) and per tile column."""
     bands = []
     for kind, groups in band_groups(tiles).items():
         for g, members in enumerate(groups):
             level = [parts[k] for k in members]
             for depth, sums in enumerate(reduction_levels(len(level))):
-                level = [client.submit(band_task, kind, *(level[i] for i in group),
+                level = [client.submit(band_task, traceparent, kind, *(level[i] for i in group),
                                        key=f"blockgrad-sum-{name}-{kind}{g}-{depth}-{k}", pure=False)
                          for k, group in enumerate(sums)]
             bands.append(level[0])

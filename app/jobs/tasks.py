@@ -56,13 +56,15 @@ def traced(traceparent: str | None, name: str, attributes: dict):
                                                 attributes=attributes)
 
 
-def band_task(kind: str, *parts):
+def band_task(traceparent: str | None, kind: str, *parts):
     from ..core.job_tasks import add_band
 
-    return add_band(kind, *parts)
+    with traced(traceparent, "band", {"blockgrad.kind": kind, "blockgrad.parts": len(parts)}):
+        return add_band(kind, *parts)
 
 
 def finish_task(spec: dict, *bands):
     from ..core.job_tasks import JobSpec, finish
 
-    return finish(JobSpec(**spec), *bands)
+    with traced(spec["traceparent"], "finish", {"blockgrad.parts": len(bands)}):
+        return finish(JobSpec(**spec), *bands)
