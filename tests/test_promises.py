@@ -1233,6 +1233,10 @@ def m_slots_busy(server, servers):
     assert [value(seen[k], "blockgrad_compute_slots_busy") for k in ("rest", "held", "after")] == [0, 1, 0]
 
 
+def m_trace_spans_dropped(server, servers):
+    assert value(scrape(server), "blockgrad_trace_spans_dropped_total") == 0  # tracing off; a full queue's drops: test_tracing_dead.py
+
+
 def kept_alive(server) -> socket.socket:
     sock = connect(server)
     sock.sendall(head("GET", "/healthz"))
@@ -1342,6 +1346,8 @@ METRICS = [
     Metric("blockgrad_shed_requests", "metrics", "the queue full: +1", m_shed),
     Metric("blockgrad_compute_slots", "metrics", "1 on one CPU", m_slots),
     Metric("blockgrad_compute_slots_busy", "metrics", "0, 1 while a request computes, 0", m_slots_busy),
+    Metric("blockgrad_trace_spans_dropped", "metrics", "0 with tracing off (a full queue's drops: test_tracing_dead)",
+           m_trace_spans_dropped),
     Metric("blockgrad_connections_open", "metrics", "2 with a kept-alive one, back to 1", m_open),
     Metric("blockgrad_connections_idle", "metrics", "1 kept alive after its answer, 0 once closed", m_idle),
     Metric("blockgrad_connections_awaiting_head", "metrics", "2: a silent and a partial head, then 0",
