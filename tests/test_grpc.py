@@ -9,6 +9,8 @@ gunicorn as `make serve` starts it (tools/server.py: every server gets a free gR
 - at a known point (every compute slot held by the test, calls waiting in line): the cap on
   concurrent calls, a full line, a client's cancel (the call never computes), a gRPC deadline,
   then SIGTERM: the calls in flight finish;
+- calls whose message never comes (none sent, or part of one over a raw HTTP/2 connection)
+  end at BLOCKGRAD_READ_TIMEOUT_S and free their places in the cap; a health Watch is UNIMPLEMENTED;
 - the master never loads grpcio; a taken or public port stops the start naming the variable.
 
 Verdicts are statuses, counts and log lines, never times; every wait is bounded by WAIT_S.
@@ -20,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 
 import grpc
 import numpy as np
@@ -112,7 +115,11 @@ def test_health_and_liveness_are_open_and_metadata_needs_the_token(server, stub)
     client = triton.InferenceServerClient(server.grpc_target)
     assert client.is_server_live() and client.is_server_ready()
     with grpc.insecure_channel(server.grpc_target) as channel:
-        checked = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=WAIT_S)
+        health = health_pb2_grpc.HealthStub(channel)
+        checked = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=WAIT_S)
+        with pytest.raises(grpc.RpcError) as watched:  # it would hold a place in the cap while it lasts
+            next(health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=WAIT_S))
+    assert watched.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert checked.status == health_pb2.HealthCheckResponse.SERVING
     for rpc, message in [(stub.ServerMetadata, pb.ServerMetadataRequest()),
                          (stub.ModelMetadata, pb.ModelMetadataRequest(name="blockgrad")),
@@ -272,9 +279,90 @@ def test_grpc_requests_are_in_the_request_metrics(server):
 
 @pytest.fixture(scope="module")
 def held_server():
-    """One worker, three gRPC calls at once (its threads), two waiting in line for a slot."""
-    with gunicorn_server(workers=1, env={"GUNICORN_CMD_ARGS": "--threads 3", "BLOCKGRAD_QUEUE_DEPTH": "2"}) as started:
+    """One worker, three gRPC calls at once (its threads), two waiting in line for a slot; a
+    message may take as long as the tests run to arrive."""
+    with gunicorn_server(workers=1, env={"GUNICORN_CMD_ARGS": "--threads 3", "BLOCKGRAD_QUEUE_DEPTH": "2",
+                                         "BLOCKGRAD_READ_TIMEOUT_S": "900"}) as started:
         yield started
+
+
+INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def silent_call(channel, never: threading.Event, request_id: str = "silent"):
+    """A ModelInfer whose client sends its headers, then never its message (until `never` is set)."""
+    def no_message():
+        never.wait(WAIT_S)
+        yield from ()
+    return channel.stream_unary(INFER_PATH).future(no_message(), metadata=(("x-request-id", request_id),),
+                                                    timeout=WAIT_S)
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def partial_message_call(target: str) -> socket.socket:
+    """A raw HTTP/2 connection (frames by hand: the h2 package is not installed) that opens one
+    ModelInfer and sends 10 bytes of a 1,000-byte message, never the rest: a slow upload."""
+    host, port = target.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
+    fields = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", INFER_PATH.encode()),
+              (b":authority", target.encode()), (b"content-type", b"application/grpc"), (b"te", b"trailers")]
+    headers = b"".join(b"\0" + bytes([len(name)]) + name + bytes([len(value)]) + value  # HPACK literals
+                       for name, value in fields)
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, b"") + frame(1, 4, 1, headers)
+                 + frame(0, 0, 1, b"\0" + (1000).to_bytes(4, "big") + bytes(10)))
+    return sock
+
+
+def stream_ended(sock: socket.socket) -> str:
+    """Reads the server's frames (acknowledging its SETTINGS and PINGs) until the call's stream
+    ends: its trailers (HEADERS with END_STREAM), RST_STREAM, or the connection's GOAWAY."""
+    def exactly(count: int) -> bytes:
+        data = b""
+        while len(data) < count:
+            piece = sock.recv(count - len(data))
+            assert piece, "connection closed"
+            data += piece
+        return data
+    while True:
+        head = exactly(9)
+        kind, flags, stream = head[3], head[4], int.from_bytes(head[5:], "big") & 0x7FFFFFFF
+        payload = exactly(int.from_bytes(head[:3], "big"))
+        if kind in (4, 6) and not flags & 1:  # SETTINGS, PING: acknowledged
+            sock.sendall(frame(kind, 1, 0, payload if kind == 6 else b""))
+        if stream == 1 and (kind == 3 or kind == 1 and flags & 1) or kind == 7:
+            return {1: "trailers", 3: "reset", 7: "goaway"}[kind]
+
+
+def test_calls_whose_message_never_comes_end_at_the_read_timeout_and_free_the_cap():
+    """Both of a worker's places in the cap taken by calls whose message never comes (none sent,
+    or part of one): each ends DEADLINE_EXCEEDED (read_timeout) once BLOCKGRAD_READ_TIMEOUT_S
+    has passed, logged, and the next ModelInfer gets an answer."""
+    env = {"GUNICORN_CMD_ARGS": "--threads 2", "BLOCKGRAD_READ_TIMEOUT_S": "2"}
+    never = threading.Event()
+    with gunicorn_server(workers=1, env=env) as server, grpc.insecure_channel(server.grpc_target) as channel:
+        try:
+            silent = silent_call(channel, never, "grpc-silent")
+            raw = partial_message_call(server.grpc_target)
+            reader, ended = background(lambda: stream_ended(raw))
+            reader.start()
+            error = silent.exception(WAIT_S)
+            reader.join(WAIT_S)
+            assert ended == ["trailers"] or ended == ["reset"], ended
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+            assert trailing(error)["blockgrad-error-code"] == "read_timeout"
+            assert "BLOCKGRAD_READ_TIMEOUT_S = 2 s" in error.details()
+            answer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(infer_request(vectors(4, 2)), timeout=WAIT_S)
+            assert [o.name for o in answer.outputs] == list(OUTPUT_NAMES)
+            line = log_line(server, "grpc-silent")
+            assert (line["status"], line["error"]) == ("DEADLINE_EXCEEDED", "read_timeout")
+            assert wait_until(lambda: len([l for l in log_lines(server) if l.get("error") == "read_timeout"]) == 2,
+                              WAIT_S), "the partial message's call was not logged"
+        finally:
+            never.set()
+            raw.close()
 
 
 def queue_depth(server) -> float:
@@ -308,16 +396,16 @@ def test_the_readme_and_api_examples_run(held_server):
 
 
 def test_cap_line_cancel_deadline_and_drain_at_known_points(held_server):
-    """A health Watch holds one call; two ModelInfer wait for the held slots: the next call is
-    past the cap (RESOURCE_EXHAUSTED at once); with the Watch gone it reaches a full line
+    """A call whose message has not come holds one place; two ModelInfer wait for the held
+    slots: the next call is past the cap (RESOURCE_EXHAUSTED at once); with the first call
+    cancelled it reaches a full line
     (UNAVAILABLE overloaded); a cancelled call never computes (CANCELLED, logged client_closed);
     a call with a gRPC deadline ends DEADLINE_EXCEEDED; SIGTERM, then the slots let go: the
     call in flight still gets its whole answer."""
-    server, x = held_server, vectors(10, 3)
+    server, x, never = held_server, vectors(10, 3), threading.Event()
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=WAIT_S)
-        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING  # a call held open
+        silent = silent_call(channel, never)  # on the same connection as the calls below, before them
         with HeldSlots(server):
             kept = stub.ModelInfer.future(infer_request(x, request_id="kept", factor=2), timeout=WAIT_S)
             gone = stub.ModelInfer.future(infer_request(x, request_id="gone", factor=2), timeout=WAIT_S,
@@ -326,7 +414,8 @@ def test_cap_line_cancel_deadline_and_drain_at_known_points(held_server):
             capped = failure(stub.ModelInfer, infer_request(x), ())
             assert capped.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, capped
 
-            watch.cancel()
+            silent.cancel()
+            never.set()
             full = []
             assert wait_until(lambda: full.append(failure(stub.ModelInfer, infer_request(x), ()))
                               or full[-1].code() != grpc.StatusCode.RESOURCE_EXHAUSTED, WAIT_S)

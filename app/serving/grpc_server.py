@@ -8,7 +8,12 @@ connections over the workers as it does HTTP's accepts, and a recycled worker's 
 binds the same port. The master probes the address first without SO_REUSEPORT, so a port
 held by anything else, another blockgrad included, stops the start naming the variable.
 The servicers come from the app (app/core/host.py's `grpc_services`, set by the factory).
+The server is grpcio's asyncio one, on its own loop thread: a call's coroutine can give up
+waiting for the request message (grpcio's thread-pool server blocks a thread on it with no
+bound), and the work runs on the loop's default executor, `threads` threads.
 """
+import asyncio
+import threading
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any
@@ -58,21 +63,22 @@ def options(settings: ServingSettings, grace_s: float) -> list[tuple[str, Any]]:
 
 @dataclass
 class Running:
-    server: Any  # grpc.Server
-    draining: Any  # health's enter_graceful_shutdown
+    loop: asyncio.AbstractEventLoop  # the server's, run by its own thread
+    server: Any  # grpc.aio.Server
+    draining: Any  # health's: answer NOT_SERVING from now on
     grace_s: float
-    stopped: Any = None  # the stop's event, once stopping
+    stopped: Any = None  # the stop's future, once stopping
 
     def drain(self) -> None:
         """Stop accepting calls (health answers NOT_SERVING); calls in flight get grace_s.
         Never blocks: called from the worker's SIGTERM handler too."""
         if self.stopped is None:
             self.draining()
-            self.stopped = self.server.stop(self.grace_s)
+            self.stopped = asyncio.run_coroutine_threadsafe(self.server.stop(self.grace_s), self.loop)
 
     def wait(self) -> None:
         self.drain()
-        self.stopped.wait(self.grace_s + 5)
+        futures.wait([self.stopped], self.grace_s + 5)
 
 
 def start(settings: ServingSettings, threads: int, grace_s: float) -> Running | None:
@@ -82,13 +88,18 @@ def start(settings: ServingSettings, threads: int, grace_s: float) -> Running | 
         return None
     import grpc  # after the fork: see the module's docstring
 
-    server = grpc.server(futures.ThreadPoolExecutor(threads, thread_name_prefix="grpc"),
-                         options=options(settings, grace_s), maximum_concurrent_rpcs=threads)
-    draining = host.grpc_services(server, settings.grpc_max_message_bytes)
-    try:
-        server.add_insecure_port(settings.grpc_bind)
-    except RuntimeError:  # grpcio 1.85 raises on a failed bind
-        raise addresses.AddressInUse(f"cannot listen on {settings.grpc_bind} for gRPC (set {BIND_VARIABLE} to a "
-                                     "free host:port, or off)") from None
-    server.start()
-    return Running(server, draining, grace_s)
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(futures.ThreadPoolExecutor(threads, thread_name_prefix="grpc"))
+    threading.Thread(target=loop.run_forever, name="grpc-loop", daemon=True).start()
+
+    async def serve():
+        server = grpc.aio.server(options=options(settings, grace_s), maximum_concurrent_rpcs=threads)
+        draining = host.grpc_services(server, settings.grpc_max_message_bytes)
+        try:
+            server.add_insecure_port(settings.grpc_bind)
+        except RuntimeError:  # grpcio 1.85 raises on a failed bind
+            raise addresses.AddressInUse(f"cannot listen on {settings.grpc_bind} for gRPC (set {BIND_VARIABLE} to a "
+                                         "free host:port, or off)") from None
+        await server.start()
+        return Running(loop, server, draining, grace_s)
+    return asyncio.run_coroutine_threadsafe(serve(), loop).result()
