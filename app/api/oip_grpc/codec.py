@@ -57,9 +57,8 @@ def decode(message: pb.ModelInferRequest) -> Described:
         document["id"] = message.id
     described = describe(document, memoryview(data), len(data), binary_input=True)
     item = DTYPES[described.fields["dtype"]].item_bytes
-    names = {output.name for output in described.own[0]}
-    cost = replace(described.answer, block_row_per_number=0, head_per_number=COPIES * item,
-                   grid_per_number=COPIES * item if "block_gradients" in names else 0)
+    cost = replace(described.answer, block_row_per_number=0, head_per_number=COPIES * item, grid_per_number=COPIES
+                   * item if any(output.name == "block_gradients" for output in described.own[0]) else 0)
     return replace(described, answer=cost)
 
 
@@ -96,8 +95,5 @@ def render(computed: Computed) -> bytes:
 
 def varint(number: int) -> bytes:
     """Protobuf's base-128 varint: seven bits a byte, low first, the high bit on all but the last."""
-    out = bytearray()
-    while number > 0x7F:
-        out.append(number & 0x7F | 0x80)
-        number >>= 7
-    return bytes(out + bytes([number]))
+    groups = [number >> shift & 0x7F for shift in range(0, max(number.bit_length(), 1), 7)]
+    return bytes([group | 0x80 for group in groups[:-1]] + groups[-1:])

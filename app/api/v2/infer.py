@@ -154,12 +154,9 @@ def named_as_protocol() -> Iterator[None]:
         yield
     except BlockgradError as exc:
         if exc.code == "validation_error" and isinstance(exc.details.get("fields"), dict):
-            raise invalid(field_messages(exc.details["fields"])) from None
+            raise invalid(" ".join(f"{field_label(name)}: {flatten(messages)}"
+                                    for name, messages in sorted(exc.details["fields"].items()))) from None
         raise
-
-
-def field_messages(fields: dict) -> str:
-    return " ".join(f"{field_label(name)}: {flatten(messages)}" for name, messages in sorted(fields.items()))
 
 
 def declared_input(inputs: list[dict], binary: memoryview) -> tuple[str, int, int, object | None]:
