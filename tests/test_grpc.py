@@ -339,13 +339,14 @@ def stream_ended(sock: socket.socket) -> str:
 def test_calls_whose_message_never_comes_end_at_the_read_timeout_and_free_the_cap():
     """Both of a worker's places in the cap taken by calls whose message never comes (none sent,
     or part of one): each ends DEADLINE_EXCEEDED (read_timeout) once BLOCKGRAD_READ_TIMEOUT_S
-    has passed, logged, and the next ModelInfer gets an answer."""
+    has passed, logged, and the next ModelInfer gets an answer. A call that ends without a
+    message is INVALID_ARGUMENT."""
     env = {"GUNICORN_CMD_ARGS": "--threads 2", "BLOCKGRAD_READ_TIMEOUT_S": "2"}
     never = threading.Event()
-    with gunicorn_server(workers=1, env=env) as server, grpc.insecure_channel(server.grpc_target) as channel:
+    with gunicorn_server(workers=1, env=env) as server, grpc.insecure_channel(server.grpc_target) as channel, \
+            partial_message_call(server.grpc_target) as raw:
         try:
             silent = silent_call(channel, never, "grpc-silent")
-            raw = partial_message_call(server.grpc_target)
             reader, ended = background(lambda: stream_ended(raw))
             reader.start()
             error = silent.exception(WAIT_S)
@@ -360,9 +361,12 @@ def test_calls_whose_message_never_comes_end_at_the_read_timeout_and_free_the_ca
             assert (line["status"], line["error"]) == ("DEADLINE_EXCEEDED", "read_timeout")
             assert wait_until(lambda: len([l for l in log_lines(server) if l.get("error") == "read_timeout"]) == 2,
                               WAIT_S), "the partial message's call was not logged"
+            with pytest.raises(grpc.RpcError) as empty:
+                channel.stream_unary(INFER_PATH)(iter(()), timeout=WAIT_S)
+            assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert trailing(empty.value)["blockgrad-error-code"] == "validation_error"
         finally:
             never.set()
-            raw.close()
 
 
 def queue_depth(server) -> float:
