@@ -11,6 +11,7 @@ gunicorn as `make serve` starts it (tools/server.py: every server gets a free gR
   then SIGTERM: the calls in flight finish;
 - calls whose message never comes (none sent, or part of one over a raw HTTP/2 connection)
   end at BLOCKGRAD_READ_TIMEOUT_S and free their places in the cap; a health Watch is UNIMPLEMENTED;
+- a call cancelled while it computes ends there (CANCELLED, never OK);
 - the master never loads grpcio; a taken or public port stops the start naming the variable.
 
 Verdicts are statuses, counts and log lines, never times; every wait is bounded by WAIT_S.
@@ -336,15 +337,22 @@ def stream_ended(sock: socket.socket) -> str:
             return {1: "trailers", 3: "reset", 7: "goaway"}[kind]
 
 
-def test_calls_whose_message_never_comes_end_at_the_read_timeout_and_free_the_cap():
+@pytest.fixture(scope="module")
+def bounded_server():
+    """One worker, two gRPC calls at once, a request message bounded by 2 s."""
+    with gunicorn_server(workers=1, env={"GUNICORN_CMD_ARGS": "--threads 2", "BLOCKGRAD_READ_TIMEOUT_S": "2",
+                                         "BLOCKGRAD_REQUEST_TIMEOUT_S": "120"}) as started:
+        yield started
+
+
+def test_calls_whose_message_never_comes_end_at_the_read_timeout_and_free_the_cap(bounded_server):
     """Both of a worker's places in the cap taken by calls whose message never comes (none sent,
     or part of one): each ends DEADLINE_EXCEEDED (read_timeout) once BLOCKGRAD_READ_TIMEOUT_S
     has passed, logged, and the next ModelInfer gets an answer. A call that ends without a
     message is INVALID_ARGUMENT."""
-    env = {"GUNICORN_CMD_ARGS": "--threads 2", "BLOCKGRAD_READ_TIMEOUT_S": "2"}
-    never = threading.Event()
-    with gunicorn_server(workers=1, env=env) as server, grpc.insecure_channel(server.grpc_target) as channel, \
-            partial_message_call(server.grpc_target) as raw:
+    server, never = bounded_server, threading.Event()
+    before = len([line for line in log_lines(server) if line.get("error") == "read_timeout"])
+    with grpc.insecure_channel(server.grpc_target) as channel, partial_message_call(server.grpc_target) as raw:
         try:
             silent = silent_call(channel, never, "grpc-silent")
             reader, ended = background(lambda: stream_ended(raw))
@@ -359,14 +367,39 @@ def test_calls_whose_message_never_comes_end_at_the_read_timeout_and_free_the_ca
             assert [o.name for o in answer.outputs] == list(OUTPUT_NAMES)
             line = log_line(server, "grpc-silent")
             assert (line["status"], line["error"]) == ("DEADLINE_EXCEEDED", "read_timeout")
-            assert wait_until(lambda: len([l for l in log_lines(server) if l.get("error") == "read_timeout"]) == 2,
-                              WAIT_S), "the partial message's call was not logged"
+            assert wait_until(lambda: len([l for l in log_lines(server) if l.get("error") == "read_timeout"])
+                              == before + 2, WAIT_S), "the partial message's call was not logged"
             with pytest.raises(grpc.RpcError) as empty:
                 channel.stream_unary(INFER_PATH)(iter(()), timeout=WAIT_S)
             assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert trailing(empty.value)["blockgrad-error-code"] == "validation_error"
         finally:
             never.set()
+
+
+def computing_started(server) -> float:
+    """Computing requests that have taken a compute slot so far."""
+    for line in requests.get(server.url + "/metrics", timeout=WAIT_S).text.splitlines():
+        if line.startswith("blockgrad_queue_wait_seconds_count "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_a_call_cancelled_while_computing_stops_and_frees_the_slot(bounded_server):
+    """A long ModelInfer (8192 x 128, F = 64: thousands of chunks) cancelled once it computes
+    ends at its next chunk: logged CANCELLED (client_closed), never OK nor past its deadline,
+    and the next call computes."""
+    server, x = bounded_server, np.zeros((8192, 128))
+    started = computing_started(server)
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        long = stub.ModelInfer.future(infer_request(x, outputs=("accumulated",), factor=64), timeout=WAIT_S,
+                                      metadata=(("x-request-id", "grpc-long"),))
+        assert wait_until(lambda: computing_started(server) == started + 1, WAIT_S), "it never computed"
+        long.cancel()
+        line = log_line(server, "grpc-long")
+        assert (line["status"], line.get("error")) == ("CANCELLED", "client_closed")
+        assert stub.ModelInfer(infer_request(vectors(4, 2)), timeout=WAIT_S).outputs
 
 
 def queue_depth(server) -> float:
