@@ -56,9 +56,9 @@ def decode(message: pb.ModelInferRequest) -> Described:
     if message.id:
         document["id"] = message.id
     described = describe(document, memoryview(data), len(data), binary_input=True)
-    item = DTYPES[described.fields["dtype"]].item_bytes
-    cost = replace(described.answer, block_row_per_number=0, head_per_number=COPIES * item, grid_per_number=COPIES
-                   * item if any(output.name == "block_gradients" for output in described.own[0]) else 0)
+    held = COPIES * DTYPES[described.fields["dtype"]].item_bytes  # bytes per output number
+    cost = replace(described.answer, block_row_per_number=0, head_per_number=held,
+                   grid_per_number=held if any(output.name == "block_gradients" for output in described.own[0]) else 0)
     return replace(described, answer=cost)
 
 
