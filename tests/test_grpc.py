@@ -281,7 +281,7 @@ def test_grpc_requests_are_in_the_request_metrics(server):
 @pytest.fixture(scope="module")
 def held_server():
     """One worker, three gRPC calls at once (its threads), two waiting in line for a slot; a
-    message may take as long as the tests run to arrive."""
+    message may take as long as the tests run to arrive. The cap test, its only user, stops it."""
     with gunicorn_server(workers=1, env={"GUNICORN_CMD_ARGS": "--threads 3", "BLOCKGRAD_QUEUE_DEPTH": "2",
                                          "BLOCKGRAD_READ_TIMEOUT_S": "900"}) as started:
         yield started
@@ -409,13 +409,13 @@ def queue_depth(server) -> float:
     return 0.0
 
 
-def test_the_master_never_loads_grpcio(held_server):
-    [worker] = held_server.worker_pids()
+def test_the_master_never_loads_grpcio(bounded_server):
+    [worker] = bounded_server.worker_pids()
     assert "cygrpc" in open(f"/proc/{worker}/maps").read()
-    assert "cygrpc" not in open(f"/proc/{held_server.pid}/maps").read()
+    assert "cygrpc" not in open(f"/proc/{bounded_server.pid}/maps").read()
 
 
-def test_the_readme_and_api_examples_run(held_server):
+def test_the_readme_and_api_examples_run(bounded_server):
     """README's one-liner and docs/api.md's snippet, against this server's gRPC port."""
     readme = (ROOT / "README.md").read_text()
     code, shown = re.search(r"^\.venv/bin/python -c '(.*)'  # (.*)$", readme, re.M).groups()
@@ -424,7 +424,7 @@ def test_the_readme_and_api_examples_run(held_server):
     printed = []
     for source in (code, snippet):
         assert "127.0.0.1:8001" in source
-        done = subprocess.run([sys.executable, "-c", source.replace("127.0.0.1:8001", held_server.grpc_target)],
+        done = subprocess.run([sys.executable, "-c", source.replace("127.0.0.1:8001", bounded_server.grpc_target)],
                               cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S)
         assert done.returncode == 0, done.stderr
         printed.append(done.stdout.strip())
