@@ -9,6 +9,9 @@ gunicorn as `make serve` starts it (tools/server.py: every server gets a free gR
 - at a known point (every compute slot held by the test, calls waiting in line): the cap on
   concurrent calls, a full line, a client's cancel (the call never computes), a gRPC deadline,
   then SIGTERM: the calls in flight finish;
+- calls whose message never comes (none sent, or part of one over a raw HTTP/2 connection)
+  end at BLOCKGRAD_READ_TIMEOUT_S and free their places in the cap; a health Watch is UNIMPLEMENTED;
+- a call cancelled while it computes ends there (CANCELLED, never OK);
 - the master never loads grpcio; a taken or public port stops the start naming the variable.
 
 Verdicts are statuses, counts and log lines, never times; every wait is bounded by WAIT_S.
@@ -20,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 
 import grpc
 import numpy as np
@@ -112,7 +116,11 @@ def test_health_and_liveness_are_open_and_metadata_needs_the_token(server, stub)
     client = triton.InferenceServerClient(server.grpc_target)
     assert client.is_server_live() and client.is_server_ready()
     with grpc.insecure_channel(server.grpc_target) as channel:
-        checked = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=WAIT_S)
+        health = health_pb2_grpc.HealthStub(channel)
+        checked = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=WAIT_S)
+        with pytest.raises(grpc.RpcError) as watched:  # it would hold a place in the cap while it lasts
+            next(health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=WAIT_S))
+    assert watched.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert checked.status == health_pb2.HealthCheckResponse.SERVING
     for rpc, message in [(stub.ServerMetadata, pb.ServerMetadataRequest()),
                          (stub.ModelMetadata, pb.ModelMetadataRequest(name="blockgrad")),
@@ -259,12 +267,16 @@ def test_an_unusable_device_is_not_ready_and_unavailable():
     assert error.code() == grpc.StatusCode.UNAVAILABLE and trailing(error)["blockgrad-error-code"] == "not_ready"
 
 
-def test_grpc_requests_are_in_the_request_metrics(server):
-    text = requests.get(server.url + "/metrics", timeout=WAIT_S).text
-    ok = [line for line in text.splitlines() if line.startswith("blockgrad_requests_total{")
-          and 'route="/inference.GRPCInferenceService/ModelInfer"' in line and 'method="GRPC"' in line]
-    assert any('status="OK"' in line for line in ok), ok
-    assert any('status="INVALID_ARGUMENT"' in line for line in ok), ok
+def test_grpc_requests_are_in_the_request_metrics(server, stub):
+    assert stub.ModelInfer(infer_request(vectors(4, 2)), metadata=AUTH, timeout=WAIT_S).outputs
+    assert failure(stub.ModelInfer, infer_request(vectors(4, 2), factor=9)).code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    def statuses() -> set[str]:  # a call is counted once it has ended, maybe after its client has the answer
+        text = requests.get(server.url + "/metrics", timeout=WAIT_S).text
+        return {re.search(r'status="(\w+)"', line)[1] for line in text.splitlines()
+                if line.startswith("blockgrad_requests_total{")
+                and 'route="/inference.GRPCInferenceService/ModelInfer"' in line and 'method="GRPC"' in line}
+    assert wait_until(lambda: {"OK", "INVALID_ARGUMENT"} <= statuses(), WAIT_S), statuses()
 
 
 # --- at a known point: every compute slot held by the test
@@ -272,9 +284,126 @@ def test_grpc_requests_are_in_the_request_metrics(server):
 
 @pytest.fixture(scope="module")
 def held_server():
-    """One worker, three gRPC calls at once (its threads), two waiting in line for a slot."""
-    with gunicorn_server(workers=1, env={"GUNICORN_CMD_ARGS": "--threads 3", "BLOCKGRAD_QUEUE_DEPTH": "2"}) as started:
+    """One worker, three gRPC calls at once (its threads), two waiting in line for a slot; a
+    message may take as long as the tests run to arrive. The cap test, its only user, stops it."""
+    with gunicorn_server(workers=1, env={"GUNICORN_CMD_ARGS": "--threads 3", "BLOCKGRAD_QUEUE_DEPTH": "2",
+                                         "BLOCKGRAD_READ_TIMEOUT_S": "900"}) as started:
         yield started
+
+
+INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
+
+
+def silent_call(channel, never: threading.Event, request_id: str = "silent"):
+    """A ModelInfer whose client sends its headers, then never its message (until `never` is set)."""
+    def no_message():
+        never.wait(WAIT_S)
+        yield from ()
+    return channel.stream_unary(INFER_PATH).future(no_message(), metadata=(("x-request-id", request_id),),
+                                                    timeout=WAIT_S)
+
+
+def frame(kind: int, flags: int, stream: int, payload: bytes) -> bytes:
+    return len(payload).to_bytes(3, "big") + bytes([kind, flags]) + stream.to_bytes(4, "big") + payload
+
+
+def partial_message_call(target: str) -> socket.socket:
+    """A raw HTTP/2 connection (frames by hand: the h2 package is not installed) that opens one
+    ModelInfer and sends 10 bytes of a 1,000-byte message, never the rest: a slow upload."""
+    host, port = target.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=WAIT_S)
+    fields = [(b":method", b"POST"), (b":scheme", b"http"), (b":path", INFER_PATH.encode()),
+              (b":authority", target.encode()), (b"content-type", b"application/grpc"), (b"te", b"trailers")]
+    headers = b"".join(b"\0" + bytes([len(name)]) + name + bytes([len(value)]) + value  # HPACK literals
+                       for name, value in fields)
+    sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + frame(4, 0, 0, b"") + frame(1, 4, 1, headers)
+                 + frame(0, 0, 1, b"\0" + (1000).to_bytes(4, "big") + bytes(10)))
+    return sock
+
+
+def stream_ended(sock: socket.socket) -> str:
+    """Reads the server's frames (acknowledging its SETTINGS and PINGs) until the call's stream
+    ends: its trailers (HEADERS with END_STREAM), RST_STREAM, or the connection's GOAWAY."""
+    def exactly(count: int) -> bytes:
+        data = b""
+        while len(data) < count:
+            piece = sock.recv(count - len(data))
+            assert piece, "connection closed"
+            data += piece
+        return data
+    while True:
+        head = exactly(9)
+        kind, flags, stream = head[3], head[4], int.from_bytes(head[5:], "big") & 0x7FFFFFFF
+        payload = exactly(int.from_bytes(head[:3], "big"))
+        if kind in (4, 6) and not flags & 1:  # SETTINGS, PING: acknowledged
+            sock.sendall(frame(kind, 1, 0, payload if kind == 6 else b""))
+        if stream == 1 and (kind == 3 or kind == 1 and flags & 1) or kind == 7:
+            return {1: "trailers", 3: "reset", 7: "goaway"}[kind]
+
+
+@pytest.fixture(scope="module")
+def bounded_server():
+    """One worker, two gRPC calls at once, a request message bounded by 2 s."""
+    with gunicorn_server(workers=1, env={"GUNICORN_CMD_ARGS": "--threads 2", "BLOCKGRAD_READ_TIMEOUT_S": "2",
+                                         "BLOCKGRAD_REQUEST_TIMEOUT_S": "120"}) as started:
+        yield started
+
+
+def test_calls_whose_message_never_comes_end_at_the_read_timeout_and_free_the_cap(bounded_server):
+    """Both of a worker's places in the cap taken by calls whose message never comes (none sent,
+    or part of one): each ends DEADLINE_EXCEEDED (read_timeout) once BLOCKGRAD_READ_TIMEOUT_S
+    has passed, logged, and the next ModelInfer gets an answer. A call that ends without a
+    message is INVALID_ARGUMENT."""
+    server, never = bounded_server, threading.Event()
+    before = len([line for line in log_lines(server) if line.get("error") == "read_timeout"])
+    with grpc.insecure_channel(server.grpc_target) as channel, partial_message_call(server.grpc_target) as raw:
+        try:
+            silent = silent_call(channel, never, "grpc-silent")
+            reader, ended = background(lambda: stream_ended(raw))
+            reader.start()
+            error = silent.exception(WAIT_S)
+            reader.join(WAIT_S)
+            assert ended == ["trailers"] or ended == ["reset"], ended
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+            assert trailing(error)["blockgrad-error-code"] == "read_timeout"
+            assert "BLOCKGRAD_READ_TIMEOUT_S = 2 s" in error.details()
+            answer = pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(infer_request(vectors(4, 2)), timeout=WAIT_S)
+            assert [o.name for o in answer.outputs] == list(OUTPUT_NAMES)
+            line = log_line(server, "grpc-silent")
+            assert (line["status"], line["error"]) == ("DEADLINE_EXCEEDED", "read_timeout")
+            assert wait_until(lambda: len([l for l in log_lines(server) if l.get("error") == "read_timeout"])
+                              == before + 2, WAIT_S), "the partial message's call was not logged"
+            with pytest.raises(grpc.RpcError) as empty:
+                channel.stream_unary(INFER_PATH)(iter(()), timeout=WAIT_S)
+            assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert trailing(empty.value)["blockgrad-error-code"] == "validation_error"
+        finally:
+            never.set()
+
+
+def computing_started(server) -> float:
+    """Computing requests that have taken a compute slot so far."""
+    for line in requests.get(server.url + "/metrics", timeout=WAIT_S).text.splitlines():
+        if line.startswith("blockgrad_queue_wait_seconds_count "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def test_a_call_cancelled_while_computing_stops_and_frees_the_slot(bounded_server):
+    """A long ModelInfer (8192 x 128, F = 64: thousands of chunks) cancelled once it computes
+    ends at its next chunk: logged CANCELLED (client_closed), never OK nor past its deadline,
+    and the next call computes."""
+    server, x = bounded_server, np.zeros((8192, 128))
+    started = computing_started(server)
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        long = stub.ModelInfer.future(infer_request(x, outputs=("accumulated",), factor=64), timeout=WAIT_S,
+                                      metadata=(("x-request-id", "grpc-long"),))
+        assert wait_until(lambda: computing_started(server) == started + 1, WAIT_S), "it never computed"
+        long.cancel()
+        line = log_line(server, "grpc-long")
+        assert (line["status"], line.get("error")) == ("CANCELLED", "client_closed")
+        assert stub.ModelInfer(infer_request(vectors(4, 2)), timeout=WAIT_S).outputs
 
 
 def queue_depth(server) -> float:
@@ -284,13 +413,13 @@ def queue_depth(server) -> float:
     return 0.0
 
 
-def test_the_master_never_loads_grpcio(held_server):
-    [worker] = held_server.worker_pids()
+def test_the_master_never_loads_grpcio(bounded_server):
+    [worker] = bounded_server.worker_pids()
     assert "cygrpc" in open(f"/proc/{worker}/maps").read()
-    assert "cygrpc" not in open(f"/proc/{held_server.pid}/maps").read()
+    assert "cygrpc" not in open(f"/proc/{bounded_server.pid}/maps").read()
 
 
-def test_the_readme_and_api_examples_run(held_server):
+def test_the_readme_and_api_examples_run(bounded_server):
     """README's one-liner and docs/api.md's snippet, against this server's gRPC port."""
     readme = (ROOT / "README.md").read_text()
     code, shown = re.search(r"^\.venv/bin/python -c '(.*)'  # (.*)$", readme, re.M).groups()
@@ -299,7 +428,7 @@ def test_the_readme_and_api_examples_run(held_server):
     printed = []
     for source in (code, snippet):
         assert "127.0.0.1:8001" in source
-        done = subprocess.run([sys.executable, "-c", source.replace("127.0.0.1:8001", held_server.grpc_target)],
+        done = subprocess.run([sys.executable, "-c", source.replace("127.0.0.1:8001", bounded_server.grpc_target)],
                               cwd=ROOT, capture_output=True, text=True, timeout=WAIT_S)
         assert done.returncode == 0, done.stderr
         printed.append(done.stdout.strip())
@@ -308,16 +437,16 @@ def test_the_readme_and_api_examples_run(held_server):
 
 
 def test_cap_line_cancel_deadline_and_drain_at_known_points(held_server):
-    """A health Watch holds one call; two ModelInfer wait for the held slots: the next call is
-    past the cap (RESOURCE_EXHAUSTED at once); with the Watch gone it reaches a full line
+    """A call whose message has not come holds one place; two ModelInfer wait for the held
+    slots: the next call is past the cap (RESOURCE_EXHAUSTED at once); with the first call
+    cancelled it reaches a full line
     (UNAVAILABLE overloaded); a cancelled call never computes (CANCELLED, logged client_closed);
     a call with a gRPC deadline ends DEADLINE_EXCEEDED; SIGTERM, then the slots let go: the
     call in flight still gets its whole answer."""
-    server, x = held_server, vectors(10, 3)
+    server, x, never = held_server, vectors(10, 3), threading.Event()
     with grpc.insecure_channel(server.grpc_target) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""), timeout=WAIT_S)
-        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING  # a call held open
+        silent = silent_call(channel, never)  # on the same connection as the calls below, before them
         with HeldSlots(server):
             kept = stub.ModelInfer.future(infer_request(x, request_id="kept", factor=2), timeout=WAIT_S)
             gone = stub.ModelInfer.future(infer_request(x, request_id="gone", factor=2), timeout=WAIT_S,
@@ -326,7 +455,8 @@ def test_cap_line_cancel_deadline_and_drain_at_known_points(held_server):
             capped = failure(stub.ModelInfer, infer_request(x), ())
             assert capped.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, capped
 
-            watch.cancel()
+            silent.cancel()
+            never.set()
             full = []
             assert wait_until(lambda: full.append(failure(stub.ModelInfer, infer_request(x), ()))
                               or full[-1].code() != grpc.StatusCode.RESOURCE_EXHAUSTED, WAIT_S)

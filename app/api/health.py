@@ -1,12 +1,17 @@
-"""Probes: /healthz (the process answers) and /readyz (torch and the device work)."""
+"""Probes: /healthz (the process answers) and /readyz (torch and the device work); `device_ready`,
+what /v2's and gRPC's readiness answer."""
+import logging
+
 from flask_smorest import Blueprint
 from marshmallow import Schema, fields
 
 from ..core.device import ready_device
+from ..core.errors import BlockgradError
 from ..http.docs import OPEN_ROUTE, documents_errors
 from ..extensions import services
 from flask import g
 
+log = logging.getLogger("blockgrad")
 blp = Blueprint("health", __name__, description="Liveness and readiness probes.")
 
 
@@ -47,3 +52,13 @@ def readyz():
     device = ready_device(services().settings.device)  # not_ready if it cannot
     g.device = str(device)  # for the device metric (app/http/record.py)
     return {"status": "ready", "device": str(device), "cluster": services().jobs.cluster_report()}
+
+
+def device_ready(settings=None, state=None) -> bool:
+    """Whether the device runs; `state` (default Flask's `g`) records it for the device metric."""
+    try:
+        (g if state is None else state).device = str(ready_device((settings or services().settings).device))
+    except BlockgradError as exc:
+        log.warning("not ready: %s", exc.message)
+        return False
+    return True

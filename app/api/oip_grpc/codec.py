@@ -3,7 +3,8 @@
 A message is described as the /v2 document it stands for, its tensor bytes as /v2's binary
 tensor data: the same names, rules and messages. Answers are raw tensors (every output in
 `raw_output_contents`, what tritonclient's `as_numpy` reads), so the whole answer is one
-message, held whole: its size is refused before computing (`check_message`).
+message, held whole: its size is refused before computing (`check_message`). It is
+serialised here, each output's bytes copied once from its arrays into the message.
 """
 from dataclasses import replace
 
@@ -15,14 +16,16 @@ from ...core.dtypes import DTYPES, WIDEST
 from ...core.errors import invalid_request, limit_exceeded
 from ...core.request import Sizes
 from ...http.pipeline import Computed, Described
-from ..v2.codec import iter_body
+from ..v2.codec import slabs
 from ..v2.infer import describe, output_tensors
 from ..v2.model import FLOAT_DATATYPES
 
 TYPED_CONTENTS = {"FP32": "fp32_contents", "FP64": "fp64_contents"}
 MESSAGE_MARGIN_BYTES = 64 * 1024  # names, shapes and parameters beside the tensors' bytes
-COPIES = 3  # an output's pieces, their join and the serialised message
+COPIES = 2  # an output's slabs and the message, then the message and grpcio's copy of it
 PARAMETER_FIELDS = {str: "string_param", int: "int64_param", float: "double_param"}
+# The key of a raw_output_contents entry on the wire: its field number, wire type 2 (bytes).
+RAW_OUTPUT_KEY = bytes([pb.ModelInferResponse.DESCRIPTOR.fields_by_name["raw_output_contents"].number << 3 | 2])
 
 
 def value(parameter: pb.InferParameter):
@@ -53,10 +56,9 @@ def decode(message: pb.ModelInferRequest) -> Described:
     if message.id:
         document["id"] = message.id
     described = describe(document, memoryview(data), len(data), binary_input=True)
-    item = DTYPES[described.fields["dtype"]].item_bytes
-    names = {output.name for output in described.own[0]}
-    cost = replace(described.answer, block_row_per_number=0, head_per_number=COPIES * item,
-                   grid_per_number=COPIES * item if "block_gradients" in names else 0)
+    held = COPIES * DTYPES[described.fields["dtype"]].item_bytes  # bytes per output number
+    cost = replace(described.answer, block_row_per_number=0, head_per_number=held,
+                   grid_per_number=held if any(output.name == "block_gradients" for output in described.own[0]) else 0)
     return replace(described, answer=cost)
 
 
@@ -74,13 +76,24 @@ def check_message(sizes: Sizes, limit: int) -> None:
                              "BLOCKGRAD_GRPC_MAX_MESSAGE_BYTES", nbytes, limit)
 
 
-def render(computed: Computed) -> pb.ModelInferResponse:
+def render(computed: Computed) -> bytes:
+    """The serialised ModelInferResponse: the head by protobuf, then each raw_output_contents
+    entry as the wire has it (key, length, bytes; a parser appends entries in the order they
+    come, after any other field), joined once from the output arrays' memory."""
     head, tensors = output_tensors(computed.request, *computed.own, computed.result, computed.device, computed.timed)
     response = pb.ModelInferResponse(model_name=head["model_name"], model_version=head["model_version"],
                                      id=head.get("id", ""))
     for key, item in head["parameters"].items():  # factor, objective, offset (an int or a float), device
         setattr(response.parameters[key], PARAMETER_FIELDS[type(item)], item)
+    raw = []
     for tensor in tensors:
         response.outputs.add(name=tensor.name, datatype=tensor.datatype, shape=tensor.array.shape)
-        response.raw_output_contents.append(b"".join(iter_body(iter(()), [tensor.array])))
-    return response
+        parts = [np.ascontiguousarray(slab, slab.dtype.newbyteorder("<")) for slab in slabs(tensor.array)]
+        raw += [RAW_OUTPUT_KEY + varint(sum(part.nbytes for part in parts)), *parts]
+    return b"".join([response.SerializeToString(), *raw])
+
+
+def varint(number: int) -> bytes:
+    """Protobuf's base-128 varint: seven bits a byte, low first, the high bit on all but the last."""
+    groups = [number >> shift & 0x7F for shift in range(0, max(number.bit_length(), 1), 7)]
+    return bytes([group | 0x80 for group in groups[:-1]] + groups[-1:])

@@ -7,6 +7,7 @@ tensor data) through the core, so the rules, defaults and limits are the core's,
 `output_tensors` turns the core's result into the protocol's output tensors.
 """
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -16,7 +17,7 @@ from marshmallow import ValidationError
 
 from ...core.dtypes import DTYPES
 from ...core.engine import block_bounds
-from ...core.errors import invalid_request as invalid, listed_names, many_unknown
+from ...core.errors import BlockgradError, invalid_request as invalid, listed_names, many_unknown
 from ...core.admission import AnswerCost
 from ...core.request import GradientRequest, ordered_outputs
 from ...core.run import Result
@@ -146,8 +147,16 @@ def check_envelope_sizes(document: object) -> None:
             refuse_many_unknown(entry.get("parameters"), known, "parameters of a tensor")
 
 
-def field_messages(fields: dict) -> str:
-    return " ".join(f"{field_label(name)}: {flatten(messages)}" for name, messages in sorted(fields.items()))
+@contextmanager
+def named_as_protocol() -> Iterator[None]:
+    """Fields refused (one 422 from the pipeline) named as the protocol names them: /v2's and gRPC's."""
+    try:
+        yield
+    except BlockgradError as exc:
+        if exc.code == "validation_error" and isinstance(exc.details.get("fields"), dict):
+            raise invalid(" ".join(f"{field_label(name)}: {flatten(messages)}"
+                                    for name, messages in sorted(exc.details["fields"].items()))) from None
+        raise
 
 
 def declared_input(inputs: list[dict], binary: memoryview) -> tuple[str, int, int, object | None]:

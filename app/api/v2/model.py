@@ -1,5 +1,7 @@
-"""The one model this server speaks for, and its tensors in protocol terms."""
+"""The one model this server speaks for, and its tensors in protocol terms (/v2's and gRPC's)."""
 import numpy as np
+
+from ...http.errors import model_not_found
 
 MODEL_NAME = "blockgrad"
 MODEL_VERSION = "1"
@@ -41,3 +43,10 @@ def model_metadata() -> dict:
             floats("losses", [-1, -1]),  # (F, F)
         ],
     }
+
+
+def check_model(model: str, version: str | None) -> None:
+    if model != MODEL_NAME:
+        raise model_not_found(f"Unknown model {model!r}; this server serves {MODEL_NAME!r}.")
+    if version is not None and version != MODEL_VERSION:
+        raise model_not_found(f"Model {MODEL_NAME!r} has no version {version!r}; it has [{MODEL_VERSION!r}].")

@@ -3,23 +3,17 @@
 Health answers are a status with an empty body (200 true, 400 false); failures
 are the protocol's {"error": "<message>"} (ERROR_STYLE, registered for /v2).
 """
-import logging
-
-from flask import Response, current_app, g, request
+from flask import Response, current_app, request
 from flask_smorest import Blueprint
 
-from ...core.device import ready_device
-from ...core.errors import BlockgradError
-from ...extensions import services
 from ...http.docs import OPEN_ROUTE, documents_errors
-from ...http.errors import ErrorStyle, model_not_found
+from ...http.errors import ErrorStyle
 from ...http.pipeline import http_call, pipeline
+from ..health import device_ready
 from .codec import BINARY_CONTENT_TYPE
-from .infer import decode, field_messages, invalid, render
-from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, model_metadata
+from .infer import decode, named_as_protocol, render
+from .model import EXTENSIONS, MODEL_NAME, MODEL_VERSION, check_model, model_metadata
 from .schemas import InferRequestSchema, InferResponseSchema, ModelMetadataSchema, ProtocolErrorSchema, ServerMetadataSchema
-
-log = logging.getLogger("blockgrad")
 
 blp = Blueprint("v2", __name__, url_prefix="/v2",
                    description="Open Inference Protocol (KServe V2) with the binary tensor data extension.")
@@ -51,23 +45,6 @@ INFER_ERRORS = ("bad_json", "validation_error", "non_finite_result", "unauthoriz
 
 def health(ok: bool) -> Response:
     return Response(status=200 if ok else 400, mimetype="text/plain")  # the protocol's boolean: an empty body
-
-
-def device_ready(settings=None, state=None) -> bool:
-    """Whether the device runs; `state` (default Flask's `g`) records it for the device metric."""
-    try:
-        (g if state is None else state).device = str(ready_device((settings or services().settings).device))
-    except BlockgradError as exc:
-        log.warning("not ready: %s", exc.message)
-        return False
-    return True
-
-
-def check_model(model: str, version: str | None) -> None:
-    if model != MODEL_NAME:
-        raise model_not_found(f"Unknown model {model!r}; this server serves {MODEL_NAME!r}.")
-    if version is not None and version != MODEL_VERSION:
-        raise model_not_found(f"Model {MODEL_NAME!r} has no version {version!r}; it has [{MODEL_VERSION!r}].")
 
 
 @blp.route("", methods=["GET"])
@@ -132,9 +109,5 @@ def model_ready(model: str, version: str | None = None):
 def infer(model: str, version: str | None = None):
     """Per-block gradients as output tensors; JSON or binary tensor data both ways."""
     check_model(model, version)
-    try:
+    with named_as_protocol():
         return render(pipeline(decode(request), http_call()))
-    except BlockgradError as exc:  # fields refused: named as the protocol names them
-        if exc.code == "validation_error" and isinstance(exc.details.get("fields"), dict):
-            raise invalid(field_messages(exc.details["fields"])) from None
-        raise
