@@ -11,8 +11,9 @@ Logs: one JSON object per line on stderr. The "blockgrad" logger (and its childr
 pytest's caplog sees them. Request payloads are never logged: the per-request line holds sizes
 and timings only. Metrics: prometheus-client's, defined in metrics.py.
 
-The client's socket is looked up here (`client_socket`), where the answer's writes get their
-send timeout; the deadline, the read alarm and a client_closed answer's drop use it too.
+The client's socket is looked up here (`client_socket`), once as the request starts
+(`g.client_socket`: the read alarm and the deadline's client-gone probe use it) and where the
+answer's writes get their send timeout; a client_closed answer's drop uses it too.
 
 `worker_timeout` is a code only the log line and the errors metric carry: gunicorn killed
 the worker past its timeout, and its worker_abort hook calls `abort_in_flight` to log every
@@ -196,9 +197,10 @@ UNFINISHED: dict[int, Callable[[str | None], None]] = {}
 
 
 def before_request() -> None:
-    req = request._get_current_object()  # one proxy lookup
+    req, state = request._get_current_object(), g._get_current_object()  # one proxy lookup each
+    state.client_socket = client_socket(req.environ)  # looked up once: the read alarm, the client-gone probe
     route = route_of(req)
-    begin(g._get_current_object(), request_id_from(req.headers.get(REQUEST_ID_HEADER)), route, req.method,
+    begin(state, request_id_from(req.headers.get(REQUEST_ID_HEADER)), route, req.method,
           req.headers if route.startswith(TRACED) and not route.endswith("/ready") else None)
 
 
