@@ -73,8 +73,7 @@ def post_worker_init(worker):
     """Loaded: warm the engine up, then serve gRPC, before accepting HTTP. SIGTERM starts the
     gRPC drain at once, beside HTTP's (gunicorn's own handler runs after ours)."""
     tracing.configure()  # after the fork: the exporter's thread is this worker's (off: nothing)
-    failed = warmup.warm_up(process.settings)
-    if failed is not None:
+    if (failed := warmup.warm_up(process.settings)) is not None:
         worker.log.warning("warm-up computation failed (the worker starts; /readyz reports the device): %s", failed)
     process.grpc = grpc_server.start(process.serving or ServingSettings.from_env(), worker.cfg.threads,
                                      worker.cfg.graceful_timeout)

@@ -35,6 +35,7 @@ import threading
 import time
 import weakref
 from collections import Counter
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 POLL_S = 0.05  # longest a waiter sleeps without a wake-up (a killed holder posts none)
@@ -193,18 +194,10 @@ class PodSlots:
         booting, stopping or dead sibling never counts. One read of /proc/locks; a worker
         asks only when a new connection is waiting."""
         state = self.pod_state()
-        me = os.getpid()
-        siblings = state.ready - {me}
-        if not siblings:
-            return False
-
-        def rank(pid: int) -> tuple[bool, int, int]:
-            return pid in state.serving, state.holders.get(pid, 0), state.connections.get(pid, 0)
-        mine = rank(me)
-        if self._pid == me:  # its own marks as it knows them, not as last read
-            conns = sum(name.startswith(CONNS_PREFIX) for name in self._marked)
-            mine = (SERVING_NAME in self._marked, len(self._held), conns)
-        return any(rank(pid) < mine for pid in siblings)
+        # Its own marks as it knows them, not as last read (none before this process opened the files).
+        mine = (SERVING_NAME in self._marked, len(self._held), sum(n.startswith(CONNS_PREFIX) for n in self._marked))
+        return any((pid in state.serving, state.holders.get(pid, 0), state.connections.get(pid, 0)) < mine
+                   for pid in state.ready - {os.getpid()})
 
     def pod_state(self) -> PodState:
         try:
@@ -283,10 +276,8 @@ class PodSlots:
             fcntl.flock(self._files[slot.index], fcntl.LOCK_UN)
             self._held.discard(slot.index)
         if self._wake is not None:
-            try:
+            with suppress(ValueError):  # already `count` posts pending: enough to wake every waiter
                 self._wake.release()
-            except ValueError:  # already `count` posts pending: enough to wake every waiter
-                pass
 
 
 

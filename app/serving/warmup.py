@@ -25,4 +25,4 @@ def warm_up(settings) -> Exception | None:
         list(run(req, settings).blocks())
     except Exception as exc:  # noqa: BLE001 - reported, never fatal
         return exc
-    return None
+    return None  # the worker's device works

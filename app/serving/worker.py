@@ -68,11 +68,6 @@ IDLE = "idle"  # kept alive after an answer, no byte of the next request yet
 BUSY = "busy"  # a complete head, in the thread pool
 CLOSING = "closing"  # answer sent, write side shut, waiting for the peer's FIN
 
-# What the bytes of a head say (head_verdict).
-READY = "ready"  # for gunicorn's parser
-PARTIAL = "partial"
-TOO_LARGE = "too_large"
-
 # Why a connection was closed (label of blockgrad_connections_closed_total).
 SERVED = "served"  # after its last answer (Connection: close, an error, the client left mid-request)
 NO_REQUEST = "no_request"  # sent nothing within the header timeout (closed silently)
@@ -221,9 +216,8 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def run(self):
         self.poller.register(self.method_queue.fileno(), selectors.EVENT_READ, self.method_queue.run_callbacks)
-        pod = host.slots
-        if pod is not None:
-            pod.mark_ready(True)  # booted: siblings may leave connections to this worker
+        if host.slots is not None:
+            host.slots.mark_ready(True)  # booted: siblings may leave connections to this worker
         while self.alive:
             self.turn(accept=True)
             if not self.is_parent_alive():
@@ -250,9 +244,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         """Graceful shutdown: no new connections; connections without a byte of a request get
         gthread's short linger (a request arriving meanwhile is answered with Connection:
         close), the rest finish within graceful_timeout."""
-        pod = host.slots
-        if pod is not None:
-            pod.mark_ready(False)  # first: a worker seen not polling its listener is surely not ready
+        if host.slots is not None:
+            host.slots.mark_ready(False)  # first: a worker seen not polling its listener is surely not ready
         self.set_accept_enabled(False)
         # The master closed its copy first: with every worker's closed, a new connect is
         # refused at once (clients and balancers go elsewhere) instead of waiting in the backlog.
@@ -319,8 +312,7 @@ class ConnectionWorker(gthread.ThreadWorker):
     def push_deadline(self, conn: Conn, due: float) -> None:
         heapq.heappush(self.deadlines, (due, next(self.order), conn, conn.version))
         if len(self.deadlines) > 4 * len(self.waiting) + 64:  # drop the entries that no longer apply
-            self.deadlines = [entry for entry in self.deadlines
-                              if entry[3] == entry[2].version and not entry[2].closed]
+            self.deadlines = [entry for entry in self.deadlines if entry[3] == entry[2].version and not entry[2].closed]
             heapq.heapify(self.deadlines)
 
     def on_readable(self, conn: Conn, _sock) -> None:
@@ -353,27 +345,20 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.make_room(keep=conn)
 
     def examine(self, conn: Conn, searched: int) -> None:
-        """Hand `conn` to the pool once its head is complete (or certain to be refused by
-        gunicorn's parser without another read); answer it here when it is too large."""
-        verdict = self.head_verdict(conn.head, searched)
-        if verdict == READY:
+        """Hand `conn` to the pool once its head is ready for gunicorn's parser: complete, or
+        refused from these bytes alone (a bare LF; a request line over its limit: the parser
+        answers 414); answer it here when it is over the whole head's bound."""
+        head, line_end = conn.head, self.line_limit + 2
+        if (head.find(HEAD_END, searched) >= 0 or BARE_LF.search(head, searched)
+                or (len(head) > line_end and head.find(b"\r\n", 0, line_end) < 0)):
             self.leave_poller(conn)
             self.set_state(conn, BUSY)
             # Before the hand-over: a flock after it would take the GIL back from the pool thread.
             self.publish_state()
             self.enqueue_req(conn)
-        elif verdict == TOO_LARGE:  # gunicorn's own answer to a head it cannot take, then close
+        elif len(head) > self.head_limit:  # gunicorn's own answer to a head it cannot take, then close
             self.handle_error(None, conn.sock, conn.client, LimitRequestHeaders("max buffer headers"))
             self.close_after_answer(conn, HEAD_TOO_LARGE)
-
-    def head_verdict(self, head, searched: int) -> str:
-        """READY for gunicorn's parser (complete, or refused from these bytes alone: a bare LF,
-        a request line over its limit), TOO_LARGE for its whole-head bound, else PARTIAL."""
-        if head.find(HEAD_END, searched) >= 0 or BARE_LF.search(head, searched):
-            return READY
-        if len(head) > self.line_limit + 2 and head.find(b"\r\n", 0, self.line_limit + 2) < 0:
-            return READY  # the parser answers 414
-        return TOO_LARGE if len(head) > self.head_limit else PARTIAL
 
     def leave_poller(self, conn: Conn) -> None:
         if self.waiting.pop(conn, False) is None:
@@ -382,8 +367,7 @@ class ConnectionWorker(gthread.ThreadWorker):
                 self.poller.unregister(conn.sock)
 
     def finish_request(self, conn, done):
-        """A pool thread is done with `conn` (on the main loop): kept alive when gthread's
-        handle() returned True."""
+        """A pool thread is done with `conn` (on the main loop): kept alive when gthread's handle() returned True."""
         error = None if done.cancelled() else done.exception()
         if error is not None:  # gthread's handle() logs what it catches; this escaped it
             self.log.error("serving a request: its connection is closed", exc_info=error)
@@ -410,8 +394,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.make_room(keep=conn)
 
     def close_after_answer(self, conn: Conn, reason: str = SERVED) -> None:
-        """FIN now, close when the peer's FIN arrives or after CLOSE_LINGER_S (never blocking);
-        `reason` counted."""
+        """FIN now, close when the peer's FIN arrives or after CLOSE_LINGER_S (never blocking); `reason` counted."""
         if conn.closed:
             return
         self.metrics.CLOSED.labels(reason).inc()
