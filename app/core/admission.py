@@ -55,8 +55,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from .dtypes import DTYPES, WIDEST
-from .engine import (DEFAULT_CHUNK_ELEMENTS, PARALLEL_CHUNK_ELEMENTS, elements_per_chunk,
-                     plan_bands, shape_groups)
+from .engine import (DEFAULT_CHUNK_ELEMENTS, PARALLEL_CHUNK_ELEMENTS, elements_per_chunk, plan_bands, shape_groups)
 from .errors import (limit_exceeded, memory_busy, memory_limit_exceeded, too_long_vectors, too_many_vectors,
                      upload_limit_exceeded, uploads_busy)
 from .heap import TRIM_SLACK_BYTES, untrimmed_growth

@@ -149,5 +149,4 @@ def describe(name: str, objective: Objective) -> dict[str, Any]:
                 "description": objective.description, "file": objective.file.name,
                 "size_bytes": objective.size_bytes, "parameters": objective.parameter_count,
                 "bytes_per_pair": objective.bytes_per_pair}
-    return {"name": name, "kind": "builtin", "dim": None, "dtypes": list(DTYPES),
-            "description": objective.description}
+    return {"name": name, "kind": "builtin", "dim": None, "dtypes": list(DTYPES), "description": objective.description}

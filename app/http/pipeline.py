@@ -87,8 +87,7 @@ def http_call() -> Call:
     """The Call of the Flask request being answered: its client is gone when its socket is."""
     state = g._get_current_object()
     sock = state.get("client_socket")  # record.before_request's
-    return Call(current_app.extensions[KEY], state,
-                None if sock is None else (lambda: client_gone(sock)))
+    return Call(current_app.extensions[KEY], state, None if sock is None else (lambda: client_gone(sock)))
 
 
 Admit = Callable[[Sizes, Described, Services], None]

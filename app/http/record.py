@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from flask import Flask, Request, Response, current_app, g, has_request_context, request
+from flask import Request, Response, current_app, g, has_request_context, request
 
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -70,9 +70,7 @@ def drop_connection(environ: dict[str, Any]) -> None:
 
 def request_id_from(header: str | None) -> str:
     """The caller's id if it is a safe token, else a fresh uuid4 hex."""
-    if header and SAFE_REQUEST_ID.fullmatch(header):
-        return header
-    return uuid.uuid4().hex
+    return header if header and SAFE_REQUEST_ID.fullmatch(header) else uuid.uuid4().hex
 
 
 class RequestIdFilter(logging.Filter):
@@ -332,12 +330,6 @@ def end_trace(state, span, status: int | str, code: str | None, fields: dict[str
     fields.update(trace_id=format(ids.trace_id, "032x"), span_id=format(ids.span_id, "016x"))
 
 
-def init_app(app: Flask) -> None:
-    app.before_request(before_request)
-    app.after_request(after_request)
-    app.teardown_request(teardown_request)
-
-
 class MetricsListener(GateListener):
     """The compute gate's queue (app/core/slots.py) in the metrics: prometheus-client's own
     methods, called by the gate with no frame of ours between."""
@@ -356,10 +348,6 @@ def release_held(state) -> None:
         held.release()
 
 
-def method_label(method: str) -> str:
-    return method if method in metrics.METHODS else "other"
-
-
 # (route, method label, status) -> its REQUESTS and LATENCY children: labels() validates and
 # locks on every call. The keys are as bounded as the labels.
 REQUEST_CHILDREN: dict[tuple[str, str, int | str], tuple] = {}
@@ -367,7 +355,7 @@ DEVICES_SET: set[tuple[int, str]] = set()  # (pid, device): set to 1 by that pro
 
 
 def observe_request(route: str, method: str, status: int | str, duration_s: float) -> None:
-    key = (route, method_label(method), status)
+    key = (route, method if method in metrics.METHODS else "other", status)
     children = REQUEST_CHILDREN.get(key)
     if children is None:
         children = REQUEST_CHILDREN[key] = (metrics.REQUESTS.labels(route, key[1], str(status)), metrics.LATENCY.labels(route))

@@ -338,12 +338,6 @@ def renew(engine: sa.Engine, job_id: str, owner: str, attempt: int, now: float, 
             lease_until=now + lease_s, blocks_done=blocks_done)).rowcount == 1
 
 
-def row_chunks(array: np.ndarray) -> Iterator[bytes]:
-    rows = max(1, RESULT_CHUNK_BYTES // max(1, array[:1].nbytes))
-    for start in range(0, array.shape[0], rows):
-        yield np.ascontiguousarray(array[start:start + rows]).tobytes()
-
-
 @guarded
 def finish_job(engine: sa.Engine, job_id: str, owner: str, attempt: int, now: float,
                arrays: dict[str, np.ndarray] | None, error: dict | None) -> bool:
@@ -356,9 +350,11 @@ def finish_job(engine: sa.Engine, job_id: str, owner: str, attempt: int, now: fl
                 error=None if succeeded else json.dumps(error),
                 **({"blocks_done": jobs.c.blocks_total} if succeeded else {}))).rowcount:
             return False
-        for output, array in (arrays or {}).items():
-            for seq, data in enumerate(row_chunks(array)):
-                conn.execute(results.insert().values(job_id=job_id, output=output, seq=seq, data=data))
+        for output, array in (arrays or {}).items():  # whole rows per chunk
+            rows = max(1, RESULT_CHUNK_BYTES // max(1, array[:1].nbytes))
+            for seq, start in enumerate(range(0, array.shape[0], rows)):
+                conn.execute(results.insert().values(job_id=job_id, output=output, seq=seq,
+                                                     data=np.ascontiguousarray(array[start:start + rows]).tobytes()))
         conn.execute(inputs.delete().where(inputs.c.job_id == job_id))
         return True
 
