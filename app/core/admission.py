@@ -107,8 +107,7 @@ def predict_seconds(sizes: Sizes, settings: Settings) -> float:
     n, dim, objective, dtype = sizes.n, sizes.dim, sizes.objective, sizes.dtype
     blocks, numbers = engine_work(n, dim, sizes.factor)
     per_block, per_number = measured_or_set(COMPUTE_COSTS.get((objective, dtype), UNKNOWN_OBJECTIVE), settings)
-    stages = 1
-    seconds = 0.0
+    stages, seconds = 1, 0.0
     if "blocks" in sizes.outputs:
         # Pass two recomputes the blocks when their gradients are dense and past the keep budget.
         stages += objective not in SCALAR_GRADIENTS and n * n * 2 * dim > settings.max_block_elements

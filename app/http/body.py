@@ -233,8 +233,7 @@ def read_body(request: Request) -> bytes:
     if encoding not in ("", "identity"):
         raise compressed_body(encoding)
     binary = request.mimetype in ("application/octet-stream", "application/x-npy")  # /v2, a .npy job
-    declared = request.content_length
-    limit = request.max_content_length
+    declared, limit = request.content_length, request.max_content_length
     served = current_app.extensions[KEY]
     ledger = served.ledger
     parse_bytes = body_parse_bytes(min(declared, limit) if limit else declared, binary=binary) if declared else None
@@ -277,8 +276,7 @@ def read_arriving(request: Request, ledger: MemoryLedger) -> tuple[bytes, bool]:
     exactly at the limit from a longer one.
     """
     stream = request.stream
-    declared = request.content_length
-    limit = request.max_content_length
+    declared, limit = request.content_length, request.max_content_length
     end = declared if declared is not None else limit
     buffer = bytearray()
     while end is None or len(buffer) < end:

@@ -20,11 +20,9 @@ from .errors import DEFAULT_STYLE, ERRORS, ErrorStyle
 from .settings import Settings
 
 DESCRIPTION = Path(__file__).with_name("api_description.md")  # info.description: str.format template
-HEADER_DESCRIPTIONS = {
-    "Allow": ("The methods this path accepts.", "string"),
-    "Retry-After": ("Seconds to wait before retrying.", "integer"),
-    "WWW-Authenticate": ("The Bearer challenge.", "string"),
-}
+HEADER_DESCRIPTIONS = {"Allow": ("The methods this path accepts.", "string"),
+                       "Retry-After": ("Seconds to wait before retrying.", "integer"),
+                       "WWW-Authenticate": ("The Bearer challenge.", "string")}
 
 
 class ErrorDetailSchema(Schema):

@@ -88,12 +88,8 @@ class JsonFormatter(logging.Formatter):
     the record's `fields` (extra={"fields": {...}}) and any traceback."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, Any] = {
-            "ts": timestamp(record.created),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
+        line: dict[str, Any] = {"ts": timestamp(record.created), "level": record.levelname.lower(),
+                                "logger": record.name, "message": record.getMessage()}
         if hasattr(record, "request_id"):
             line["request_id"] = record.request_id
         line.update(getattr(record, "fields", {}))
@@ -147,8 +143,7 @@ def sole_json_handler(logger: logging.Logger) -> "JsonStderrHandler | None":
     """The JsonStderrHandler an INFO record of `logger` would reach alone, unfiltered; else None."""
     if logger.disabled or logger.filters or not logger.isEnabledFor(logging.INFO):
         return None
-    found = None
-    current = logger
+    found, current = None, logger
     while current is not None:
         for handler in current.handlers:
             if (found is not None or type(handler) is not JsonStderrHandler or handler.filters
