@@ -14,7 +14,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TRACER: trace.Tracer | None = None
 PROCESSOR = None  # the batch processor
-DROPPED = lambda: None  # noqa: E731 - called per span a full queue drops (record.py: a Prometheus counter's inc)
+DROPPED = lambda: None  # noqa: E731 - called per span a full queue drops (record.count_dropped_spans: a Prometheus counter's inc)
 PROPAGATOR = TraceContextTextMapPropagator()
 
 

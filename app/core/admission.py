@@ -55,8 +55,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from .dtypes import DTYPES, WIDEST
-from .engine import (DEFAULT_CHUNK_ELEMENTS, PARALLEL_CHUNK_ELEMENTS, elements_per_chunk,
-                     plan_bands, shape_groups)
+from .engine import (DEFAULT_CHUNK_ELEMENTS, PARALLEL_CHUNK_ELEMENTS, elements_per_chunk, plan_bands, shape_groups)
 from .errors import (limit_exceeded, memory_busy, memory_limit_exceeded, too_long_vectors, too_many_vectors,
                      upload_limit_exceeded, uploads_busy)
 from .heap import TRIM_SLACK_BYTES, untrimmed_growth
@@ -108,8 +107,7 @@ def predict_seconds(sizes: Sizes, settings: Settings) -> float:
     n, dim, objective, dtype = sizes.n, sizes.dim, sizes.objective, sizes.dtype
     blocks, numbers = engine_work(n, dim, sizes.factor)
     per_block, per_number = measured_or_set(COMPUTE_COSTS.get((objective, dtype), UNKNOWN_OBJECTIVE), settings)
-    stages = 1
-    seconds = 0.0
+    stages, seconds = 1, 0.0
     if "blocks" in sizes.outputs:
         # Pass two recomputes the blocks when their gradients are dense and past the keep budget.
         stages += objective not in SCALAR_GRADIENTS and n * n * 2 * dim > settings.max_block_elements

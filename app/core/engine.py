@@ -95,9 +95,7 @@ def shape_groups(n: int, factor: int) -> list[tuple[range, int]]:
     """Block indices of equal side: [(indices, side)], one group when the last block is not larger."""
     base = n // factor
     last = n - (factor - 1) * base
-    if last == base:
-        return [(range(factor), base)]
-    return [(range(factor - 1), base), (range(factor - 1, factor), last)]
+    return [(range(factor), base)] if last == base else [(range(factor - 1), base), (range(factor - 1, factor), last)]
 
 
 def split(indices: range, size: int) -> list[range]:

@@ -143,7 +143,7 @@ def not_ready(reason: str) -> BlockgradError:
 
 # Jobs (docs/jobs.md): their codes are in the same table as the others'.
 CLUSTER_RETRY_AFTER_S = 5
-JOB_RETRY_AFTER_S = 2
+RETRY_AFTER_S = 2  # a job not done yet, the job store, or a worker's memory: retry this much later
 
 
 def no_cluster() -> BlockgradError:
@@ -165,7 +165,7 @@ def job_not_done(job_id: str, status: str) -> BlockgradError:
     advice = ("retry after the Retry-After seconds" if waiting else "it was cancelled and has no result"
               if status == "cancelled" else "it has no result; GET the job for its error")
     return BlockgradError("job_not_done", f"Job {job_id} is {status}; {advice}.", {"status": status},
-                          retry_after_s=JOB_RETRY_AFTER_S if waiting else None)
+                          retry_after_s=RETRY_AFTER_S if waiting else None)
 
 
 def job_failed(message: str, **details: Any) -> BlockgradError:
@@ -192,15 +192,12 @@ def idempotency_key_reused() -> BlockgradError:
         "a new job, or send the first request again to get its job.", {"header": "Idempotency-Key"})
 
 
-STORE_RETRY_AFTER_S = 2
-
-
 def store_unavailable() -> BlockgradError:
     return BlockgradError(
         "store_unavailable",
         "The job store (its database) did not answer in time; job routes are unavailable until it does "
         "(synchronous routes are unaffected). Retry after the Retry-After seconds.", {},
-        retry_after_s=STORE_RETRY_AFTER_S)
+        retry_after_s=RETRY_AFTER_S)
 
 
 def too_many_jobs(active: int, allowed: int) -> BlockgradError:
@@ -208,7 +205,7 @@ def too_many_jobs(active: int, allowed: int) -> BlockgradError:
         "overloaded",
         f"{active} jobs are queued or running, BLOCKGRAD_MAX_JOBS = {allowed}; retry after the Retry-After "
         "seconds.", {"limit": "BLOCKGRAD_MAX_JOBS", "value": active, "allowed": allowed},
-        retry_after_s=JOB_RETRY_AFTER_S)
+        retry_after_s=RETRY_AFTER_S)
 
 
 def result_too_large(nbytes: int, allowed: int, limit: str) -> BlockgradError:
@@ -227,7 +224,7 @@ def results_full(held: int, nbytes: int, allowed: int) -> BlockgradError:
         f"{nbytes} would pass BLOCKGRAD_MAX_JOB_RESULTS_BYTES = {allowed}. Nothing is evicted before its "
         "BLOCKGRAD_JOB_TTL_S: retry after the Retry-After seconds, or DELETE jobs whose results you have.",
         {"limit": "BLOCKGRAD_MAX_JOB_RESULTS_BYTES", "value": held + nbytes, "allowed": allowed},
-        retry_after_s=JOB_RETRY_AFTER_S)
+        retry_after_s=RETRY_AFTER_S)
 
 
 def records_full(kept: int, allowed: int) -> BlockgradError:
@@ -236,7 +233,7 @@ def records_full(kept: int, allowed: int) -> BlockgradError:
         "overloaded",
         f"The job store keeps {kept} finished jobs, BLOCKGRAD_MAX_JOB_RECORDS = {allowed}, none of them expired "
         "yet; retry after the Retry-After seconds, or DELETE finished jobs.",
-        {"limit": "BLOCKGRAD_MAX_JOB_RECORDS", "value": kept, "allowed": allowed}, retry_after_s=JOB_RETRY_AFTER_S)
+        {"limit": "BLOCKGRAD_MAX_JOB_RECORDS", "value": kept, "allowed": allowed}, retry_after_s=RETRY_AFTER_S)
 
 
 def too_many_vectors(n: int, allowed: int, limit: str = "BLOCKGRAD_MAX_N") -> BlockgradError:
@@ -258,9 +255,6 @@ def memory_limit_exceeded(predicted: int, budget: int) -> BlockgradError:
         "BLOCKGRAD_WORKER_MEMORY_BYTES", predicted, budget)
 
 
-MEMORY_BUSY_RETRY_AFTER_S = 2
-
-
 def memory_busy(predicted: int, reserved: int, budget: int) -> BlockgradError:
     return BlockgradError(
         "overloaded",
@@ -268,7 +262,7 @@ def memory_busy(predicted: int, reserved: int, budget: int) -> BlockgradError:
         f"{budget // 2 ** 20} MiB); this one needs about {predicted // 2 ** 20} MiB: retry after the "
         "Retry-After seconds, on any replica.",
         {"limit": "BLOCKGRAD_WORKER_MEMORY_BYTES", "value": predicted, "reserved": reserved, "allowed": budget},
-        retry_after_s=MEMORY_BUSY_RETRY_AFTER_S)
+        retry_after_s=RETRY_AFTER_S)
 
 
 def uploads_busy(nbytes: int, uploading: int, allowed: int) -> BlockgradError:
@@ -278,7 +272,7 @@ def uploads_busy(nbytes: int, uploading: int, allowed: int) -> BlockgradError:
         "they may share (BLOCKGRAD_UPLOAD_MEMORY_SHARE of BLOCKGRAD_WORKER_MEMORY_BYTES); send the body faster, "
         "or retry after the Retry-After seconds, on any replica.",
         {"limit": "BLOCKGRAD_UPLOAD_MEMORY_SHARE", "value": nbytes, "reserved": uploading, "allowed": allowed},
-        retry_after_s=MEMORY_BUSY_RETRY_AFTER_S)
+        retry_after_s=RETRY_AFTER_S)
 
 
 def upload_limit_exceeded(nbytes: int, allowed: int) -> BlockgradError:

@@ -70,6 +70,4 @@ def untrimmed_growth(pass_bytes: int) -> int:
 def watch_for(pair_bytes: int) -> HeapWatch | None:
     """A watch for a pass over `pair_bytes` of block entries, or None when the heap cannot grow
     past the slack: small requests read nothing."""
-    if MALLOC_TRIM is None or untrimmed_growth(pair_bytes) <= TRIM_SLACK_BYTES:
-        return None
-    return HeapWatch()
+    return None if MALLOC_TRIM is None or untrimmed_growth(pair_bytes) <= TRIM_SLACK_BYTES else HeapWatch()

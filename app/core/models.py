@@ -109,11 +109,10 @@ def load_model(name: str, path: Path, data: bytes | None = None) -> ModelObjecti
     for parameter in module.parameters():
         parameter.requires_grad_(False)  # only the input's gradient is ever asked for
     check_probe(path, module, dim, dtype)
-    return ModelObjective(
-        name=name, file=path, size_bytes=len(data),
-        parameter_count=sum(p.numel() for p in module.parameters()),
-        dim=dim, dtype=MODEL_DTYPES[dtype],
-        bytes_per_pair=measure_bytes_per_pair(module, dim, dtype), module=module, program=data)
+    return ModelObjective(name=name, file=path, size_bytes=len(data),
+                          parameter_count=sum(p.numel() for p in module.parameters()), dim=dim,
+                          dtype=MODEL_DTYPES[dtype], bytes_per_pair=measure_bytes_per_pair(module, dim, dtype),
+                          module=module, program=data)
 
 
 def input_signature(path: Path, program) -> tuple[int, torch.dtype]:

@@ -146,8 +146,6 @@ def describe(name: str, objective: Objective) -> dict[str, Any]:
     """One entry of GET /v1/objectives."""
     if isinstance(objective, ModelObjective):
         return {"name": name, "kind": "model", "dim": objective.dim, "dtypes": list(objective.dtypes),
-                "description": objective.description, "file": objective.file.name,
-                "size_bytes": objective.size_bytes, "parameters": objective.parameter_count,
-                "bytes_per_pair": objective.bytes_per_pair}
-    return {"name": name, "kind": "builtin", "dim": None, "dtypes": list(DTYPES),
-            "description": objective.description}
+                "description": objective.description, "file": objective.file.name, "size_bytes": objective.size_bytes,
+                "parameters": objective.parameter_count, "bytes_per_pair": objective.bytes_per_pair}
+    return {"name": name, "kind": "builtin", "dim": None, "dtypes": list(DTYPES), "description": objective.description}

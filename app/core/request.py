@@ -85,9 +85,8 @@ def ordered_outputs(names) -> tuple[str, ...]:
 def factor_refusal(factor: int | None, n: int | None) -> str | None:
     """Why `factor` is refused for N vectors, or None (a factor of None stands for the default);
     with N not known (the vectors are refused) only its lower bound is checked."""
-    if factor is None or 1 <= factor <= (factor if n is None else n):
-        return None
-    return "Must be at least 1." if n is None else f"Must be between 1 and N = {n}."
+    return None if factor is None or 1 <= factor <= (factor if n is None else n) else (
+        "Must be at least 1." if n is None else f"Must be between 1 and N = {n}.")
 
 
 def unknown_objective(objectives: Mapping[str, Objective]) -> str:

@@ -379,8 +379,7 @@ def pass_one(req: GradientRequest, device: torch.device, vectors: torch.Tensor, 
     keep, kept, kept_bytes = "blocks" in req.outputs, [], 0
     # Kept blocks fragment glibc's heap (app/core/heap.py); a pass that keeps none does not grow it.
     heap = watch_for(req.n * req.n * 2 * req.dim * vectors.element_size()) if keep else None
-    computed = PassOne(executor or SerialExecutor(), vectors, req.factor, chunk_elements, req.objective_fn,
-                       req.offset)
+    computed = PassOne(executor or SerialExecutor(), vectors, req.factor, chunk_elements, req.objective_fn, req.offset)
     results = iter(computed)
     try:
         for band in computed.bands:

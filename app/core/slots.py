@@ -160,17 +160,12 @@ class Gate:
         self.source = ThreadSlots(slots) if isinstance(slots, int) else slots
         self.listener = listener or GateListener()
         self._lock = threading.Condition()
-        self._busy = 0
+        self.busy = 0  # first slots this worker's requests hold (a request's extra chunks' slots not counted)
         self._queue: deque[object] = deque()  # one token per waiting request, in arrival order
 
     @property
     def depth(self) -> int:
         return len(self._queue)
-
-    @property
-    def busy(self) -> int:
-        """First slots this worker's requests hold (a request's extra chunks' slots not counted)."""
-        return self._busy
 
     def acquire(self, deadline: Deadline) -> Ticket:
         """A slot, waiting in line up to the deadline; overloaded if the line is full."""
@@ -191,7 +186,7 @@ class Gate:
         with self._lock:
             slot = self.source.try_acquire() if resuming or not self._queue else None
             if slot is not None:
-                self._busy += 1
+                self.busy += 1
                 return Ticket(self, slot), False
             if not resuming and len(self._queue) >= self.queue_depth:
                 self.listener.shed()
@@ -199,18 +194,14 @@ class Gate:
             token = object()
             self._queue.insert(min(1, len(self._queue)) if resuming else len(self._queue), token)
             self.listener.waiting(len(self._queue))
-        return self._in_line(token, deadline), True
-
-    def _in_line(self, token: object, deadline: Deadline) -> Ticket:
-        """The ticket of `token`, queued under the lock: waited for, then out of the line."""
         try:
             slot = self._wait_in_line(token, deadline)
-        finally:
+        finally:  # out of the line, waited for or not
             with self._lock:
                 self._queue.remove(token)
                 self.listener.waiting(len(self._queue))
                 self._lock.notify_all()  # the next in line may now be first
-        return Ticket(self, slot)
+        return Ticket(self, slot), True
 
     def _wait_in_line(self, token: object, deadline: Deadline) -> Slot:
         """First in line: wait on the source for a slot; behind it: for the first to leave."""
@@ -226,7 +217,7 @@ class Gate:
                 slot = self.source.acquire(timeout=min(remaining, WAIT_POLL_S))
                 if slot is not None:
                     with self._lock:
-                        self._busy += 1
+                        self.busy += 1
                     return slot
             if deadline.cancelled is not None and deadline.cancelled():
                 raise client_closed()
@@ -237,5 +228,5 @@ class Gate:
                 return
             ticket.released = True
             ticket.slot.release()
-            self._busy -= 1
+            self.busy -= 1
             self._lock.notify_all()

@@ -106,10 +106,7 @@ def fits_dtype(matrix: np.ndarray, dtype: np.dtype) -> tuple[int, int] | None:
     """None if every value is finite in `dtype`, else the first (row, col) that overflows."""
     with np.errstate(over="ignore"):
         finite = np.isfinite(matrix.astype(dtype, copy=False))  # no copy when already in `dtype`
-    if finite.all():
-        return None
-    i, j = np.argwhere(~finite)[0]
-    return int(i), int(j)
+    return None if finite.all() else tuple(int(k) for k in np.argwhere(~finite)[0])
 
 
 def float_or_inf(x: int | float) -> float:

@@ -19,16 +19,10 @@ from .docs import ErrorSchema, register_docs, spec_options
 from .errors import register_error_handlers
 from .settings import Settings
 
-FLASK_CONFIG = {
-    "API_TITLE": "blockgrad",
-    "API_VERSION": "1.0.0",
-    "OPENAPI_VERSION": "3.0.3",
-    "OPENAPI_URL_PREFIX": "/",
-    "OPENAPI_JSON_PATH": "openapi.json",
-    "OPENAPI_SWAGGER_UI_PATH": "docs",
-    "OPENAPI_SWAGGER_UI_URL": "/docs/assets/",  # served by docs.py, no CDN; absolute: /docs and /docs/ both work
-    "OPENAPI_SWAGGER_UI_CONFIG": {"validatorUrl": None},  # no badge fetched from swagger.io
-}
+FLASK_CONFIG = {"API_TITLE": "blockgrad", "API_VERSION": "1.0.0", "OPENAPI_VERSION": "3.0.3", "OPENAPI_URL_PREFIX": "/",
+                "OPENAPI_JSON_PATH": "openapi.json", "OPENAPI_SWAGGER_UI_PATH": "docs",
+                "OPENAPI_SWAGGER_UI_URL": "/docs/assets/",  # docs.py's, no CDN; absolute: /docs and /docs/ both work
+                "OPENAPI_SWAGGER_UI_CONFIG": {"validatorUrl": None}}  # no badge fetched from swagger.io
 
 
 class BlockgradApi(Api):
@@ -56,22 +50,23 @@ def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.config.setdefault("API_SPEC_OPTIONS", spec_options(settings, objectives))
     slots = slots or ThreadSlots(COMPUTE_SLOTS)
+    # One executor per worker: a request's chunks over at most BLOCKGRAD_SLOTS_PER_REQUEST of
+    # `slots` (default all); its pool has a thread for every slot the worker may hold.
+    lanes = max(1, min(settings.slots_per_request or slots.count, slots.count))
     install_services(app, Services(
         settings, objectives, Gate(settings.queue_depth, slots=slots, listener=record.MetricsListener()),
         MemoryLedger(settings.worker_memory_bytes, settings.upload_memory_share),
-        chunk_executor(slots, settings), jobs=jobs(environ) if jobs else None, scrape_lock=scrape_lock))
+        LocalExecutor(slots, lanes, threads=max(1, slots.count)), jobs=jobs(environ) if jobs else None,
+        scrape_lock=scrape_lock))
     record.configure_logging(settings.log_level)
-    record.init_app(app)  # first, so that its hooks see every request
+    # The record's hooks first, so that they see every request.
+    app.before_request(record.before_request)
+    app.after_request(record.after_request)
+    app.teardown_request(record.teardown_request)
+    record.count_dropped_spans()
 
     install_auth(app, settings.api_token, settings.docs_public)  # one app-level hook: every route, present or future, is behind it
     return app, BlockgradApi(app)
-
-
-def chunk_executor(slots: SlotSource, settings: Settings) -> LocalExecutor:
-    """One per worker: a request's chunks over at most BLOCKGRAD_SLOTS_PER_REQUEST of `slots`
-    (default all); its pool has a thread for every slot the worker may hold."""
-    count = slots.count
-    return LocalExecutor(slots, max(1, min(settings.slots_per_request or count, count)), threads=max(1, count))
 
 
 def finish_app(app: Flask, api: Api) -> Flask:

@@ -1,6 +1,6 @@
 """Reading a request's body: from the client's socket, within its time and memory, to a document.
 
-- the socket (record.client_socket; outside gunicorn there is none and these do
+- the socket (`g.client_socket`, set by record.py; outside gunicorn there is none and these do
   nothing): `client_gone` peeks for end-of-file, so that a computation stops when its client
   leaves (the request's Deadline asks it); `ReadAlarm` bounds the whole body by
   BLOCKGRAD_READ_TIMEOUT_S (a socket timeout bounds one recv, not a body sent a byte at a time,
@@ -33,7 +33,6 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from ..core.admission import MemoryLedger, body_parse_bytes, upload_bytes
 from ..core.host import CONN_STARTED_KEY
 from ..extensions import KEY
-from .record import client_socket
 from .errors import BODY_STREAM_ERRORS, bad_json, body_unreadable, compressed_body, incomplete_body, read_timeout
 
 
@@ -234,16 +233,14 @@ def read_body(request: Request) -> bytes:
     if encoding not in ("", "identity"):
         raise compressed_body(encoding)
     binary = request.mimetype in ("application/octet-stream", "application/x-npy")  # /v2, a .npy job
-    declared = request.content_length
-    limit = request.max_content_length
+    declared, limit = request.content_length, request.max_content_length
     served = current_app.extensions[KEY]
     ledger = served.ledger
     parse_bytes = body_parse_bytes(min(declared, limit) if limit else declared, binary=binary) if declared else None
     if parse_bytes is not None:  # the request's own size alone: what others hold plays no part
         ledger.check_budget(parse_bytes)
     seconds = served.settings.read_timeout_s
-    environ = request.environ
-    with ReadAlarm(client_socket(environ), seconds, environ.get(CONN_STARTED_KEY)) as alarm:
+    with ReadAlarm(g.get("client_socket"), seconds, request.environ.get(CONN_STARTED_KEY)) as alarm:
         try:
             data, more = read_arriving(request, ledger)
         except Exception as exc:
@@ -279,8 +276,7 @@ def read_arriving(request: Request, ledger: MemoryLedger) -> tuple[bytes, bool]:
     exactly at the limit from a longer one.
     """
     stream = request.stream
-    declared = request.content_length
-    limit = request.max_content_length
+    declared, limit = request.content_length, request.max_content_length
     end = declared if declared is not None else limit
     buffer = bytearray()
     while end is None or len(buffer) < end:

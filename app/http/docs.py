@@ -20,11 +20,9 @@ from .errors import DEFAULT_STYLE, ERRORS, ErrorStyle
 from .settings import Settings
 
 DESCRIPTION = Path(__file__).with_name("api_description.md")  # info.description: str.format template
-HEADER_DESCRIPTIONS = {
-    "Allow": ("The methods this path accepts.", "string"),
-    "Retry-After": ("Seconds to wait before retrying.", "integer"),
-    "WWW-Authenticate": ("The Bearer challenge.", "string"),
-}
+HEADER_DESCRIPTIONS = {"Allow": ("The methods this path accepts.", "string"),
+                       "Retry-After": ("Seconds to wait before retrying.", "integer"),
+                       "WWW-Authenticate": ("The Bearer challenge.", "string")}
 
 
 class ErrorDetailSchema(Schema):
@@ -75,12 +73,6 @@ def documents_errors(blp, *codes: str, style: ErrorStyle = DEFAULT_STYLE, schema
                         for status, spec in reversed(error_responses_spec(*codes, style=style).items())))
 
 
-def objectives_table(objectives) -> str:
-    entries = (describe(name, objective) for name, objective in objectives.items())
-    return "\n".join(f"| `{e['name']}` | {e['kind']} | {'any' if e['dim'] is None else e['dim']} | "
-                     f"{', '.join(e['dtypes'])} | {e['description']} |" for e in entries)
-
-
 def api_description(settings: Settings, objectives) -> str:
     """The document's info.description: limits as configured, errors, headers, other endpoints."""
     limits = [
@@ -95,8 +87,11 @@ def api_description(settings: Settings, objectives) -> str:
     rows = "\n".join(f"| `{name}` | {getattr(settings, name.removeprefix('BLOCKGRAD_').lower())} | {meaning} |"
                      for name, meaning in limits)
     codes = "\n".join(f"| {entry.status} | `{code}` | {entry.when} |" for code, entry in ERRORS.items())
+    table = "\n".join(f"| `{e['name']}` | {e['kind']} | {'any' if e['dim'] is None else e['dim']} | "
+                      f"{', '.join(e['dtypes'])} | {e['description']} |"
+                      for e in (describe(name, objective) for name, objective in objectives.items()))
     # The template's tables are folded (<details>) so that the /docs page opens on its operations.
-    return DESCRIPTION.read_text().format(rows=rows, objectives=objectives_table(objectives), codes=codes)
+    return DESCRIPTION.read_text().format(rows=rows, objectives=table, codes=codes)
 
 
 BEARER_SCHEME = "bearerAuth"

@@ -315,12 +315,9 @@ def error_response(error: BlockgradError) -> Response:
 
 def service_routes(app: Flask) -> list[str]:
     """Every route as "METHOD /rule" (HEAD and OPTIONS left out), without static files and the docs' assets."""
-    routes = []
-    for rule in app.url_map.iter_rules():
-        if rule.endpoint == "static" or rule.rule.startswith("/docs/"):
-            continue
-        routes += [f"{method} {rule.rule}" for method in sorted(rule.methods - {"HEAD", "OPTIONS"})]
-    return routes
+    return [f"{method} {rule.rule}" for rule in app.url_map.iter_rules()
+            if rule.endpoint != "static" and not rule.rule.startswith("/docs/")
+            for method in sorted(rule.methods - {"HEAD", "OPTIONS"})]
 
 
 def from_http_exception(exc: HTTPException) -> BlockgradError:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from flask import current_app, g, request
+from flask import current_app, g
 from opentelemetry import trace
 
 from ..core import slots  # slots.Deadline looked up per request (tests replace it)
@@ -42,7 +42,7 @@ from ..core.slots import Gate
 from ..core.vectors import MatrixError, to_matrix
 from ..extensions import KEY, Services
 from .body import client_gone, reserve_for_request
-from .record import RequestRecord, client_socket
+from .record import RequestRecord
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,9 @@ class Call:
 
 def http_call() -> Call:
     """The Call of the Flask request being answered: its client is gone when its socket is."""
-    sock = client_socket(request.environ)
-    return Call(current_app.extensions[KEY], g._get_current_object(),
-                None if sock is None else (lambda: client_gone(sock)))
+    state = g._get_current_object()
+    sock = state.get("client_socket")  # record.before_request's
+    return Call(current_app.extensions[KEY], state, None if sock is None else (lambda: client_gone(sock)))
 
 
 Admit = Callable[[Sizes, Described, Services], None]

@@ -11,8 +11,9 @@ Logs: one JSON object per line on stderr. The "blockgrad" logger (and its childr
 pytest's caplog sees them. Request payloads are never logged: the per-request line holds sizes
 and timings only. Metrics: prometheus-client's, defined in metrics.py.
 
-The client's socket is looked up here (`client_socket`), where the answer's writes get their
-send timeout; the deadline, the read alarm and a client_closed answer's drop use it too.
+The client's socket is looked up here (`client_socket`), once as the request starts
+(`g.client_socket`: the read alarm and the deadline's client-gone probe use it) and where the
+answer's writes get their send timeout; a client_closed answer's drop uses it too.
 
 `worker_timeout` is a code only the log line and the errors metric carry: gunicorn killed
 the worker past its timeout, and its worker_abort hook calls `abort_in_flight` to log every
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-from flask import Flask, Request, Response, current_app, g, has_request_context, request
+from flask import Request, Response, current_app, g, has_request_context, request
 
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -69,9 +70,7 @@ def drop_connection(environ: dict[str, Any]) -> None:
 
 def request_id_from(header: str | None) -> str:
     """The caller's id if it is a safe token, else a fresh uuid4 hex."""
-    if header and SAFE_REQUEST_ID.fullmatch(header):
-        return header
-    return uuid.uuid4().hex
+    return header if header and SAFE_REQUEST_ID.fullmatch(header) else uuid.uuid4().hex
 
 
 class RequestIdFilter(logging.Filter):
@@ -89,12 +88,8 @@ class JsonFormatter(logging.Formatter):
     the record's `fields` (extra={"fields": {...}}) and any traceback."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line: dict[str, Any] = {
-            "ts": timestamp(record.created),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
+        line: dict[str, Any] = {"ts": timestamp(record.created), "level": record.levelname.lower(),
+                                "logger": record.name, "message": record.getMessage()}
         if hasattr(record, "request_id"):
             line["request_id"] = record.request_id
         line.update(getattr(record, "fields", {}))
@@ -148,8 +143,7 @@ def sole_json_handler(logger: logging.Logger) -> "JsonStderrHandler | None":
     """The JsonStderrHandler an INFO record of `logger` would reach alone, unfiltered; else None."""
     if logger.disabled or logger.filters or not logger.isEnabledFor(logging.INFO):
         return None
-    found = None
-    current = logger
+    found, current = None, logger
     while current is not None:
         for handler in current.handlers:
             if (found is not None or type(handler) is not JsonStderrHandler or handler.filters
@@ -196,9 +190,10 @@ UNFINISHED: dict[int, Callable[[str | None], None]] = {}
 
 
 def before_request() -> None:
-    req = request._get_current_object()  # one proxy lookup
+    req, state = request._get_current_object(), g._get_current_object()  # one proxy lookup each
+    state.client_socket = client_socket(req.environ)  # looked up once: the read alarm, the client-gone probe
     route = route_of(req)
-    begin(g._get_current_object(), request_id_from(req.headers.get(REQUEST_ID_HEADER)), route, req.method,
+    begin(state, request_id_from(req.headers.get(REQUEST_ID_HEADER)), route, req.method,
           req.headers if route.startswith(TRACED) and not route.endswith("/ready") else None)
 
 
@@ -331,11 +326,8 @@ def end_trace(state, span, status: int | str, code: str | None, fields: dict[str
     fields.update(trace_id=format(ids.trace_id, "032x"), span_id=format(ids.span_id, "016x"))
 
 
-def init_app(app: Flask) -> None:
+def count_dropped_spans() -> None:
     tracing.DROPPED = metrics.TRACE_SPANS_DROPPED.inc  # a worker's drops in its own metrics file
-    app.before_request(before_request)
-    app.after_request(after_request)
-    app.teardown_request(teardown_request)
 
 
 class MetricsListener(GateListener):
@@ -356,10 +348,6 @@ def release_held(state) -> None:
         held.release()
 
 
-def method_label(method: str) -> str:
-    return method if method in metrics.METHODS else "other"
-
-
 # (route, method label, status) -> its REQUESTS and LATENCY children: labels() validates and
 # locks on every call. The keys are as bounded as the labels.
 REQUEST_CHILDREN: dict[tuple[str, str, int | str], tuple] = {}
@@ -367,7 +355,7 @@ DEVICES_SET: set[tuple[int, str]] = set()  # (pid, device): set to 1 by that pro
 
 
 def observe_request(route: str, method: str, status: int | str, duration_s: float) -> None:
-    key = (route, method_label(method), status)
+    key = (route, method if method in metrics.METHODS else "other", status)
     children = REQUEST_CHILDREN.get(key)
     if children is None:
         children = REQUEST_CHILDREN[key] = (metrics.REQUESTS.labels(route, key[1], str(status)), metrics.LATENCY.labels(route))

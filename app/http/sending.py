@@ -41,13 +41,6 @@ def json_array(tensor: torch.Tensor) -> np.ndarray | orjson.Fragment:
     return orjson.Fragment(text)
 
 
-def close_body(body: object) -> None:
-    """PEP 3333: whoever wraps a body passes the server's close() on to it, when it has one."""
-    close = getattr(body, "close", None)
-    if close is not None:
-        close()
-
-
 def gather(pieces: Iterator[bytes], chunk_bytes: int) -> Iterator[bytes]:
     """Small pieces joined into chunks of about chunk_bytes; a piece that big goes out alone,
     as it was made, without being copied into a chunk."""
@@ -110,8 +103,10 @@ class WatchedBody:
         self.finish(None)  # now, not at close: the count and log line follow the last byte
 
     def close(self) -> None:
-        try:
-            close_body(self.body)
+        try:  # PEP 3333: whoever wraps a body passes the server's close() on to it, when it has one
+            close = getattr(self.body, "close", None)
+            if close is not None:
+                close()
         finally:
             error = self.error
             if error is None and self.started and not self.complete:  # the server stopped writing

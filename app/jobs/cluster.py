@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,10 +68,8 @@ def free_port() -> int:
 def die_with_parent(nice: int = 0):
     """preexec_fn: SIGKILL when the parent dies (Linux), then lower the priority."""
     def setup():
-        try:
+        with suppress(OSError, AttributeError):  # not Linux: stop_embedded stops them on a clean exit
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass  # not Linux: stop_embedded still stops them on a clean exit
         if nice:
             os.nice(nice)
     return setup

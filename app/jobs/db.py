@@ -70,22 +70,14 @@ def first_job_columns() -> list[sa.Column]:
 jobs = sa.Table("jobs", meta, *first_job_columns(),
                 sa.Column("request_hash", sa.String(64)),  # sha256 of the job's vectors and fields (store.submit)
                 sa.Column("traceparent", sa.String(55)))  # the POST's W3C traceparent, None when not traced
-inputs = sa.Table(
-    "job_inputs", meta,
-    sa.Column("job_id", sa.String(32), primary_key=True),
-    sa.Column("vectors", sa.LargeBinary, nullable=False))  # .npy bytes, the job's dtype
-results = sa.Table(
-    "job_results", meta,
-    sa.Column("job_id", sa.String(32), primary_key=True),
-    sa.Column("output", sa.String(16), primary_key=True),  # accumulated (N, D) or losses (F, F)
-    sa.Column("seq", sa.Integer, primary_key=True),
-    sa.Column("data", sa.LargeBinary, nullable=False))  # whole rows, C order
-runners = sa.Table(
-    "job_runners", meta,
-    sa.Column("owner", sa.Text, primary_key=True),
-    sa.Column("scheduler", sa.Text),
-    sa.Column("workers", sa.Integer, nullable=False),
-    sa.Column("seen_at", sa.Float, nullable=False))
+inputs = sa.Table("job_inputs", meta, sa.Column("job_id", sa.String(32), primary_key=True),
+                  sa.Column("vectors", sa.LargeBinary, nullable=False))  # .npy bytes, the job's dtype
+results = sa.Table("job_results", meta, sa.Column("job_id", sa.String(32), primary_key=True),
+                   sa.Column("output", sa.String(16), primary_key=True),  # accumulated (N, D) or losses (F, F)
+                   sa.Column("seq", sa.Integer, primary_key=True),
+                   sa.Column("data", sa.LargeBinary, nullable=False))  # whole rows, C order
+runners = sa.Table("job_runners", meta, sa.Column("owner", sa.Text, primary_key=True), sa.Column("scheduler", sa.Text),
+                   sa.Column("workers", sa.Integer, nullable=False), sa.Column("seen_at", sa.Float, nullable=False))
 versions = sa.Table("schema_version", meta, sa.Column("version", sa.Integer, nullable=False))
 
 # Each step only adds (a table, a nullable or defaulted column): the previous release's
@@ -338,12 +330,6 @@ def renew(engine: sa.Engine, job_id: str, owner: str, attempt: int, now: float, 
             lease_until=now + lease_s, blocks_done=blocks_done)).rowcount == 1
 
 
-def row_chunks(array: np.ndarray) -> Iterator[bytes]:
-    rows = max(1, RESULT_CHUNK_BYTES // max(1, array[:1].nbytes))
-    for start in range(0, array.shape[0], rows):
-        yield np.ascontiguousarray(array[start:start + rows]).tobytes()
-
-
 @guarded
 def finish_job(engine: sa.Engine, job_id: str, owner: str, attempt: int, now: float,
                arrays: dict[str, np.ndarray] | None, error: dict | None) -> bool:
@@ -356,9 +342,11 @@ def finish_job(engine: sa.Engine, job_id: str, owner: str, attempt: int, now: fl
                 error=None if succeeded else json.dumps(error),
                 **({"blocks_done": jobs.c.blocks_total} if succeeded else {}))).rowcount:
             return False
-        for output, array in (arrays or {}).items():
-            for seq, data in enumerate(row_chunks(array)):
-                conn.execute(results.insert().values(job_id=job_id, output=output, seq=seq, data=data))
+        for output, array in (arrays or {}).items():  # whole rows per chunk
+            rows = max(1, RESULT_CHUNK_BYTES // max(1, array[:1].nbytes))
+            for seq, start in enumerate(range(0, array.shape[0], rows)):
+                conn.execute(results.insert().values(job_id=job_id, output=output, seq=seq,
+                                                     data=np.ascontiguousarray(array[start:start + rows]).tobytes()))
         conn.execute(inputs.delete().where(inputs.c.job_id == job_id))
         return True
 

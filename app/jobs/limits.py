@@ -28,7 +28,13 @@ def admit_job(sizes: Sizes, max_d: int, settings: JobSettings) -> None:
     if factor is None:
         return
     if sizes.outputs is not None:  # None: not valid as sent, named by the validation
-        check_result(sizes, settings)
+        # The outputs asked for (losses F x F, accumulated N x D) fit one job's result and the
+        # results kept: what the runner holds on its way into the store and what the store keeps.
+        nbytes = output_elements(n, dim, factor, sizes.outputs) * DTYPES[sizes.dtype].item_bytes
+        allowed, limit = min((settings.max_job_result_bytes, "BLOCKGRAD_MAX_JOB_RESULT_BYTES"),
+                             (settings.max_job_results_bytes, "BLOCKGRAD_MAX_JOB_RESULTS_BYTES"), key=lambda p: p[0])
+        if nbytes > allowed:
+            raise result_too_large(nbytes, allowed, limit)
     allowed = settings.max_job_block_elements
     per_block = block_elements(n, dim, factor)
     if per_block <= allowed:
@@ -39,13 +45,3 @@ def admit_job(sizes: Sizes, max_d: int, settings: JobSettings) -> None:
     raise limit_exceeded(f"With factor {factor} a job's largest block holds {per_block} numbers, over "
                          f"BLOCKGRAD_MAX_JOB_BLOCK_ELEMENTS = {allowed}; {advice}.",
                          "BLOCKGRAD_MAX_JOB_BLOCK_ELEMENTS", per_block, allowed, **extra)
-
-
-def check_result(sizes: Sizes, settings: JobSettings) -> None:
-    """The outputs asked for (losses F x F, accumulated N x D) fit one job's result and the
-    results kept: what the runner holds on its way into the store and what the store keeps."""
-    nbytes = output_elements(sizes.n, sizes.dim, sizes.factor, sizes.outputs) * DTYPES[sizes.dtype].item_bytes
-    allowed, limit = min((settings.max_job_result_bytes, "BLOCKGRAD_MAX_JOB_RESULT_BYTES"),
-                         (settings.max_job_results_bytes, "BLOCKGRAD_MAX_JOB_RESULTS_BYTES"), key=lambda pair: pair[0])
-    if nbytes > allowed:
-        raise result_too_large(nbytes, allowed, limit)

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -265,11 +266,9 @@ class Runner:
         """Forget the attempt and cancel what is left of its graph on the cluster."""
         self.attempts.pop(attempt.job_id, None)
         if attempt.graph is not None and self.client is not None and self.client.status == "running":
-            try:
+            with suppress(*DASK_ERRORS):
                 self.client.cancel([attempt.graph.final, *(f for f, _ in list(attempt.graph.tiles.values()))],
                                    force=True)
-            except DASK_ERRORS:
-                pass
 
     def close(self) -> None:
         """Stop: hand every owned job back (queued, the attempt not counted), close the Client."""

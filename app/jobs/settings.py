@@ -42,10 +42,6 @@ def parse_database(name: str, raw: Any) -> str:
     return url
 
 
-def parse_dir(name: str, raw: Any) -> str:
-    return os.path.abspath(str(raw))
-
-
 @dataclass(frozen=True)
 class JobSettings(FromEnv):
     # An existing Dask scheduler's address; None: gunicorn starts an embedded cluster of
@@ -65,7 +61,8 @@ class JobSettings(FromEnv):
     max_job_records: int = 10000  # finished jobs kept; past it the oldest expired go, else a POST waits (503)
     # The job store (app/jobs/db.py): PostgreSQL when jobs_db names one, else SQLite in data_dir,
     # absolute from the start (the runner process runs in the repository, not the caller's directory).
-    data_dir: str = field(default_factory=lambda: os.path.abspath("data"), metadata={"parse": parse_dir})
+    data_dir: str = field(default_factory=lambda: os.path.abspath("data"),
+                          metadata={"parse": lambda _name, raw: os.path.abspath(str(raw))})
     jobs_db: str | None = field(default=None, metadata={"parse": parse_database})
     job_attempts: int = 3  # submissions of one job's graph before it fails job_attempts_exhausted
     job_lease_s: float = 30.0  # a runner that stops renewing its job's lease loses it after this

@@ -35,9 +35,8 @@ OPEN_RETRY_S = 2.0  # after the store could not be opened, job routes answer 503
 
 
 def rfc3339(seconds: float | None) -> str | None:
-    if seconds is None:
-        return None
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 1000):03d}Z"
+    return None if seconds is None else (
+        time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 1000):03d}Z")
 
 
 def public(row: dict) -> dict[str, Any]:

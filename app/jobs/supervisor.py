@@ -32,9 +32,7 @@ class Supervised:
     def __init__(self, name: str, start):
         self.name, self._start = name, start
         self.process: subprocess.Popen | None = None
-        self.started_at = 0.0
-        self.backoff = 0.0
-        self.next_start = 0.0
+        self.started_at = self.backoff = self.next_start = 0.0
 
     def back_off(self, now: float, healthy: bool = False) -> None:
         """The next start: at once after a healthy run, else after twice the last wait (bounded)."""

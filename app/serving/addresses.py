@@ -34,8 +34,7 @@ def taken(addresses, reuse_port: bool = False) -> str | None:
 
 
 def refuse_if_taken(addresses, reuse_port: bool = False, variable: str = "BLOCKGRAD_BIND") -> None:
-    address = taken(addresses, reuse_port)
-    if address is not None:
+    if (address := taken(addresses, reuse_port)) is not None:
         raise AddressInUse(f"cannot listen on {address}: the address is already in use "
                            f"(set {variable} to a free host:port)")
 

@@ -10,6 +10,5 @@ IDLE = Gauge("blockgrad_connections_idle", "Kept-alive connections waiting for a
 AWAITING_HEAD = Gauge("blockgrad_connections_awaiting_head",
                       "Connections whose request head has not fully arrived (new ones included).",
                       multiprocess_mode="livesum")
-CLOSED = Counter("blockgrad_connections_closed", "Connections closed, by reason (docs/connections.md).",
-                 ["reason"])
+CLOSED = Counter("blockgrad_connections_closed", "Connections closed, by reason (docs/connections.md).", ["reason"])
 

@@ -26,7 +26,6 @@ from .settings import ServingSettings, check_auth
 # can end up with every busy connection. Closing each after this many requests (as nginx's
 # keepalive_requests does) lets the accept race, which the least busy worker wins, spread them.
 KEEPALIVE_REQUESTS = 100
-ARCHIVE_WAIT_S = 1.0  # the master's longest wait for scrapes to finish before a fold
 
 
 @dataclass
@@ -34,7 +33,6 @@ class Process:
     """What the hooks keep. on_starting fills it in the master; every worker inherits it at fork."""
     settings: Settings | None = None
     metrics: MetricsDir | None = None
-    pod_slots: slots.PodSlots | None = None
     cluster: dask_cluster.EmbeddedCluster | None = None  # the job runner and embedded Dask cluster (docs/jobs.md)
     serving: ServingSettings | None = None
     grpc: grpc_server.Running | None = None  # the worker's own, after the fork
@@ -58,7 +56,7 @@ def on_starting(server):
     process.metrics = MetricsDir.prepare(server.cfg.worker_tmp_dir)
     host.scrape_lock = metrics_archive.scrape_lock(process.metrics.path)  # scrapes lock it against folds
     # Before the app is built (below, or in each worker after fork): every worker shares them.
-    process.pod_slots = host.slots = slots.create(available_cores(), parent=server.cfg.worker_tmp_dir)
+    host.slots = slots.create(available_cores(), parent=server.cfg.worker_tmp_dir)
     # Before the app is built: the workers' settings carry the data directory, made absolute.
     process.cluster = dask_cluster.start_for_gunicorn(JobSettings.from_env())
     if warmup.warm_start(process.settings.device):
@@ -75,8 +73,7 @@ def post_worker_init(worker):
     """Loaded: warm the engine up, then serve gRPC, before accepting HTTP. SIGTERM starts the
     gRPC drain at once, beside HTTP's (gunicorn's own handler runs after ours)."""
     tracing.configure()  # after the fork: the exporter's thread is this worker's (off: nothing)
-    failed = warmup.warm_up(process.settings)
-    if failed is not None:
+    if (failed := warmup.warm_up(process.settings)) is not None:
         worker.log.warning("warm-up computation failed (the worker starts; /readyz reports the device): %s", failed)
     process.grpc = grpc_server.start(process.serving or ServingSettings.from_env(), worker.cfg.threads,
                                      worker.cfg.graceful_timeout)
@@ -116,12 +113,12 @@ def worker_abort(worker):
 def child_exit(server, worker):
     """In the master, the worker reaped: its counts join the archive, its files go."""
     if process.metrics is not None:
-        metrics_archive.fold_dead_workers(process.metrics.path, set(server.WORKERS), ARCHIVE_WAIT_S)
+        metrics_archive.fold_dead_workers(process.metrics.path, set(server.WORKERS))
 
 
 def on_exit(server):
     dask_cluster.stop_embedded(process.cluster)
     if process.metrics is not None:
         process.metrics.remove()
-    if process.pod_slots is not None:
-        slots.remove(process.pod_slots)
+    if host.slots is not None:
+        slots.remove(host.slots)

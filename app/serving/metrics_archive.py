@@ -32,20 +32,6 @@ LOCK_NAME = "archive.lock"
 LOCK_POLL_S = 0.005
 
 
-def dead_files(path: str, live_pids: set[int]) -> tuple[dict[str, list[str]], set[int]]:
-    """Value files of processes not in `live_pids`, by metric type, and those processes' pids."""
-    by_type: dict[str, list[str]] = defaultdict(list)
-    dead: set[int] = set()
-    for name in glob.glob(os.path.join(path, "*.db")):
-        prefix, _, pid = os.path.basename(name)[:-len(".db")].rpartition("_")
-        if not pid.isdigit() or int(pid) in live_pids:
-            continue
-        dead.add(int(pid))
-        if prefix in FOLDED_TYPES:
-            by_type[prefix].append(name)
-    return by_type, dead
-
-
 def fold_into_archive(path: str, kind: str, files: list[str]) -> None:
     """The archive of `kind` plus `files`, key by key, written atomically; then `files` removed."""
     from prometheus_client.mmap_dict import MmapedDict
@@ -84,13 +70,10 @@ def exclusive(path: str, wait_s: float):
                     yield False
                     return
                 time.sleep(LOCK_POLL_S)
-        try:
-            yield True
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        yield True  # closing the file drops its lock
 
 
-def fold_dead_workers(path: str, live_pids: set[int], wait_s: float = 1.0) -> set[int]:
+def fold_dead_workers(path: str, live_pids: set[int], wait_s: float = 1.0) -> set[int]:  # the master's wait
     """Fold every dead process's values into the archives; the pids folded. A fold that
     cannot get the lock within `wait_s` is left for the next call: nothing is lost meanwhile."""
     from prometheus_client import multiprocess
@@ -98,7 +81,15 @@ def fold_dead_workers(path: str, live_pids: set[int], wait_s: float = 1.0) -> se
     with exclusive(path, wait_s) as locked:
         if not locked:
             return set()
-        by_type, dead = dead_files(path, live_pids)
+        by_type: dict[str, list[str]] = defaultdict(list)  # value files of processes not in `live_pids`
+        dead: set[int] = set()
+        for name in glob.glob(os.path.join(path, "*.db")):
+            prefix, _, pid = os.path.basename(name)[:-len(".db")].rpartition("_")
+            if not pid.isdigit() or int(pid) in live_pids:
+                continue
+            dead.add(int(pid))
+            if prefix in FOLDED_TYPES:
+                by_type[prefix].append(name)
         for kind, files in by_type.items():
             fold_into_archive(path, kind, files)
         for pid in dead:

@@ -35,6 +35,7 @@ import threading
 import time
 import weakref
 from collections import Counter
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 POLL_S = 0.05  # longest a waiter sleeps without a wake-up (a killed holder posts none)
@@ -67,10 +68,10 @@ def remove(slots: "PodSlots") -> None:
     shutil.rmtree(slots.path, ignore_errors=True)
 
 
-def lock_key(path: str) -> tuple[int, int, int]:
-    """A file as /proc/locks names it: (major, minor, inode)."""
+def lock_key(path: str) -> str:
+    """A file as /proc/locks names it: major:minor:inode (the kernel's "%02x:%02x:%lu")."""
     st = os.stat(path)
-    return os.major(st.st_dev), os.minor(st.st_dev), st.st_ino
+    return f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
 
 
 @dataclass(frozen=True)
@@ -118,14 +119,23 @@ class PodSlots:
         """A slot free right now, unless a request in the pod is waiting for one."""
         with self._lock:
             self._open()
-            if self._someone_waits():
+            if self._waiting:
                 return None
+            try:  # conflicts with any process's shared lock on the waiting file
+                fcntl.flock(self._probe_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return None
+            fcntl.flock(self._probe_file, fcntl.LOCK_UN)
             return self._take()
 
     def acquire(self, timeout: float | None = None) -> PodSlot | None:
         """A slot, waiting at most `timeout` seconds (None: no limit); None on timeout."""
         expires = None if timeout is None else time.monotonic() + timeout
-        self._join_waiting()
+        with self._lock:
+            self._open()
+            self._waiting += 1
+            if self._waiting == 1:
+                fcntl.flock(self._markers[WAITING_NAME], fcntl.LOCK_SH)  # waits only out another's probe
         try:
             while True:
                 with self._lock:
@@ -140,7 +150,11 @@ class PodSlots:
                 else:
                     time.sleep(pause)
         finally:
-            self._leave_waiting()
+            with self._lock:
+                if self._pid is not None:  # else forked meanwhile: this process never waited
+                    self._waiting -= 1
+                    if self._waiting == 0:
+                        fcntl.flock(self._markers[WAITING_NAME], fcntl.LOCK_UN)
 
     def held_here(self) -> int:
         """Slots this process holds now."""
@@ -180,18 +194,10 @@ class PodSlots:
         booting, stopping or dead sibling never counts. One read of /proc/locks; a worker
         asks only when a new connection is waiting."""
         state = self.pod_state()
-        me = os.getpid()
-        siblings = state.ready - {me}
-        if not siblings:
-            return False
-
-        def rank(pid: int) -> tuple[bool, int, int]:
-            return pid in state.serving, state.holders.get(pid, 0), state.connections.get(pid, 0)
-        mine = rank(me)
-        if self._pid == me:  # its own marks as it knows them, not as last read
-            conns = sum(name.startswith(CONNS_PREFIX) for name in self._marked)
-            mine = (SERVING_NAME in self._marked, len(self._held), conns)
-        return any(rank(pid) < mine for pid in siblings)
+        # Its own marks as it knows them, not as last read (none before this process opened the files).
+        mine = (SERVING_NAME in self._marked, len(self._held), sum(n.startswith(CONNS_PREFIX) for n in self._marked))
+        return any((pid in state.serving, state.holders.get(pid, 0), state.connections.get(pid, 0)) < mine
+                   for pid in state.ready - {os.getpid()})
 
     def pod_state(self) -> PodState:
         try:
@@ -207,12 +213,7 @@ class PodSlots:
             parts = line.split()
             if len(parts) < 6 or parts[1] != "FLOCK":  # "->" lines are blocked requests
                 continue
-            try:
-                major, minor, inode = parts[5].split(":")
-                key = (int(major, 16), int(minor, 16), int(inode))
-                pid = int(parts[4])
-            except ValueError:
-                continue
+            key, pid = parts[5], int(parts[4])
             if key in self._slot_keys:
                 held[self._slot_keys[key]] = pid
             elif key in self._marker_keys:
@@ -275,35 +276,9 @@ class PodSlots:
             fcntl.flock(self._files[slot.index], fcntl.LOCK_UN)
             self._held.discard(slot.index)
         if self._wake is not None:
-            try:
+            with suppress(ValueError):  # already `count` posts pending: enough to wake every waiter
                 self._wake.release()
-            except ValueError:  # already `count` posts pending: enough to wake every waiter
-                pass
 
-    def _someone_waits(self) -> bool:
-        if self._waiting:
-            return True
-        try:  # conflicts with any process's shared lock on the waiting file
-            fcntl.flock(self._probe_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(self._probe_file, fcntl.LOCK_UN)
-        return False
-
-    def _join_waiting(self) -> None:
-        with self._lock:
-            self._open()
-            self._waiting += 1
-            if self._waiting == 1:
-                fcntl.flock(self._markers[WAITING_NAME], fcntl.LOCK_SH)  # waits only out another's probe
-
-    def _leave_waiting(self) -> None:
-        with self._lock:
-            if self._pid is None:
-                return
-            self._waiting -= 1
-            if self._waiting == 0:
-                fcntl.flock(self._markers[WAITING_NAME], fcntl.LOCK_UN)
 
 
 _INSTANCES: "weakref.WeakSet[PodSlots]" = weakref.WeakSet()

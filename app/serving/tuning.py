@@ -4,10 +4,6 @@ import sys
 
 from app.core.heap import M_ARENA_MAX, mallopt
 
-SWITCH_INTERVAL_S = 0.001
-MALLOC_ARENAS = 1
-
-
 # One per computing thread, whatever the workers: a request spreads over the pod's free
 # compute slots (one per core, app/serving/slots.py), each chunk on a thread of its own, so
 # more torch threads per chunk would oversubscribe the cores the slots stand for.
@@ -22,7 +18,7 @@ def tune_worker() -> None:
     # threads parsing bodies, every arena would grow to a large request's size and the worker's
     # memory with them. One is enough: a worker computes on few lanes, and torch's own work does
     # not allocate per element. Not glibc: nothing happens.
-    mallopt(M_ARENA_MAX, MALLOC_ARENAS)
+    mallopt(M_ARENA_MAX, 1)
     # A thread waiting for the GIL (the main loop handing over a connection, a probe) waits
-    # for the running thread's switch interval: 5 ms by default.
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # for the running thread's switch interval: 5 ms by default; 1 ms here.
+    sys.setswitchinterval(0.001)

@@ -22,9 +22,7 @@ def warm_up(settings) -> Exception | None:
     req = GradientRequest(vectors=np.arange(8.0).reshape(4, 2), factor=2, objective="sum", offset=0.0,
                           outputs=("blocks", "accumulated", "losses"), dtype="float32")
     try:
-        result = run(req, settings)
-        for _ in result.blocks():
-            pass
+        list(run(req, settings).blocks())
     except Exception as exc:  # noqa: BLE001 - reported, never fatal
         return exc
-    return None
+    return None  # the worker's device works

@@ -68,11 +68,6 @@ IDLE = "idle"  # kept alive after an answer, no byte of the next request yet
 BUSY = "busy"  # a complete head, in the thread pool
 CLOSING = "closing"  # answer sent, write side shut, waiting for the peer's FIN
 
-# What the bytes of a head say (head_verdict).
-READY = "ready"  # for gunicorn's parser
-PARTIAL = "partial"
-TOO_LARGE = "too_large"
-
 # Why a connection was closed (label of blockgrad_connections_closed_total).
 SERVED = "served"  # after its last answer (Connection: close, an error, the client left mid-request)
 NO_REQUEST = "no_request"  # sent nothing within the header timeout (closed silently)
@@ -89,33 +84,13 @@ EXPIRED = {NEW: NO_REQUEST, IDLE: KEEPALIVE_TIMEOUT}  # why a connection waiting
 def head_timeout_answer(variable: str, seconds: float) -> bytes:
     """408 read_timeout as the app's error table writes it (app/http/errors.py), made here
     because no app runs before a head is complete; `variable` names the timeout that applied."""
-    body = json.dumps({"error": {
-        "code": "read_timeout",
-        "message": f"The request head did not arrive within {variable} = {seconds:g} s; "
-                   "send it faster, or through a proxy that buffers it.",
-        "details": {"timeout_s": seconds}}}, separators=(",", ":")).encode()
+    message = (f"The request head did not arrive within {variable} = {seconds:g} s; "
+               "send it faster, or through a proxy that buffers it.")
+    body = json.dumps({"error": {"code": "read_timeout", "message": message, "details": {"timeout_s": seconds}}},
+                      separators=(",", ":")).encode()
     head = ("HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\nX-Blockgrad-Error-Code: read_timeout\r\nConnection: close\r\n\r\n")
     return head.encode("latin-1") + body
-
-
-def head_limits(cfg) -> tuple[int, int]:
-    """(request line, whole head) in bytes, as gunicorn's parser bounds them."""
-    line = cfg.limit_request_line if 0 < cfg.limit_request_line < MAX_REQUEST_LINE else MAX_REQUEST_LINE
-    fields = cfg.limit_request_fields if 0 < cfg.limit_request_fields <= MAX_HEADERS else MAX_HEADERS
-    size = cfg.limit_request_field_size if cfg.limit_request_field_size > 0 else DEFAULT_MAX_HEADERFIELD_SIZE
-    return line, line + 2 + fields * (size + 2) + 4
-
-
-def raise_open_files_limit(needed: int) -> int:
-    """The soft RLIMIT_NOFILE raised towards `needed` (up to the hard limit); the limit now."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-        with suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-    return soft
 
 
 class Conn(gthread.TConn):
@@ -141,11 +116,16 @@ class ConnectionWorker(gthread.ThreadWorker):
             (ServingSettings.from_env().header_timeout_s, "BLOCKGRAD_HEADER_TIMEOUT_S"),
             (Settings.from_env().read_timeout_s, "BLOCKGRAD_READ_TIMEOUT_S"))
         self.head_timeout_answer = head_timeout_answer(variable, self.header_timeout_s)
-        self.max_connections = self.cfg.worker_connections  # BLOCKGRAD_MAX_CONNECTIONS (gunicorn.conf.py)
+        cfg = self.cfg
+        self.max_connections = cfg.worker_connections  # BLOCKGRAD_MAX_CONNECTIONS (gunicorn.conf.py)
         # gthread answers "Connection: close" once this many are kept alive; here the bound
         # closes the longest-idle instead, so that keep-alive never stops for a flood.
         self.max_keepalived = self.max_connections + 1
-        self.line_limit, self.head_limit = head_limits(self.cfg)
+        # The request line and the whole head, in bytes, as gunicorn's parser bounds them.
+        line = cfg.limit_request_line if 0 < cfg.limit_request_line < MAX_REQUEST_LINE else MAX_REQUEST_LINE
+        fields = cfg.limit_request_fields if 0 < cfg.limit_request_fields <= MAX_HEADERS else MAX_HEADERS
+        size = cfg.limit_request_field_size if cfg.limit_request_field_size > 0 else DEFAULT_MAX_HEADERFIELD_SIZE
+        self.line_limit, self.head_limit = line, line + 2 + fields * (size + 2) + 4
         self.waiting: OrderedDict[Conn, None] = OrderedDict()  # least recently active first
         self.deadlines: list[tuple[float, int, Conn, int]] = []  # heap: (due, order, conn, version)
         self.order = itertools.count()
@@ -172,19 +152,6 @@ class ConnectionWorker(gthread.ThreadWorker):
                         "flood the service is sized for (docs/connections.md): raise it to %d",
                         cfg.workers, settings.max_connections, needed, math.ceil(needed / cfg.workers))
 
-    def leave_to_sibling(self) -> bool:
-        """Asked when a new connection waits on the listener: leave it to a ready sibling
-        ranking before this worker by (serving, slots held, connections held)
-        (app/serving/slots.py), so that concurrent fresh connections land on different
-        workers instead of whichever wins the accept race, and kept-alive clients spread
-        evenly (docs/cores.md). Kept-alive connections stay where they are. The pod is read
-        only here."""
-        pod = host.slots
-        if pod is None or self.cfg.workers <= 1:
-            return False
-        self.publish_state()
-        return pod.sibling_should_take()
-
     def publish_state(self) -> None:
         pod = host.slots
         if pod is None:
@@ -200,8 +167,15 @@ class ConnectionWorker(gthread.ThreadWorker):
         from . import connection_metrics  # after fork: PROMETHEUS_MULTIPROC_DIR is set
 
         self.metrics = connection_metrics
+        # The soft RLIMIT_NOFILE raised towards what is needed (up to the hard limit).
         needed = self.max_connections + self.cfg.threads + SPARE_FILES
-        if raise_open_files_limit(needed) < needed:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < needed:
+            target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+            with suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                soft = target
+        if soft < needed:
             self.log.warning("RLIMIT_NOFILE is below %d: BLOCKGRAD_MAX_CONNECTIONS = %d may not all open",
                              needed, self.max_connections)
         super().init_process()
@@ -211,9 +185,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         app, clock = self.wsgi, self.clock
 
         def timed_app(environ, start_response):
-            started = getattr(clock, "started", None)
-            if started is not None:
-                environ[host.CONN_STARTED_KEY] = started
+            environ[host.CONN_STARTED_KEY] = getattr(clock, "started", None)  # None: no clock (body.py reads it so)
             return app(environ, start_response)
         self.wsgi = timed_app
 
@@ -244,9 +216,8 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def run(self):
         self.poller.register(self.method_queue.fileno(), selectors.EVENT_READ, self.method_queue.run_callbacks)
-        pod = host.slots
-        if pod is not None:
-            pod.mark_ready(True)  # booted: siblings may leave connections to this worker
+        if host.slots is not None:
+            host.slots.mark_ready(True)  # booted: siblings may leave connections to this worker
         while self.alive:
             self.turn(accept=True)
             if not self.is_parent_alive():
@@ -262,7 +233,10 @@ class ConnectionWorker(gthread.ThreadWorker):
         if accept:  # a connection left to a sibling: the listener is looked at again once that is over
             self.set_accept_enabled(now >= self.deferred_until
                                     and (self.nr_conns < self.max_connections or bool(self.waiting)))
-        self.wait_for_and_dispatch_events(timeout=self.poll_timeout())
+        now = time.monotonic()
+        deferred = self.deferred_until if self.deferred_until > now else math.inf
+        self.wait_for_and_dispatch_events(timeout=max(0.0, min(
+            now + POLL_S, self.deadlines[0][0] if self.deadlines else math.inf, deferred) - now))
         self.expire(time.monotonic())
         self.show_metrics()
 
@@ -270,9 +244,8 @@ class ConnectionWorker(gthread.ThreadWorker):
         """Graceful shutdown: no new connections; connections without a byte of a request get
         gthread's short linger (a request arriving meanwhile is answered with Connection:
         close), the rest finish within graceful_timeout."""
-        pod = host.slots
-        if pod is not None:
-            pod.mark_ready(False)  # first: a worker seen not polling its listener is surely not ready
+        if host.slots is not None:
+            host.slots.mark_ready(False)  # first: a worker seen not polling its listener is surely not ready
         self.set_accept_enabled(False)
         # The master closed its copy first: with every worker's closed, a new connect is
         # refused at once (clients and balancers go elsewhere) instead of waiting in the backlog.
@@ -293,16 +266,18 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.poller.close()
         self.method_queue.close()
 
-    def poll_timeout(self) -> float:
-        now = time.monotonic()
-        deferred = self.deferred_until if self.deferred_until > now else math.inf
-        return max(0.0, min(now + POLL_S, self.deadlines[0][0] if self.deadlines else math.inf, deferred) - now)
-
     def accept(self, listener):
-        if self.leave_to_sibling():  # stop polling the listener for a while; a sibling accepts
-            self.deferred_until = time.monotonic() + BALANCE_POLL_S
-            self.set_accept_enabled(False)
-            return
+        # A new connection waits: left to a ready sibling ranking before this worker by (serving,
+        # slots held, connections held) (app/serving/slots.py), so that concurrent fresh
+        # connections land on different workers instead of whichever wins the accept race
+        # (docs/cores.md); this worker stops polling the listener for a while.
+        pod = host.slots
+        if pod is not None and self.cfg.workers > 1:
+            self.publish_state()
+            if pod.sibling_should_take():
+                self.deferred_until = time.monotonic() + BALANCE_POLL_S
+                self.set_accept_enabled(False)
+                return
         try:
             sock, client = listener.accept()
         except OSError as e:
@@ -337,8 +312,7 @@ class ConnectionWorker(gthread.ThreadWorker):
     def push_deadline(self, conn: Conn, due: float) -> None:
         heapq.heappush(self.deadlines, (due, next(self.order), conn, conn.version))
         if len(self.deadlines) > 4 * len(self.waiting) + 64:  # drop the entries that no longer apply
-            self.deadlines = [entry for entry in self.deadlines
-                              if entry[3] == entry[2].version and not entry[2].closed]
+            self.deadlines = [entry for entry in self.deadlines if entry[3] == entry[2].version and not entry[2].closed]
             heapq.heapify(self.deadlines)
 
     def on_readable(self, conn: Conn, _sock) -> None:
@@ -371,26 +345,20 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.make_room(keep=conn)
 
     def examine(self, conn: Conn, searched: int) -> None:
-        """Hand `conn` to the pool once its head is complete (or certain to be refused by
-        gunicorn's parser without another read); answer it here when it is too large."""
-        verdict = self.head_verdict(conn.head, searched)
-        if verdict == READY:
+        """Hand `conn` to the pool once its head is ready for gunicorn's parser: complete, or
+        refused from these bytes alone (a bare LF; a request line over its limit: the parser
+        answers 414); answer it here when it is over the whole head's bound."""
+        head, line_end = conn.head, self.line_limit + 2
+        if (head.find(HEAD_END, searched) >= 0 or BARE_LF.search(head, searched)
+                or (len(head) > line_end and head.find(b"\r\n", 0, line_end) < 0)):
             self.leave_poller(conn)
             self.set_state(conn, BUSY)
             # Before the hand-over: a flock after it would take the GIL back from the pool thread.
             self.publish_state()
             self.enqueue_req(conn)
-        elif verdict == TOO_LARGE:
-            self.refuse(conn, LimitRequestHeaders("max buffer headers"))
-
-    def head_verdict(self, head, searched: int) -> str:
-        """READY for gunicorn's parser (complete, or refused from these bytes alone: a bare LF,
-        a request line over its limit), TOO_LARGE for its whole-head bound, else PARTIAL."""
-        if head.find(HEAD_END, searched) >= 0 or BARE_LF.search(head, searched):
-            return READY
-        if len(head) > self.line_limit + 2 and head.find(b"\r\n", 0, self.line_limit + 2) < 0:
-            return READY  # the parser answers 414
-        return TOO_LARGE if len(head) > self.head_limit else PARTIAL
+        elif len(head) > self.head_limit:  # gunicorn's own answer to a head it cannot take, then close
+            self.handle_error(None, conn.sock, conn.client, LimitRequestHeaders("max buffer headers"))
+            self.close_after_answer(conn, HEAD_TOO_LARGE)
 
     def leave_poller(self, conn: Conn) -> None:
         if self.waiting.pop(conn, False) is None:
@@ -398,14 +366,8 @@ class ConnectionWorker(gthread.ThreadWorker):
             with suppress(KeyError, ValueError, OSError):
                 self.poller.unregister(conn.sock)
 
-    def refuse(self, conn: Conn, error: Exception) -> None:
-        """gunicorn's own answer to a head it cannot take (handle_error), then close."""
-        self.handle_error(None, conn.sock, conn.client, error)
-        self.close_after_answer(conn, HEAD_TOO_LARGE)
-
     def finish_request(self, conn, done):
-        """A pool thread is done with `conn` (on the main loop): kept alive when gthread's
-        handle() returned True."""
+        """A pool thread is done with `conn` (on the main loop): kept alive when gthread's handle() returned True."""
         error = None if done.cancelled() else done.exception()
         if error is not None:  # gthread's handle() logs what it catches; this escaped it
             self.log.error("serving a request: its connection is closed", exc_info=error)
@@ -432,8 +394,7 @@ class ConnectionWorker(gthread.ThreadWorker):
         self.make_room(keep=conn)
 
     def close_after_answer(self, conn: Conn, reason: str = SERVED) -> None:
-        """FIN now, close when the peer's FIN arrives or after CLOSE_LINGER_S (never blocking);
-        `reason` counted."""
+        """FIN now, close when the peer's FIN arrives or after CLOSE_LINGER_S (never blocking); `reason` counted."""
         if conn.closed:
             return
         self.metrics.CLOSED.labels(reason).inc()

@@ -61,8 +61,9 @@ def decode(request: Request, schema: Schema = SCHEMA) -> Described:
         raise wrong_content_type(mimetype)
     data = body.read_body(request)
     document = decode_document(data)
-    unknown = many_unknown(document, schema.fields)  # None unless more than a message lists
-    if unknown:
+    # Only a document with more fields than the schema's can have more unknown than a message lists.
+    if isinstance(document, dict) and len(document) > len(schema.fields) and \
+            (unknown := many_unknown(document, schema.fields)):
         raise unknown_fields(unknown, schema.fields)
     try:
         fields, errors = schema.load(document), {}
@@ -72,9 +73,8 @@ def decode(request: Request, schema: Schema = SCHEMA) -> Described:
             raise not_an_object(messages) from None
         fields, errors = exc.valid_data, exc.messages
     vectors = fields.pop("vectors", None)
-    n = dim = None
-    if isinstance(vectors, list) and vectors and isinstance(vectors[0], list):
-        n, dim = len(vectors), len(vectors[0])
+    n, dim = ((len(vectors), len(vectors[0])) if isinstance(vectors, list) and vectors and isinstance(vectors[0], list)
+              else (None, None))
     answer = answer_cost(len(data), fields.get("dtype", DEFAULT_DTYPE))
     return Described(n, dim, vectors, fields, errors, answer)
 

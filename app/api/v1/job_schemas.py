@@ -33,8 +33,7 @@ class ProgressSchema(Schema):
 
 class JobSchema(Schema):
     id = fields.String(required=True, metadata={"description": "128 random bits, hexadecimal."})
-    status = fields.String(required=True, metadata={
-        "enum": ["queued", "running", "succeeded", "failed", "cancelled"]})
+    status = fields.String(required=True, metadata={"enum": ["queued", "running", "succeeded", "failed", "cancelled"]})
     n = fields.Integer(required=True)
     dim = fields.Integer(required=True)
     factor = fields.Integer(required=True)

@@ -269,8 +269,7 @@ def npz_stream(jobs: JobStore, row: dict) -> Iterator[bytes]:
             np.lib.format.write_array(file, np.asarray(block_bounds(row["n"], row["factor"]), dtype=np.int64))
         for name, shape in shapes(row).items():
             with archive.open(f"{name}.npy", "w", force_zip64=True) as file:
-                np.lib.format.write_array_header_1_0(file, {"descr": dtype.str, "fortran_order": False,
-                                                            "shape": shape})
+                np.lib.format.write_array_header_1_0(file, {"descr": dtype.str, "fortran_order": False, "shape": shape})
                 for part in pieces(jobs, row, name, shape[0]):
                     file.write(np.ascontiguousarray(part, dtype=dtype).data)
                     yield sink.take()
