@@ -15,9 +15,8 @@ CONN_STARTED_KEY = "blockgrad.conn_started"
 
 slots: SlotSource | None = None  # the pod's, shared by every worker
 scrape_lock: Callable[[], AbstractContextManager] = nullcontext  # held while /metrics reads the value files
-# Set by the app factory: (grpc server, max message bytes) -> the servicers added, and what to
-# call when the worker starts draining (app/serving/grpc_server.py).
-grpc_services: Callable[[Any, int], Callable[[], None]] | None = None
+# Set by the app factory: (grpc server, max message bytes) -> the servicers added (app/serving/grpc_server.py).
+grpc_services: Callable[[Any, int], None] | None = None
 
 
 def on_abort() -> None:

@@ -19,10 +19,16 @@ from .docs import ErrorSchema, register_docs, spec_options
 from .errors import register_error_handlers
 from .settings import Settings
 
-FLASK_CONFIG = {"API_TITLE": "blockgrad", "API_VERSION": "1.0.0", "OPENAPI_VERSION": "3.0.3", "OPENAPI_URL_PREFIX": "/",
-                "OPENAPI_JSON_PATH": "openapi.json", "OPENAPI_SWAGGER_UI_PATH": "docs",
-                "OPENAPI_SWAGGER_UI_URL": "/docs/assets/",  # docs.py's, no CDN; absolute: /docs and /docs/ both work
-                "OPENAPI_SWAGGER_UI_CONFIG": {"validatorUrl": None}}  # no badge fetched from swagger.io
+FLASK_CONFIG = {
+    "API_TITLE": "blockgrad",
+    "API_VERSION": "1.0.0",
+    "OPENAPI_VERSION": "3.0.3",
+    "OPENAPI_URL_PREFIX": "/",
+    "OPENAPI_JSON_PATH": "openapi.json",
+    "OPENAPI_SWAGGER_UI_PATH": "docs",
+    "OPENAPI_SWAGGER_UI_URL": "/docs/assets/",  # served by docs.py, no CDN; absolute: /docs and /docs/ both work
+    "OPENAPI_SWAGGER_UI_CONFIG": {"validatorUrl": None},  # no badge fetched from swagger.io
+}
 
 
 class BlockgradApi(Api):

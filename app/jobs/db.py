@@ -70,14 +70,22 @@ def first_job_columns() -> list[sa.Column]:
 jobs = sa.Table("jobs", meta, *first_job_columns(),
                 sa.Column("request_hash", sa.String(64)),  # sha256 of the job's vectors and fields (store.submit)
                 sa.Column("traceparent", sa.String(55)))  # the POST's W3C traceparent, None when not traced
-inputs = sa.Table("job_inputs", meta, sa.Column("job_id", sa.String(32), primary_key=True),
-                  sa.Column("vectors", sa.LargeBinary, nullable=False))  # .npy bytes, the job's dtype
-results = sa.Table("job_results", meta, sa.Column("job_id", sa.String(32), primary_key=True),
-                   sa.Column("output", sa.String(16), primary_key=True),  # accumulated (N, D) or losses (F, F)
-                   sa.Column("seq", sa.Integer, primary_key=True),
-                   sa.Column("data", sa.LargeBinary, nullable=False))  # whole rows, C order
-runners = sa.Table("job_runners", meta, sa.Column("owner", sa.Text, primary_key=True), sa.Column("scheduler", sa.Text),
-                   sa.Column("workers", sa.Integer, nullable=False), sa.Column("seen_at", sa.Float, nullable=False))
+inputs = sa.Table(
+    "job_inputs", meta,
+    sa.Column("job_id", sa.String(32), primary_key=True),
+    sa.Column("vectors", sa.LargeBinary, nullable=False))  # .npy bytes, the job's dtype
+results = sa.Table(
+    "job_results", meta,
+    sa.Column("job_id", sa.String(32), primary_key=True),
+    sa.Column("output", sa.String(16), primary_key=True),  # accumulated (N, D) or losses (F, F)
+    sa.Column("seq", sa.Integer, primary_key=True),
+    sa.Column("data", sa.LargeBinary, nullable=False))  # whole rows, C order
+runners = sa.Table(
+    "job_runners", meta,
+    sa.Column("owner", sa.Text, primary_key=True),
+    sa.Column("scheduler", sa.Text),
+    sa.Column("workers", sa.Integer, nullable=False),
+    sa.Column("seen_at", sa.Float, nullable=False))
 versions = sa.Table("schema_version", meta, sa.Column("version", sa.Integer, nullable=False))
 
 # Each step only adds (a table, a nullable or defaulted column): the previous release's

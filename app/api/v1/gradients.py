@@ -73,8 +73,9 @@ def decode(request: Request, schema: Schema = SCHEMA) -> Described:
             raise not_an_object(messages) from None
         fields, errors = exc.valid_data, exc.messages
     vectors = fields.pop("vectors", None)
-    n, dim = ((len(vectors), len(vectors[0])) if isinstance(vectors, list) and vectors and isinstance(vectors[0], list)
-              else (None, None))
+    n = dim = None
+    if isinstance(vectors, list) and vectors and isinstance(vectors[0], list):
+        n, dim = len(vectors), len(vectors[0])
     answer = answer_cost(len(data), fields.get("dtype", DEFAULT_DTYPE))
     return Described(n, dim, vectors, fields, errors, answer)
 

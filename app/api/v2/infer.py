@@ -123,8 +123,7 @@ def answer_cost(dtype: str, outputs: tuple[RequestedOutput, ...], body_bytes: in
 
 def refuse_many_unknown(mapping: object, known, where: str) -> None:
     """More unknown keys than a message lists: refused in O(keys) (core.errors.many_unknown)."""
-    unknown = many_unknown(mapping, known)
-    if unknown:
+    if isinstance(mapping, dict) and len(mapping) > len(known) and (unknown := many_unknown(mapping, known)):
         raise invalid(f"Unknown {where}: {listed_names(unknown, len(unknown))}; known: {', '.join(known)}.")
 
 
