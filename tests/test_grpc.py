@@ -249,12 +249,29 @@ def test_an_answer_over_the_message_limit_is_refused_before_computing(server, st
     line = log_line(server, trailing(error)["x-request-id"])
     assert line["error"] == "limit_exceeded" and line.get("compute_ms", 0) == 0  # never computed
     assert stub.ModelInfer(infer_request(x, "FP32", factor=2), metadata=AUTH, timeout=WAIT_S).outputs
-    assert len([l for l in log_lines(server) if l.get("compute_ms")]) > before
+    # Logged once the call has ended, maybe after the client has its answer.
+    assert wait_until(lambda: len([l for l in log_lines(server) if l.get("compute_ms")]) > before, WAIT_S)
 
 
-def test_a_request_over_the_message_limit_is_resource_exhausted(stub):
-    error = failure(stub.ModelInfer, infer_request(vectors(4200, 64)))  # 4200 x 64 x 4 bytes: over 1 MiB
+def test_a_request_over_the_message_limit_is_resource_exhausted(server, stub):
+    """grpcio refuses it with its own status; the call is not logged as an invalid request."""
+    error = failure(stub.ModelInfer, infer_request(vectors(4200, 64)),  # 4200 x 64 x 4 bytes: over 1 MiB
+                    AUTH + (("x-request-id", "grpc-too-big"),))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    stub.ServerLive(pb.ServerLiveRequest(), metadata=(("x-request-id", "grpc-after-too-big"),), timeout=WAIT_S)
+    log_line(server, "grpc-after-too-big")  # logged after the refused call's would have been
+    assert not [line for line in log_lines(server) if line.get("request_id") == "grpc-too-big"]
+
+
+@pytest.mark.parametrize("method", ["/inference.GRPCInferenceService/ModelInfer", "/grpc.health.v1.Health/Check"])
+def test_bytes_that_are_no_message_are_invalid_argument_not_a_server_failure(server, method):
+    with grpc.insecure_channel(server.grpc_target) as channel:
+        with pytest.raises(grpc.RpcError) as caught:
+            channel.unary_unary(method)(b"\xff\xff\xff\xff garbage", metadata=AUTH, timeout=WAIT_S)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value
+    assert trailing(caught.value)["blockgrad-error-code"] == "validation_error"
+    assert "not a valid" in caught.value.details()
+    assert not [line for line in log_lines(server) if line.get("error") == "internal_error"]
 
 
 def test_an_unusable_device_is_not_ready_and_unavailable():

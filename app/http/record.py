@@ -197,15 +197,22 @@ def before_request() -> None:
           req.headers if route.startswith(TRACED) and not route.endswith("/ready") else None)
 
 
-def begin(state, request_id: str, route: str, method: str, carrier=None) -> None:
+def clock() -> tuple[float, float, int]:
+    """Now, as a request's record counts it: (perf_counter, monotonic, time_ns)."""
+    return time.perf_counter(), time.monotonic(), time.time_ns()
+
+
+def begin(state, request_id: str, route: str, method: str, carrier=None, since: tuple | None = None) -> None:
     """A request starts: its record is `state` (Flask's `g`, or a gRPC call's own namespace).
-    `carrier` (headers, gRPC metadata): the request is traced, as a child of its traceparent if any."""
-    state.started = time.perf_counter()
+    `carrier` (headers, gRPC metadata): the request is traced, as a child of its traceparent if any.
+    `since`: when it arrived (`clock()`), if before now (a gRPC call, before its message)."""
+    # The request's duration, its deadline (the pipeline's) and its span count from its arrival.
+    state.started, state.arrived, start_ns = since or clock()
     state.cpu_started = (threading.get_ident(), time.thread_time())  # cpu_ms: this thread's CPU time
-    state.arrived = time.monotonic()  # the request's deadline counts from here (the pipeline's deadline)
     state.request_id = request_id
     state.span = None if carrier is None or tracing.TRACER is None else tracing.TRACER.start_span(
-        f"{method} {route}", tracing.parent(carrier), SpanKind.SERVER, {"blockgrad.request_id": request_id})
+        f"{method} {route}", tracing.parent(carrier), SpanKind.SERVER, {"blockgrad.request_id": request_id},
+        start_time=start_ns)
     metrics.IN_FLIGHT.inc()
     state.in_flight = True
     key = state.unfinished_key = id(state)

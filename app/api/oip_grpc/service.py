@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import grpc
 from flask import Flask
 from google.protobuf.json_format import ParseDict
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 from tritonclient.grpc import service_pb2 as pb
 
@@ -72,20 +73,26 @@ class Servicer:
 
     def handler(self, route: str, work: Callable) -> Callable:
         async def rpc(requests, context):
+            since = record.clock()  # the call's arrival: its duration, span and deadline count from here
             try:
                 raw = await asyncio.wait_for(context.read(), self.read_timeout_s)
             except asyncio.TimeoutError:
                 raw = None
+            if raw is grpc.aio.EOF:  # none sent, or one grpcio refused (over the limit: its own status, sent)
+                context.set_trailing_metadata(((ERROR_CODE_KEY, "validation_error"),))
+                await context.abort(Status.INVALID_ARGUMENT, "The call ended before its request message.")
             # The call's facts, read here (an aio context is not thread-safe). Ours ends DEADLINE_MARGIN_S
             # before gRPC's, whose end also ends the call: one ended before ours is one its client cancelled.
             remaining, ended = context.time_remaining(), threading.Event()
             due = None if remaining is None else time.monotonic() + remaining - DEADLINE_MARGIN_S
             state = SimpleNamespace(metadata=dict(context.invocation_metadata()), due=due,
                                     cancelled=lambda: ended.is_set() and (due is None or time.monotonic() < due))
-            done = asyncio.get_running_loop().run_in_executor(None, self.answer, route, work, raw, state)
-            # Recorded, and its memory given back, once the call ends (a failed one already is).
+            loop = asyncio.get_running_loop()
+            done = loop.run_in_executor(None, self.answer, route, work, raw, state, since)
+            # Recorded, and its memory given back, once the call ends (a failed one already is), on
+            # a pool thread: the log line's write never stalls the loop.
             context.add_done_callback(lambda _: (ended.set(), done.add_done_callback(
-                lambda _: state.finish(None))))
+                lambda _: loop.run_in_executor(None, state.finish, None))))
             message, error = await asyncio.shield(done)  # a cancelled call's work still ends, on its thread
             context.set_trailing_metadata(((REQUEST_ID_KEY, state.request_id),)
                                           + (((ERROR_CODE_KEY, error.code),) if error else ()))
@@ -94,23 +101,23 @@ class Servicer:
             return message
         return rpc
 
-    def answer(self, route: str, work: Callable, raw, state) -> tuple:
+    def answer(self, route: str, work: Callable, raw, state, since: tuple) -> tuple:
         """On a pool thread: the call recorded (its id, timing, one log line and the metrics;
         ModelInfer's span, the child of its metadata's traceparent), its token checked (but on
         the probes), and its BlockgradError answered as the table's status, message and code."""
         name, metadata, error, message = route.rsplit("/", 1)[1], state.metadata, None, None
         record.begin(state, record.request_id_from(metadata.get(REQUEST_ID_KEY)), route, "GRPC",
-                     metadata if name == "ModelInfer" else None)
+                     metadata if name == "ModelInfer" else None, since)
         try:
             if raw is None:
                 raise read_timeout(self.read_timeout_s)
-            if raw is grpc.aio.EOF:
-                raise invalid_request("The call ended before its request message.")
             if name not in OPEN:
                 self.authorize(metadata.get("authorization"))
             message = work(raw, state)  # serialised
         except BlockgradError as exc:
             error = exc
+        except DecodeError:  # the client's bytes, not the server's failure
+            error = invalid_request(f"The request is not a valid {name} message.")
         except Exception:  # noqa: BLE001 - internals go to the log, never the answer
             log.exception("unhandled error")
             error = internal_error()
