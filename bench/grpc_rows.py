@@ -43,8 +43,14 @@ def grpc_vs_v2(bench) -> list[Result]:
     seed_v1 = workloads.body(workloads.SEED_EXAMPLE, factor=2)  # blocks and accumulated
     seed_v2 = binary_infer_request(seed, {"factor": 2}, ["block_gradients", "accumulated"])
     seed_grpc = grpc_request(seed, 2, ["block_gradients", "accumulated"])
+    channels = []  # each gRPC client its own channel (one HTTP/2 connection), as each HTTP client its Session
+
+    def own_stub():
+        channels.append(grpc.insecure_channel(server.grpc_target))
+        return pb_grpc.GRPCInferenceServiceStub(channels[-1])
+
     front_ends = {
-        "gRPC": lambda: (lambda s=stub: grpc_infer(s, seed_grpc)),
+        "gRPC": lambda: (lambda s=own_stub(): grpc_infer(s, seed_grpc)),
         "/v2 binary": lambda: (lambda s=requests.Session(): binary_infer(s, server.url, *seed_v2)),
         "/v1 JSON": lambda: (lambda s=requests.Session(): json_answer(s, server.url, seed_v1)),
     }
@@ -63,6 +69,8 @@ def grpc_vs_v2(bench) -> list[Result]:
                               f"{rate['gRPC']:.0f} vs {rate['/v2 binary']:.0f} req/s (/v1 JSON {rate['/v1 JSON']:.0f},"
                               f" gRPC {rate['gRPC'] / rate['/v1 JSON']:.2f}x of it); median latency "
                               + ", ".join(f"{name} {ms(statistics.median(v))}" for name, v in latency.items())))
+    for own in channels:
+        own.close()
     for n, dim, factor in ((128, 64, 4), (256, 64, 8)):
         matrix = workloads.vectors(n, dim).astype(np.float32)
         v2_body = binary_infer_request(matrix, {"factor": factor})
