@@ -398,12 +398,17 @@ def test_calls_whose_message_never_comes_end_at_the_read_timeout_and_free_the_ca
             never.set()
 
 
-def computing_started(server) -> float:
-    """Computing requests that have taken a compute slot so far."""
+def metric(server, name: str) -> float:
+    """One unlabelled sample of /metrics (0 until it is written)."""
     for line in requests.get(server.url + "/metrics", timeout=WAIT_S).text.splitlines():
-        if line.startswith("blockgrad_queue_wait_seconds_count "):
+        if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0
+
+
+def computing_started(server) -> float:
+    """Computing requests that have taken a compute slot so far."""
+    return metric(server, "blockgrad_queue_wait_seconds_count")
 
 
 def test_a_call_cancelled_while_computing_stops_and_frees_the_slot(bounded_server):
@@ -424,10 +429,7 @@ def test_a_call_cancelled_while_computing_stops_and_frees_the_slot(bounded_serve
 
 
 def queue_depth(server) -> float:
-    for line in requests.get(server.url + "/metrics", timeout=WAIT_S).text.splitlines():
-        if line.startswith("blockgrad_queue_depth "):
-            return float(line.split()[1])
-    return 0.0
+    return metric(server, "blockgrad_queue_depth")
 
 
 def test_the_master_never_loads_grpcio(bounded_server):
