@@ -15,7 +15,10 @@ from .measure import Result, at_least, clients_rate, ms, paired
 from .rows import binary_infer, json_answer
 
 V1_OUTPUTS = {"blocks": "block_gradients", "accumulated": "accumulated", "losses": "losses"}
-ROUNDS = 3  # alternated rounds per front end at the seed size
+ROUNDS = 5  # alternated rounds per front end at the seed size, each on fresh connections
+# grpcio's channels to one target share one connection (its global subchannel pool) unless each
+# keeps its own: without this, the four "clients" were four streams on one worker.
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
 ROUND_S = 3.0
 
 
@@ -43,10 +46,10 @@ def grpc_vs_v2(bench) -> list[Result]:
     seed_v1 = workloads.body(workloads.SEED_EXAMPLE, factor=2)  # blocks and accumulated
     seed_v2 = binary_infer_request(seed, {"factor": 2}, ["block_gradients", "accumulated"])
     seed_grpc = grpc_request(seed, 2, ["block_gradients", "accumulated"])
-    channels = []  # each gRPC client its own channel (one HTTP/2 connection), as each HTTP client its Session
+    channels = []  # each gRPC client its own HTTP/2 connection, as each HTTP client its Session
 
     def own_stub():
-        channels.append(grpc.insecure_channel(server.grpc_target))
+        channels.append(grpc.insecure_channel(server.grpc_target, options=OWN_CONNECTION))
         return pb_grpc.GRPCInferenceServiceStub(channels[-1])
 
     front_ends = {
