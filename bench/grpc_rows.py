@@ -62,7 +62,11 @@ def grpc_vs_v2(bench) -> list[Result]:
         latency = {name: [] for name in front_ends}
         for _ in range(ROUNDS):
             for name, make_call in front_ends.items():
-                rate, median, _ = clients_rate(make_call, clients, ROUND_S)
+                try:
+                    rate, median, _ = clients_rate(make_call, clients, ROUND_S)
+                finally:
+                    while channels:  # a round's connections end with it
+                        channels.pop().close()
                 rates[name].append(rate)
                 latency[name].append(median)
         rate = {name: statistics.median(values) for name, values in rates.items()}
@@ -72,8 +76,6 @@ def grpc_vs_v2(bench) -> list[Result]:
                               f"{rate['gRPC']:.0f} vs {rate['/v2 binary']:.0f} req/s (/v1 JSON {rate['/v1 JSON']:.0f},"
                               f" gRPC {rate['gRPC'] / rate['/v1 JSON']:.2f}x of it); median latency "
                               + ", ".join(f"{name} {ms(statistics.median(v))}" for name, v in latency.items())))
-    for own in channels:
-        own.close()
     for n, dim, factor in ((128, 64, 4), (256, 64, 8)):
         matrix = workloads.vectors(n, dim).astype(np.float32)
         v2_body = binary_infer_request(matrix, {"factor": factor})
