@@ -79,6 +79,9 @@ def cluster_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")  # one core per task (the tasks also set torch's threads)
+    # A stop closes the workers before the scheduler: a message it was sending one then ends in
+    # an INFO line with a traceback (distributed.batched), which a stop must not print.
+    env.setdefault("DASK_LOGGING", '{"distributed.batched": "warning"}')
     return env
 
 
