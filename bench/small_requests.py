@@ -10,7 +10,11 @@ machine's noise moves it much less than the rate.
 
 In the same run, the same comparison with the no-op WSGI app (bench/noop.py) under each app's
 server (the service's gunicorn.conf.py, the peer's sync settings): what the servers alone
-cost, the part of the ratio no change to the app can move (docs/small-requests.md).
+cost, the part of the ratio no change to the app can move (docs/small-requests.md). Then the
+ratio taken apart (info rows): the service's app under the peer's own server (gunicorn's sync
+worker, one thread: gunicorn runs gthread whenever threads > 1) against the peer, the apps alone
+as served; and the service under its worker class against gunicorn's stock gthread worker, the
+same app and settings, what holding connections in the poller costs.
 """
 import contextlib
 import os
@@ -41,6 +45,8 @@ PEER_APP = "bench.peer:app"
 NOOP_APP = "bench.noop:app"
 PEER_CONFIG = "bench/peer_gunicorn.py"
 BODY = workloads.body(workloads.SEED_EXAMPLE, factor=2)
+SYNC_WORKER = {"GUNICORN_CMD_ARGS": "--worker-class sync --threads 1"}  # the peer's server, the service's app
+STOCK_GTHREAD = {"GUNICORN_CMD_ARGS": "--worker-class gthread"}  # gunicorn's own, the service's settings
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
@@ -153,6 +159,7 @@ def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S
                 f"Flask app (sync)", f">= {TARGET}x", f"{ratio:.2f}x", at_least(ratio, TARGET),
                 detail(pairs, rounds, seconds)))
     floor_rounds = max(1, rounds // 2 + 1)
+    results += taken_apart(bench, floor_rounds, seconds)
     with gunicorn_server(workers=WORKERS, device=None, ready_path="/", app=NOOP_APP) as service, \
             peer_server(WORKERS, bench.torch_threads, app=NOOP_APP) as peer:
         for server in (service, peer):
@@ -164,4 +171,27 @@ def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S
                 f"18. no-op WSGI app, {clients} client{'s' if clients > 1 else ''}: the service's server vs the "
                 f"peer's (sync), the servers alone", "- (info)", f"{ratio:.2f}x", "-",
                 detail(pairs, floor_rounds, seconds)))
+    return results
+
+
+def taken_apart(bench, rounds: int, seconds: float) -> list[Result]:
+    """Row 18's gap in two parts, measured in the same run (info rows)."""
+    results = []
+    with gunicorn_server(workers=WORKERS, device="cpu", ready_path="/readyz") as service, \
+            gunicorn_server(workers=WORKERS, device="cpu", ready_path="/readyz", env=STOCK_GTHREAD) as stock, \
+            gunicorn_server(workers=WORKERS, device="cpu", ready_path="/readyz", env=SYNC_WORKER) as app_on_sync, \
+            peer_server(WORKERS, bench.torch_threads) as peer:
+        for server in (service, stock, app_on_sync, peer):
+            load(server, "/v1/gradients", BODY, clients=max(CLIENTS), seconds=min(1.0, seconds))
+        for clients in CLIENTS:
+            label = f"{clients} client{'s' if clients > 1 else ''}"
+            for name, first, second in (
+                    ("the service's app under the peer's server (gunicorn sync, one thread) vs the peer, "
+                     "the apps alone as served", app_on_sync, peer),
+                    ("the service vs the same app and settings under gunicorn's stock gthread worker, "
+                     "what holding connections in the poller costs", service, stock)):
+                pairs = alternate(first, second, clients, rounds, seconds)
+                ratio = statistics.median(s.rate / p.rate for s, p in pairs)
+                results.append(Result(f"18. seed 10x5 example, {label}: {name}", "- (info)", f"{ratio:.2f}x", "-",
+                                      detail(pairs, rounds, seconds)))
     return results
