@@ -8,13 +8,13 @@ alternating rounds, so both see the same load on a shared machine; the ratio is 
 over rounds. Beside the rate, each app's server CPU time per request, read from /proc: the
 machine's noise moves it much less than the rate.
 
-In the same run, the same comparison with the no-op WSGI app (bench/noop.py) under each app's
+In the same run, the ratio taken apart (info rows, `taken_apart`): the service's app under
+gunicorn's sync worker (the peer's worker class, one thread, no gRPC; the service's
+gunicorn.conf.py otherwise) against the peer, the apps alone as served; and the service against
+the same app and settings under gunicorn's stock gthread worker, what ConnectionWorker adds.
+Then the same comparison as the row's with the no-op WSGI app (bench/noop.py) under each app's
 server (the service's gunicorn.conf.py, the peer's sync settings): what the servers alone
-cost, the part of the ratio no change to the app can move (docs/small-requests.md). Then the
-ratio taken apart (info rows): the service's app under the peer's own server (gunicorn's sync
-worker, one thread: gunicorn runs gthread whenever threads > 1) against the peer, the apps alone
-as served; and the service under its worker class against gunicorn's stock gthread worker, the
-same app and settings, what holding connections in the poller costs.
+cost, the part of the ratio no change to the app can move (docs/small-requests.md).
 """
 import contextlib
 import os
@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -45,8 +46,9 @@ PEER_APP = "bench.peer:app"
 NOOP_APP = "bench.noop:app"
 PEER_CONFIG = "bench/peer_gunicorn.py"
 BODY = workloads.body(workloads.SEED_EXAMPLE, factor=2)
-SYNC_WORKER = {"GUNICORN_CMD_ARGS": "--worker-class sync --threads 1"}  # the peer's server, the service's app
-STOCK_GTHREAD = {"GUNICORN_CMD_ARGS": "--worker-class gthread"}  # gunicorn's own, the service's settings
+# --threads 1: with threads > 1 gunicorn runs gthread whatever --worker-class says.
+APP_ON_SYNC_ENV = {"GUNICORN_CMD_ARGS": "--worker-class sync --threads 1", "BLOCKGRAD_GRPC_BIND": "off"}
+STOCK_GTHREAD_ENV = {"GUNICORN_CMD_ARGS": "--worker-class gthread"}
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
@@ -118,7 +120,7 @@ def same_answer(service: Server, peer: Server) -> None:
 
 
 def medians(pairs: list[tuple[Phase, Phase]], field: str) -> tuple[float, float]:
-    """The median of one Phase field over the rounds: (service, peer)."""
+    """The median of one Phase field over the rounds: (first server, second)."""
     service, peer = zip(*pairs)
     return (statistics.median(getattr(p, field) for p in service), statistics.median(getattr(p, field) for p in peer))
 
@@ -144,7 +146,7 @@ def detail(pairs: list[tuple[Phase, Phase]], rounds: int, seconds: float) -> str
 
 def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S) -> list[Result]:
     """The service's requests/s over the peer's on the 10x5 example, at 1 and 4 clients; then
-    the no-op app under each one's server (info rows)."""
+    the ratio taken apart and the no-op app under each one's server (info rows)."""
     results = []
     with gunicorn_server(workers=WORKERS, device="cpu", ready_path="/readyz") as service, \
             peer_server(WORKERS, bench.torch_threads) as peer:
@@ -155,7 +157,7 @@ def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S
             pairs = alternate(service, peer, clients, rounds, seconds)
             ratio = statistics.median(s.rate / p.rate for s, p in pairs)
             results.append(Result(
-                f"18. seed 10x5 example, {clients} client{'s' if clients > 1 else ''}: service vs minimal "
+                f"18. seed 10x5 example, {clients_label(clients)}: service vs minimal "
                 f"Flask app (sync)", f">= {TARGET}x", f"{ratio:.2f}x", at_least(ratio, TARGET),
                 detail(pairs, rounds, seconds)))
     floor_rounds = max(1, rounds // 2 + 1)
@@ -168,30 +170,32 @@ def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S
             pairs = alternate(service, peer, clients, floor_rounds, seconds, path="/")
             ratio = statistics.median(s.rate / p.rate for s, p in pairs)
             results.append(Result(
-                f"18. no-op WSGI app, {clients} client{'s' if clients > 1 else ''}: the service's server vs the "
+                f"18. no-op WSGI app, {clients_label(clients)}: the service's server vs the "
                 f"peer's (sync), the servers alone", "- (info)", f"{ratio:.2f}x", "-",
                 detail(pairs, floor_rounds, seconds)))
     return results
 
 
+def clients_label(clients: int) -> str:
+    return f"{clients} client{'s' if clients > 1 else ''}"
+
+
 def taken_apart(bench, rounds: int, seconds: float) -> list[Result]:
     """Row 18's gap in two parts, measured in the same run (info rows)."""
     results = []
-    with gunicorn_server(workers=WORKERS, device="cpu", ready_path="/readyz") as service, \
-            gunicorn_server(workers=WORKERS, device="cpu", ready_path="/readyz", env=STOCK_GTHREAD) as stock, \
-            gunicorn_server(workers=WORKERS, device="cpu", ready_path="/readyz", env=SYNC_WORKER) as app_on_sync, \
-            peer_server(WORKERS, bench.torch_threads) as peer:
-        for server in (service, stock, app_on_sync, peer):
+    served = partial(gunicorn_server, workers=WORKERS, device="cpu", ready_path="/readyz")
+    with served() as service, served(env=STOCK_GTHREAD_ENV) as stock_gthread, \
+            served(env=APP_ON_SYNC_ENV) as app_on_sync, peer_server(WORKERS, bench.torch_threads) as peer:
+        for server in (service, stock_gthread, app_on_sync, peer):
             load(server, "/v1/gradients", BODY, clients=max(CLIENTS), seconds=min(1.0, seconds))
         for clients in CLIENTS:
-            label = f"{clients} client{'s' if clients > 1 else ''}"
             for name, first, second in (
-                    ("the service's app under the peer's server (gunicorn sync, one thread) vs the peer, "
+                    ("the service's app under gunicorn's sync worker (one thread, no gRPC) vs the peer, "
                      "the apps alone as served", app_on_sync, peer),
                     ("the service vs the same app and settings under gunicorn's stock gthread worker, "
-                     "what holding connections in the poller costs", service, stock)):
+                     "what ConnectionWorker adds", service, stock_gthread)):
                 pairs = alternate(first, second, clients, rounds, seconds)
                 ratio = statistics.median(s.rate / p.rate for s, p in pairs)
-                results.append(Result(f"18. seed 10x5 example, {label}: {name}", "- (info)", f"{ratio:.2f}x", "-",
-                                      detail(pairs, rounds, seconds)))
+                results.append(Result(f"18. seed 10x5 example, {clients_label(clients)}: {name}", "- (info)",
+                                      f"{ratio:.2f}x", "-", detail(pairs, rounds, seconds)))
     return results
