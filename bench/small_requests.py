@@ -121,8 +121,13 @@ def same_answer(service: Server, peer: Server) -> None:
 
 def medians(pairs: list[tuple[Phase, Phase]], field: str) -> tuple[float, float]:
     """The median of one Phase field over the rounds: (first server, second)."""
-    service, peer = zip(*pairs)
-    return (statistics.median(getattr(p, field) for p in service), statistics.median(getattr(p, field) for p in peer))
+    first, second = zip(*pairs)
+    return statistics.median(getattr(p, field) for p in first), statistics.median(getattr(p, field) for p in second)
+
+
+def median_ratio(pairs: list[tuple[Phase, Phase]]) -> float:
+    """The median over rounds of the first server's rate over the second's."""
+    return statistics.median(first.rate / second.rate for first, second in pairs)
 
 
 def alternate(first: Server, second: Server, clients: int, rounds: int, seconds: float,
@@ -155,7 +160,7 @@ def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S
             load(server, "/v1/gradients", BODY, clients=max(CLIENTS), seconds=min(1.0, seconds))
         for clients in CLIENTS:
             pairs = alternate(service, peer, clients, rounds, seconds)
-            ratio = statistics.median(s.rate / p.rate for s, p in pairs)
+            ratio = median_ratio(pairs)
             results.append(Result(
                 f"18. seed 10x5 example, {clients_label(clients)}: service vs minimal "
                 f"Flask app (sync)", f">= {TARGET}x", f"{ratio:.2f}x", at_least(ratio, TARGET),
@@ -168,7 +173,7 @@ def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S
             load(server, "/", BODY, clients=max(CLIENTS), seconds=min(1.0, seconds))
         for clients in CLIENTS:
             pairs = alternate(service, peer, clients, floor_rounds, seconds, path="/")
-            ratio = statistics.median(s.rate / p.rate for s, p in pairs)
+            ratio = median_ratio(pairs)
             results.append(Result(
                 f"18. no-op WSGI app, {clients_label(clients)}: the service's server vs the "
                 f"peer's (sync), the servers alone", "- (info)", f"{ratio:.2f}x", "-",
@@ -195,7 +200,7 @@ def taken_apart(bench, rounds: int, seconds: float) -> list[Result]:
                     ("the service vs the same app and settings under gunicorn's stock gthread worker, "
                      "what ConnectionWorker adds", service, stock_gthread)):
                 pairs = alternate(first, second, clients, rounds, seconds)
-                ratio = statistics.median(s.rate / p.rate for s, p in pairs)
+                ratio = median_ratio(pairs)
                 results.append(Result(f"18. seed 10x5 example, {clients_label(clients)}: {name}", "- (info)",
                                       f"{ratio:.2f}x", "-", detail(pairs, rounds, seconds)))
     return results
