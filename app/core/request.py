@@ -14,7 +14,7 @@ import numpy as np
 from .dtypes import DEFAULT_DTYPE, DTYPES, UNKNOWN_DTYPE
 from .errors import field_error, validation_error
 from .objectives import DEFAULT_OBJECTIVE, DEFAULT_OFFSET, OBJECTIVES, Objective
-from .vectors import EMPTY_ROWS, NO_ROWS, fits_dtype
+from .vectors import EMPTY_ROWS, NO_ROWS, in_dtype
 
 OUTPUTS = ("blocks", "accumulated", "losses")
 DEFAULT_OUTPUTS = ("blocks", "accumulated")
@@ -59,7 +59,7 @@ def default_factor(n: int) -> int:
 
 @dataclass(frozen=True)
 class GradientRequest:
-    vectors: np.ndarray  # (N, D), finite, every value within `dtype`
+    vectors: np.ndarray  # (N, D) in `dtype` (build_request casts them), finite
     factor: int
     objective: str
     offset: float
@@ -123,11 +123,11 @@ def build_request(vectors: np.ndarray, *, objectives: Mapping[str, Objective] = 
     if dtype not in DTYPES:
         errors["dtype"] = [UNKNOWN_DTYPE]
     elif not errors:
-        cell = fits_dtype(vectors, np.dtype(dtype))
+        vectors, cell, offset_overflows = in_dtype(vectors, offset, np.dtype(dtype))
         if cell is not None:
             advice = "send smaller values or use dtype float64" if dtype == "float32" else "send smaller values"
             errors["vectors"] = [f"Row {cell[0]}, column {cell[1]} overflows {dtype}; {advice}."]
-        elif fits_dtype(np.array([[offset]]), np.dtype(dtype)) is not None:
+        elif offset_overflows:
             errors["offset"] = [f"Overflows {dtype}."]
     if errors:
         raise validation_error(errors)

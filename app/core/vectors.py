@@ -102,11 +102,14 @@ def check_finite(matrix: np.ndarray) -> np.ndarray:
     return matrix
 
 
-def fits_dtype(matrix: np.ndarray, dtype: np.dtype) -> tuple[int, int] | None:
-    """None if every value is finite in `dtype`, else the first (row, col) that overflows."""
-    with np.errstate(over="ignore"):
-        finite = np.isfinite(matrix.astype(dtype, copy=False))  # no copy when already in `dtype`
-    return None if finite.all() else tuple(int(k) for k in np.argwhere(~finite)[0])
+def in_dtype(matrix: np.ndarray, offset: float, dtype: np.dtype) -> tuple[np.ndarray, tuple[int, int] | None, bool]:
+    """A finite `matrix` and `offset` cast to `dtype` (no copy when already in it): the matrix
+    the engine computes on, the first (row, col) that overflowed (None: none did), and whether
+    the offset did."""
+    with np.errstate(over="ignore"):  # an overflow becomes inf: found here
+        cast, offset_cast = matrix.astype(dtype, copy=False), dtype.type(offset)
+    finite = np.isfinite(cast)
+    return cast, None if finite.all() else tuple(int(k) for k in np.argwhere(~finite)[0]), not np.isfinite(offset_cast)
 
 
 def float_or_inf(x: int | float) -> float:
