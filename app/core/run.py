@@ -328,6 +328,7 @@ class Result:
     deadline: Deadline = field(repr=False)
     kept: list[Block] | None = field(default=None, repr=False)  # every block, when they fit
     chunk_elements: int = field(default=DEFAULT_CHUNK_ELEMENTS, repr=False)  # numbers per chunk
+    planned: tuple[int, int] = field(default=(0, 0), repr=False)  # pass one's (bands, chunks), for its trace span
     # Held while a band is recomputed, not while its blocks are written: a compute slot,
     # supplied by whoever owns the slots (app/http/pipeline.py); nothing by default.
     band_slot: Callable[[], AbstractContextManager] = field(default=nullcontext, repr=False)
@@ -405,4 +406,4 @@ def pass_one(req: GradientRequest, device: torch.device, vectors: torch.Tensor, 
             raise non_finite_accumulated(req.dtype)
     return Result(req, device, bounds=block_bounds(req.n, req.factor), losses=computed.losses,
                   accumulated=accumulated, vectors=vectors, deadline=deadline, kept=kept if keep else None,
-                  chunk_elements=chunk_elements)
+                  chunk_elements=chunk_elements, planned=(len(computed.bands), len(computed.chunks)))

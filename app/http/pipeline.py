@@ -32,7 +32,6 @@ from opentelemetry import trace
 from ..core import slots  # slots.Deadline looked up per request (tests replace it)
 from ..core.admission import AnswerCost, admit
 from ..core.device import ready_device
-from ..core.engine import plan_bands
 from ..core.errors import validation_error
 from ..core.objectives import Objective
 from ..core.request import (GradientRequest, Sizes, build_request, default_factor, factor_refusal, ordered_outputs,
@@ -181,8 +180,7 @@ def compute(req: GradientRequest, described: Described, call: Call, slot: tuple 
             stages.append(("compute", time.time_ns(), computing := {}))
         result = run(req, served.settings, deadline, served.executor)
         if stages is not None:
-            bands = list(plan_bands(n, dim, req.factor, result.chunk_elements))
-            computing.update({"blockgrad.bands": len(bands), "blockgrad.chunks": sum(map(len, bands)),
+            computing.update({"blockgrad.bands": result.planned[0], "blockgrad.chunks": result.planned[1],
                               "blockgrad.blocks_kept": result.kept is not None})
     finally:
         record.compute_s += time.perf_counter() - start
