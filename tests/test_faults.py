@@ -18,7 +18,7 @@ import torch
 from tools.reference import reference_accumulated
 from tools.server import gunicorn_server, wait_until
 from .numeric import assert_matches
-from .events import accepting, connection_owner, reached_the_app
+from .events import accepting, connection_owner, reached_the_app, workers_listening
 from .test_api import GOOD
 
 pytestmark = pytest.mark.slow
@@ -148,10 +148,12 @@ def test_sigterm_lets_the_request_in_flight_finish(own_server):
         assert wait_until(reached_the_app(server), TIMEOUT_S), "no worker picked up the request"
         workers = server.worker_pids()
         # The idle worker accepts; the one serving leaves new connections to it (docs/cores.md).
-        assert workers and any(accepting(pid, server.port) for pid in workers)
+        # Waited for, not sampled: a worker answering the scrape, or deferring a connection to
+        # its sibling, stops polling the listener for a moment.
+        assert workers and wait_until(lambda: any(accepting(pid, server.port) for pid in workers), TIMEOUT_S)
         os.kill(server.pid, signal.SIGTERM)  # the master only, as an orchestrator would
-        # Every worker has begun its graceful stop (stopped accepting) while the body is still incomplete.
-        assert wait_until(lambda: not any(accepting(pid, server.port) for pid in workers), TIMEOUT_S), \
+        # Every worker has begun its graceful stop (closed its listener) while the body is still incomplete.
+        assert wait_until(lambda: not workers_listening(server, workers), TIMEOUT_S), \
             server.log()
         conn.send(body[half:])
         response = conn.getresponse()
