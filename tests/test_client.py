@@ -21,7 +21,7 @@ from tools.reference import reference_accumulated, reference_blocks
 from app import create_app
 from app.extensions import services_of
 from app.jobs import db
-from tools.server import free_port, gunicorn_server
+from tools.server import free_port, gunicorn_server, wait_until
 
 from .numeric import assert_matches
 from .client_stub import Answer, Close, Stall, stub_server
@@ -209,8 +209,11 @@ def test_an_answer_cut_short_is_incomplete_and_not_retried(cut):
 
 
 def test_a_silent_server_is_a_timeout_and_not_retried():
-    with stub_server([Stall(), Answer(body=V1_ANSWER)]) as stub, pytest.raises(BlockgradError) as info:
-        call(stub, timeout=0.2)
+    with stub_server([Stall(), Answer(body=V1_ANSWER)]) as stub:
+        with pytest.raises(BlockgradError) as info:
+            call(stub, timeout=0.2)
+        # The stub's thread records the request, maybe after the client's 0.2 s: waited for.
+        assert wait_until(lambda: stub.requests, 60), "the stub never read the request"
     assert len(stub.requests) == 1 and info.value.code == "timeout"
 
 

@@ -82,7 +82,12 @@ def test_gunicorn_runs_jobs_which_a_restart_after_a_sigkill_of_everything_finish
         assert first.status_code == 202, first.text
         [supervisor] = [pid for pid in children(server.pid) if " -m app.jobs.supervisor " in cmdline(pid)]
         address = f"tls://127.0.0.1:{cmdline(supervisor).split(' -m app.jobs.supervisor ')[1].split()[0]}"
-        assert wait_until(lambda: len(children(supervisor)) == 3, JOB_S, 0.2)
+        # Three children, each past its exec: a child forked a moment ago still shows the supervisor's
+        # command line (its preexec_fn runs first), not the one it is started with.
+        def started_as() -> list[str]:
+            return sorted("runner" if " -m app.jobs.runner " in cmdline(pid) else str(dask_role(cmdline(pid)))
+                          for pid in children(supervisor))
+        assert wait_until(lambda: started_as() == ["runner", "scheduler", "worker"], JOB_S, 0.2), started_as()
         dask = [pid for pid in children(supervisor) if dask_role(cmdline(pid))]
         roles = sorted(dask_role(cmdline(pid)) for pid in dask)
         assert roles == ["scheduler", "worker"], [cmdline(pid) for pid in dask]
@@ -145,9 +150,14 @@ def test_gunicorn_runs_jobs_which_a_restart_after_a_sigkill_of_everything_finish
         stopped = requests.post(server.url + "/v1/jobs", json={**body, "factor": 2}, timeout=30).json()
         held.wait_started(stopped["id"])
         close_clients(address)
-    # A stop (SIGTERM, as tools/server.py sends it): the supervisor stops the runner first, which
-    # hands its job back to the store, queued, its attempt not spent.
-    row = db.get_job(db.open_store(f"sqlite:///{tmp_path}/data/jobs.sqlite3"), stopped["id"])
+        # A stop (SIGTERM, as tools/server.py sends it): the supervisor stops the runner first, which
+        # hands its job back to the store, queued, its attempt not spent. Waited for here: the whole
+        # stop outlasts tools/server.py's 10 s before its SIGKILL (seen: handed back at 3 s, killed at 10).
+        store = db.open_store(f"sqlite:///{tmp_path}/data/jobs.sqlite3")
+        os.killpg(server.pid, signal.SIGTERM)
+        assert wait_until(lambda: db.get_job(store, stopped["id"])["status"] != "running", JOB_S, 0.2), \
+            db.get_job(store, stopped["id"])
+    row = db.get_job(store, stopped["id"])
     assert (row["status"], row["attempts"], row["owner"]) == ("queued", 0, None), row
 
 

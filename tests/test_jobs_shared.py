@@ -151,5 +151,8 @@ def test_a_job_whose_service_died_is_resumed_by_the_other_with_one_result(servic
         stored = sorted(conn.execute(db.select(db.results.c.output, db.results.c.seq).where(
             db.results.c.job_id == job_id)).all())
     assert stored == [("accumulated", 0), ("losses", 0)], stored
-    finished = [line for line in survivor.log().splitlines() if '"event": "job_finished"' in line and job_id in line]
+    def finished_lines() -> list[str]:  # the runner logs job_finished after its commit: a moment after the status
+        return [line for line in survivor.log().splitlines() if '"event": "job_finished"' in line and job_id in line]
+    assert wait_until(finished_lines, WAIT_S, 0.2), "no job_finished line"
+    finished = finished_lines()
     assert len(finished) == 1 and '"stored": true' in finished[0], finished

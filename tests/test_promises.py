@@ -1145,11 +1145,14 @@ def good_request(server) -> None:
 def held_observation(server, servers) -> dict:
     """Once per module: scrapes at rest, with the slot held and one queued, and after."""
     if "held" not in servers.observed:
-        rest = scrape(server)
+        # At rest and after: waited for, not sampled. A request leaves the gauge a moment after
+        # it frees its slot and its place in line (its error answer is made in between).
+        rest = wait_for_metric(server, "blockgrad_requests_in_flight", 1)
         for held, third in hold_slot_and_queue(server):
             error_of(third, 503, "overloaded")
             refused = scrape(server)
-        servers.observed["held"] = {"rest": rest, "held": held, "refused": refused, "after": scrape(server)}
+        after = wait_for_metric(server, "blockgrad_requests_in_flight", 1)
+        servers.observed["held"] = {"rest": rest, "held": held, "refused": refused, "after": after}
     return servers.observed["held"]
 
 

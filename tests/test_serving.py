@@ -144,7 +144,10 @@ def test_full_load_sheds_at_once_and_probes_answer(server):
     assert wait_until(lambda: metric(server, "blockgrad_errors_total", code="client_closed")
                       == closed_before + len(computing) + QUEUE_DEPTH, WAIT_S)
     assert requests.post(server.url + "/v1/gradients", json=GOOD, timeout=WAIT_S).status_code == 200
-    stopped = [line for line in log_lines(server) if line.get("request_id") in mine]
+    def lines_of_mine() -> list[dict]:  # each is written a moment after its client_closed is counted
+        return [line for line in log_lines(server) if line.get("request_id") in mine]
+    assert wait_until(lambda: len(lines_of_mine()) >= len(mine), WAIT_S), lines_of_mine()
+    stopped = lines_of_mine()
     assert [(line["error"], line["status"]) for line in stopped] == [("client_closed", 499)] * len(mine), stopped
 
 

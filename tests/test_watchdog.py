@@ -12,8 +12,9 @@ WAIT_S = 30.0  # bound of every wait; reached only on failure
 def test_an_alarm_fires_and_a_cancelled_one_never_does():
     dog, fired, kept = Watchdog(), threading.Event(), []
     late = dog.arm(WAIT_S * 10, lambda: kept.append("late"))  # the thread sleeps for this one
-    cancelled = dog.arm(0.01, lambda: kept.append("cancelled"))
-    dog.cancel(cancelled)
+    with dog._cond:  # armed and cancelled before the thread can look: however slow this thread is
+        cancelled = dog.arm(0.01, lambda: kept.append("cancelled"))
+        dog.cancel(cancelled)
     soon = dog.arm(0.05, fired.set)  # due before the one the thread sleeps for: it must wake
     assert fired.wait(WAIT_S) and soon.fired
     assert kept == [] and not cancelled.fired and not late.fired
@@ -33,11 +34,12 @@ def test_armed_and_cancelled_alarms_leave_nothing_behind():
 
 def test_an_alarm_fires_although_older_ones_were_cancelled_out_of_order():
     dog, fired = Watchdog(), threading.Event()
-    first, second = dog.arm(0.02, lambda: None), dog.arm(0.03, lambda: None)
-    third = dog.arm(0.04, fired.set)
-    dog.cancel(second)  # behind a live one: stays until it reaches the front
-    dog.cancel(first)  # now both leave the front
-    assert dog.pending() == 1
+    with dog._cond:  # armed and cancelled before the thread can look: however slow this thread is
+        first, second = dog.arm(0.02, lambda: None), dog.arm(0.03, lambda: None)
+        third = dog.arm(0.04, fired.set)
+        dog.cancel(second)  # behind a live one: stays until it reaches the front
+        dog.cancel(first)  # now both leave the front
+        assert dog.pending() == 1
     assert fired.wait(WAIT_S) and third.fired
     deadline = time.monotonic() + WAIT_S
     while dog.pending() and time.monotonic() < deadline:
