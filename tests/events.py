@@ -97,8 +97,8 @@ def workers_listening(server, pids) -> set[int]:
 
 
 def accepting(pid: int, port: int) -> bool:
-    """Whether worker `pid` still polls its listening socket for new connections: a gthread
-    worker told to stop (SIGTERM) unregisters it from its epoll at once, and keeps it open."""
+    """Whether worker `pid` polls its listening socket for new connections now: one leaving a
+    connection to its sibling stops for a moment, one told to stop (SIGTERM) for good."""
     listening = {f"socket:[{inode}]" for inode in socket_inodes(port, state=LISTEN)}
     try:
         fds = {int(fd): os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
