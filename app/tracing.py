@@ -14,17 +14,20 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TRACER: trace.Tracer | None = None
 PROCESSOR = None  # the batch processor
-DROPPED = lambda: None  # noqa: E731 - called per span a full queue drops (record.count_dropped_spans: a Prometheus counter's inc)
+SCOPE = ReadableSpan = None  # the SDK's, for the spans made as finished ones (RequestSpan), from configure() on
+DROPPED = lambda amount=1: None  # noqa: E731 - given the spans a full queue drops (app/http/record.py counts them)
 PROPAGATOR = TraceContextTextMapPropagator()
 
 
 def configure(environ: Mapping[str, str] = os.environ) -> bool:
     """Set this process's tracer provider (once) when an endpoint is set; whether tracing is on."""
-    global TRACER, PROCESSOR
+    global TRACER, PROCESSOR, SCOPE, ReadableSpan
     if TRACER is not None or not any(environ.get(name) for name in ENDPOINTS):
         return TRACER is not None
     from opentelemetry.sdk.resources import Resource
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
     protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
     if protocol == "grpc":
@@ -36,31 +39,63 @@ def configure(environ: Mapping[str, str] = os.environ) -> bool:
     hashed = hash(created)  # once: the exporter hashes every span's resource, which the SDK dumps to JSON each time
     resource = type("HashedOnce", (Resource,), {"__hash__": lambda _: hashed})(created.attributes, created.schema_url)
     provider = TracerProvider(resource=resource)
-    PROCESSOR = batch_processor(OTLPSpanExporter())
+    PROCESSOR = BatchSpanProcessor(OTLPSpanExporter())
     provider.add_span_processor(PROCESSOR)
     trace.set_tracer_provider(provider)
-    TRACER = provider.get_tracer("blockgrad")
+    TRACER, SCOPE = provider.get_tracer("blockgrad"), InstrumentationScope("blockgrad")
     return True
 
 
-def batch_processor(exporter, **options):
-    """The SDK's batch processor (a bounded queue, OTEL_BSP_*, a thread that exports), which
-    counts (DROPPED) the spans it drops when its queue is full (the SDK only logs them)."""
-    from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-    class CountingProcessor(BatchSpanProcessor):
-        def on_end(self, span) -> None:
-            queue = self._batch_processor._queue  # noqa: SLF001 - the pinned SDK's bounded deque
-            if span.context.trace_flags.sampled and len(queue) >= queue.maxlen:
-                DROPPED()
-            super().on_end(span)
-
-    return CountingProcessor(exporter, **options)
+def hand_over(spans: list) -> None:
+    """Queue finished, sampled spans in the batch processor; those its full queue pushes out are
+    counted (DROPPED) at once: the SDK only logs them. (A Dask worker's task spans are the SDK's
+    own: their drops are logged only.)"""
+    queue = PROCESSOR._batch_processor._queue  # noqa: SLF001 - the pinned SDK's bounded deque
+    dropped = len(queue) + len(spans) - queue.maxlen
+    if dropped > 0:
+        DROPPED(min(dropped, len(spans)))
+    for span in spans:
+        PROCESSOR.on_end(span)
 
 
-def parent(carrier: Mapping[str, str]):
-    """The context a W3C traceparent in `carrier` (headers, gRPC metadata) names; none: a new trace."""
-    return PROPAGATOR.extract(carrier) if "traceparent" in carrier else None  # (bool(headers) counts them)
+class RequestSpan:
+    """A request's server span, made as a finished span at its end like its stages (`end`): the
+    SDK's sampler and ids decide it at the start, as start_span does, without the SDK's live span
+    (its attribute locks, limits and processors cost several times as much). `recording`: sampled;
+    `attributes` grow until the end."""
+
+    def __init__(self, name: str, carrier: Mapping[str, str], start_ns: int, attributes: dict):
+        """`carrier` (headers, gRPC metadata): its W3C traceparent is the parent; none: a new trace."""
+        context = PROPAGATOR.extract(carrier) if carrier.get("traceparent") else None  # (`in` walks werkzeug's headers)
+        above, ids = trace.get_current_span(context).get_span_context(), TRACER.id_generator
+        trace_id, self.parent = (above.trace_id, above) if above.is_valid else (ids.generate_trace_id(), None)
+        sampled = TRACER.sampler.should_sample(context, trace_id, name, trace.SpanKind.SERVER, attributes)
+        flags = trace.TraceFlags(int(sampled.decision.is_sampled()))  # SAMPLED (1) or DEFAULT (0)
+        self.context = trace.SpanContext(trace_id, ids.generate_span_id(), False, flags, sampled.trace_state)
+        self.name, self.start_time, self.recording = name, start_ns, sampled.decision.is_recording()
+        self.attributes = {**attributes, **(sampled.attributes or {})}
+
+    def end(self, stages: list[tuple[str, int, dict | None]], end_ns: int, status: int | str, outcome: str | None):
+        """The span, with the answer's `status` and `outcome` (the error code if any), and its stages'
+        (`stages`: name, start, attributes; each ends where the next starts, the last at `end_ns`
+        with the outcome when there is one, where the request stopped), handed to the processor at
+        once as the finished spans the SDK makes at a span's end."""
+        if not self.recording:
+            return
+        context, new_id = self.context, TRACER.id_generator.generate_span_id
+        answered = trace.Status(trace.StatusCode.ERROR, outcome) if outcome else trace.Status()
+        spans = [ReadableSpan(self.name, context, self.parent, TRACER.resource,
+                              {**self.attributes, "blockgrad.status": status, "blockgrad.outcome": outcome or "ok"},
+                              kind=trace.SpanKind.SERVER, status=answered, start_time=self.start_time, end_time=end_ns,
+                              instrumentation_scope=SCOPE)]
+        for i, (name, start, attributes) in enumerate(stages):
+            last = i + 1 == len(stages)
+            if last and outcome:
+                attributes = {**(attributes or {}), "blockgrad.outcome": outcome}
+            own = trace.SpanContext(context.trace_id, new_id(), False, context.trace_flags, context.trace_state)
+            spans.append(ReadableSpan(name, own, context, TRACER.resource, attributes, start_time=start,
+                                      end_time=end_ns if last else stages[i + 1][1], instrumentation_scope=SCOPE))
+        hand_over(spans)
 
 
 def current_traceparent() -> str | None:
@@ -68,22 +103,3 @@ def current_traceparent() -> str | None:
     carrier: dict[str, str] = {}
     PROPAGATOR.inject(carrier)
     return carrier.get("traceparent")
-
-
-def end_stages(server, stages: list[tuple[str, int, dict | None]], end_ns: int, outcome: str | None) -> None:
-    """The request's stage spans, children of its (recording) server span, made at its end from
-    `stages` (name, start, attributes): each ends where the next starts, the last at `end_ns`
-    with the outcome when there is one (where the request stopped). Handed to the processor as
-    the finished spans the SDK itself makes at a span's end: its per-span machinery (sampler,
-    limits, locks, context) costs ten times as much, and they follow the server span's sampling."""
-    from opentelemetry.sdk.trace import ReadableSpan
-
-    parent, new_id = server.get_span_context(), TRACER.id_generator.generate_span_id
-    for i, (name, start, attributes) in enumerate(stages):
-        last = i + 1 == len(stages)
-        if last and outcome:
-            attributes = {**(attributes or {}), "blockgrad.outcome": outcome}
-        context = trace.SpanContext(parent.trace_id, new_id(), False, parent.trace_flags, parent.trace_state)
-        PROCESSOR.on_end(ReadableSpan(name, context, parent, server.resource, attributes, start_time=start,
-                                      end_time=end_ns if last else stages[i + 1][1],
-                                      instrumentation_scope=server.instrumentation_scope))

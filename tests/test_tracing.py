@@ -70,9 +70,10 @@ def test_a_v1_request_with_a_traceparent_is_its_callers_child_with_a_span_per_st
     spans = check_request_trace(receiver.wait_for(trace_id, STAGES | {"POST /v1/gradients"}, WAIT_S),
                                 trace_id, parent_id, "POST /v1/gradients")
     served = spans["POST /v1/gradients"]
+    assert served.span.status.code == served.span.status.STATUS_CODE_UNSET
     request_id = answer.headers["X-Request-ID"]
-    names = ("request_id", "n", "dim", "factor", "objective", "outcome")
-    assert tuple(served.attribute(f"blockgrad.{name}") for name in names) == (request_id, 12, 3, 3, "sum", "ok")
+    names = ("request_id", "n", "dim", "factor", "objective", "status", "outcome")
+    assert tuple(served.attribute(f"blockgrad.{name}") for name in names) == (request_id, 12, 3, 3, "sum", 200, "ok")
     assert spans["compute"].attribute("blockgrad.chunks") >= 1
     order = [spans[name].span for name in ("decode", "admit", "compute", "render")]  # one after another
     assert order[0].start_time_unix_nano == served.span.start_time_unix_nano
@@ -90,6 +91,8 @@ def test_a_refused_request_is_traced_with_its_error_code(server, receiver):
     spans = check_request_trace(receiver.wait_for(trace_id, {"POST /v1/gradients", "admit"}, WAIT_S), trace_id,
                                 parent_id, "POST /v1/gradients")
     assert spans["POST /v1/gradients"].attribute("blockgrad.outcome") == "validation_error"
+    status = spans["POST /v1/gradients"].span.status
+    assert (status.code, status.message) == (status.STATUS_CODE_ERROR, "validation_error")
     assert spans["admit"].attribute("blockgrad.outcome") == "validation_error"
     assert "compute" not in spans
 

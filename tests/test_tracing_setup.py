@@ -3,8 +3,8 @@ the batch processor counts the spans its full queue drops (an exporter held at a
 import threading
 
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SpanExportResult
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExportResult
 
 import app.tracing as tracing
 
@@ -32,23 +32,21 @@ class HeldExporter:
 
 def test_a_full_queue_drops_spans_and_counts_them(monkeypatch):
     drops = []
-    monkeypatch.setattr(tracing, "DROPPED", lambda: drops.append(1))
+    monkeypatch.setattr(tracing, "DROPPED", lambda amount=1: drops.append(amount))
     exporter = HeldExporter()
-    processor = tracing.batch_processor(exporter, max_queue_size=2, max_export_batch_size=2,
-                                        schedule_delay_millis=60_000)
-    provider = TracerProvider()
-    provider.add_span_processor(processor)
-    tracer = provider.get_tracer("test")
+    processor = BatchSpanProcessor(exporter, max_queue_size=2, max_export_batch_size=2, schedule_delay_millis=60_000)
+    monkeypatch.setattr(tracing, "PROCESSOR", processor)
+    span = ReadableSpan("s", trace.SpanContext(1, 2, False, trace.TraceFlags(trace.TraceFlags.SAMPLED)))
     try:
-        for _ in range(2):  # a full batch: the processor's thread takes it and is held exporting
-            tracer.start_span("s").end()
+        tracing.hand_over([span] * 2)  # a full batch: the processor's thread takes it and is held exporting
         assert exporter.entered.wait(60), "the batch was never exported"
-        for _ in range(5):  # two fill the queue again, three push out older ones
-            tracer.start_span("s").end()
-        assert len(drops) == 3
+        tracing.hand_over([span] * 5)  # a request's spans at once: two fill the queue again, three push out older ones
+        assert sum(drops) == 3
+        tracing.hand_over([span])
+        assert sum(drops) == 4
     finally:
         exporter.release.set()
-        provider.shutdown()
+        processor.shutdown()
 
 
 class SyncClient:

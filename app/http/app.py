@@ -69,7 +69,6 @@ def build_app(overrides: Mapping[str, Any], slots: SlotSource | None = None,
     app.before_request(record.before_request)
     app.after_request(record.after_request)
     app.teardown_request(record.teardown_request)
-    record.count_dropped_spans()
 
     install_auth(app, settings.api_token, settings.docs_public)  # one app-level hook: every route, present or future, is behind it
     return app, BlockgradApi(app)

@@ -95,12 +95,12 @@ def pipeline(described: Described, call: Call, execute: Execute | None = None, a
     """Validate, admit once, convert, execute (default: `compute`, admitted by `admit_to_compute`)."""
     served, span = call.served, getattr(call.state, "span", None)
     stages = None
-    if span is not None and span.is_recording():  # not sampled: no stage spans
+    if span is not None and span.recording:  # not sampled: no stage spans
         stages = call.state.stages = [("decode", span.start_time, None), ("admit", time.time_ns(), None)]
     sizes = validated_sizes(described, served.objectives)
     if sizes is not None:
         if stages is not None:
-            span.set_attributes({key: value for key, value in (
+            span.attributes.update({key: value for key, value in (
                 ("blockgrad.n", sizes.n), ("blockgrad.dim", sizes.dim), ("blockgrad.factor", sizes.factor),
                 ("blockgrad.objective", described.fields.get("objective"))) if value is not None})
         admit_sizes(sizes, described, served) if admit_sizes else admit_to_compute(sizes, described, call)
@@ -112,7 +112,7 @@ def pipeline(described: Described, call: Call, execute: Execute | None = None, a
         executed = execute(req, described, served)
     else:
         stages.append(("submit", time.time_ns(), None))
-        with trace.use_span(span, record_exception=False):  # current: the job stores its traceparent
+        with trace.use_span(trace.NonRecordingSpan(span.context)):  # current: the job stores its traceparent
             executed = execute(req, described, served)
     if stages is not None:
         stages.append(("render", time.time_ns(), None))

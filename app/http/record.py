@@ -35,8 +35,6 @@ from typing import Any
 import orjson
 from flask import Request, Response, current_app, g, has_request_context, request
 
-from opentelemetry.trace import SpanKind, StatusCode
-
 import app.tracing as tracing
 from ..core.admission import output_elements
 from ..core.slots import GateListener
@@ -51,6 +49,7 @@ SAFE_REQUEST_ID = re.compile(r"[A-Za-z0-9._:/+=-]{1,128}")
 TRACED = ("/v1/", "/v2/models/")  # the routes traced, but for readiness: probes and /metrics are not
 
 request_log = logging.getLogger("blockgrad.request")
+tracing.DROPPED = metrics.TRACE_SPANS_DROPPED.inc  # a worker's dropped spans, in its own metrics file
 
 
 def client_socket(environ: dict[str, Any]) -> socket.socket | None:
@@ -210,9 +209,8 @@ def begin(state, request_id: str, route: str, method: str, carrier=None, since: 
     state.started, state.arrived, start_ns = since or clock()
     state.cpu_started = (threading.get_ident(), time.thread_time())  # cpu_ms: this thread's CPU time
     state.request_id = request_id
-    state.span = None if carrier is None or tracing.TRACER is None else tracing.TRACER.start_span(
-        f"{method} {route}", tracing.parent(carrier), SpanKind.SERVER, {"blockgrad.request_id": request_id},
-        start_time=start_ns)
+    state.span = None if carrier is None or tracing.TRACER is None else tracing.RequestSpan(
+        f"{method} {route}", carrier, start_ns, {"blockgrad.request_id": request_id})
     metrics.IN_FLIGHT.inc()
     state.in_flight = True
     key = state.unfinished_key = id(state)
@@ -312,29 +310,12 @@ def finisher(status: int | str, state, route: str, method: str,
             fields["error"] = code
         if stream_error is not None and answered:
             fields["stream_aborted"] = True
-        if span is not None:
-            end_trace(state, span, status, code, fields)
+        if span is not None:  # its ids in the log line
+            span.end(getattr(state, "stages", None) or [], time.time_ns(), status, code)
+            fields.update(trace_id=format(span.context.trace_id, "032x"), span_id=format(span.context.span_id, "016x"))
         log_request(fields)
 
     return finish
-
-
-def end_trace(state, span, status: int | str, code: str | None, fields: dict[str, Any]) -> None:
-    """End the request's span with its outcome, and make its stages' (pipeline.py); its ids go in
-    the log line."""
-    span.set_attributes({"blockgrad.status": status, "blockgrad.outcome": code or "ok"})
-    if code:
-        span.set_status(StatusCode.ERROR, code)
-    end_ns = time.time_ns()
-    span.end(end_ns)
-    if getattr(state, "stages", None):
-        tracing.end_stages(span, state.stages, end_ns, code)
-    ids = span.get_span_context()
-    fields.update(trace_id=format(ids.trace_id, "032x"), span_id=format(ids.span_id, "016x"))
-
-
-def count_dropped_spans() -> None:
-    tracing.DROPPED = metrics.TRACE_SPANS_DROPPED.inc  # a worker's drops in its own metrics file
 
 
 class MetricsListener(GateListener):
