@@ -8,26 +8,25 @@ HTTP glue, serving and the job tasks import it; it imports only opentelemetry
 import os
 from collections.abc import Mapping
 
-from opentelemetry import trace
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry import propagate, trace
 
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TRACER: trace.Tracer | None = None
 PROCESSOR = None  # the batch processor
 SCOPE = ReadableSpan = None  # the SDK's, for the spans made as finished ones (RequestSpan), from configure() on
 DROPPED = lambda amount=1: None  # noqa: E731 - given the spans a full queue drops (app/http/record.py counts them)
-PROPAGATOR = TraceContextTextMapPropagator()
 
 
 def configure(environ: Mapping[str, str] = os.environ) -> bool:
-    """Set this process's tracer provider (once) when an endpoint is set; whether tracing is on."""
+    """Set this process's tracer provider (once) when an endpoint is set (and the SDK not disabled);
+    whether tracing is on."""
     global TRACER, PROCESSOR, SCOPE, ReadableSpan
-    if TRACER is not None or not any(environ.get(name) for name in ENDPOINTS):
+    wanted = any(environ.get(name) for name in ENDPOINTS) and environ.get("OTEL_SDK_DISABLED", "").lower() != "true"
+    if TRACER is not None or not wanted:
         return TRACER is not None
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
-    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
     protocol = environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or environ.get("OTEL_EXPORTER_OTLP_PROTOCOL")
     if protocol == "grpc":
@@ -42,7 +41,8 @@ def configure(environ: Mapping[str, str] = os.environ) -> bool:
     PROCESSOR = BatchSpanProcessor(OTLPSpanExporter())
     provider.add_span_processor(PROCESSOR)
     trace.set_tracer_provider(provider)
-    TRACER, SCOPE = provider.get_tracer("blockgrad"), InstrumentationScope("blockgrad")
+    TRACER = provider.get_tracer("blockgrad")
+    SCOPE = TRACER._instrumentation_scope  # noqa: SLF001 - the scope its own spans carry
     return True
 
 
@@ -50,12 +50,12 @@ def hand_over(spans: list) -> None:
     """Queue finished, sampled spans in the batch processor; those its full queue pushes out are
     counted (DROPPED) at once: the SDK only logs them. (A Dask worker's task spans are the SDK's
     own: their drops are logged only.)"""
-    queue = PROCESSOR._batch_processor._queue  # noqa: SLF001 - the pinned SDK's bounded deque
-    dropped = len(queue) + len(spans) - queue.maxlen
-    if dropped > 0:
-        DROPPED(min(dropped, len(spans)))
+    queue, dropped = PROCESSOR._batch_processor._queue, 0  # noqa: SLF001 - the pinned SDK's bounded deque
     for span in spans:
+        dropped += len(queue) == queue.maxlen  # the SDK's own test, just before it drops the oldest
         PROCESSOR.on_end(span)
+    if dropped:
+        DROPPED(dropped)
 
 
 class RequestSpan:
@@ -66,13 +66,14 @@ class RequestSpan:
 
     def __init__(self, name: str, carrier: Mapping[str, str], start_ns: int, attributes: dict):
         """`carrier` (headers, gRPC metadata): its W3C traceparent is the parent; none: a new trace."""
-        context = PROPAGATOR.extract(carrier) if carrier.get("traceparent") else None  # (`in` walks werkzeug's headers)
+        context = propagate.extract(carrier) if carrier.get("traceparent") else None  # (`in` walks werkzeug's headers)
         above, ids = trace.get_current_span(context).get_span_context(), TRACER.id_generator
         trace_id, self.parent = (above.trace_id, above) if above.is_valid else (ids.generate_trace_id(), None)
         sampled = TRACER.sampler.should_sample(context, trace_id, name, trace.SpanKind.SERVER, attributes)
-        flags = trace.TraceFlags(int(sampled.decision.is_sampled()))  # SAMPLED (1) or DEFAULT (0)
+        random = self.parent.trace_flags.random_trace_id if self.parent else ids.is_trace_id_random()  # as start_span
+        flags = trace.TraceFlags(int(sampled.decision.is_sampled()) | int(random) << 1)  # SAMPLED 1, RANDOM_TRACE_ID 2
         self.context = trace.SpanContext(trace_id, ids.generate_span_id(), False, flags, sampled.trace_state)
-        self.name, self.start_time, self.recording = name, start_ns, sampled.decision.is_recording()
+        self.name, self.start_time, self.recording = name, start_ns, sampled.decision.is_sampled()
         self.attributes = {**attributes, **(sampled.attributes or {})}
 
     def end(self, stages: list[tuple[str, int, dict | None]], end_ns: int, status: int | str, outcome: str | None):
@@ -101,5 +102,5 @@ class RequestSpan:
 def current_traceparent() -> str | None:
     """The W3C traceparent of the current span (None: none), to carry into a job's tasks."""
     carrier: dict[str, str] = {}
-    PROPAGATOR.inject(carrier)
+    propagate.inject(carrier)
     return carrier.get("traceparent")

@@ -8,8 +8,8 @@ rounds. The detail adds each server's workers' CPU time per request (every threa
 exporter's too), which a busy machine disturbs less than the rate, and its own on/off row.
 
 The SDK's floor, measured in the same run: a bare loop in a process of its own making a
-request's spans as the service does (the server span through the SDK, its four stage spans
-by app.tracing.RequestSpan, the same attributes), with the same processor and exporter to the
+request's spans as the service does (the server span and its four stage spans by
+app.tracing.RequestSpan, the same attributes), with the same processor and exporter to the
 same collector, every span exported; its CPU (every thread) per request, as a fraction of the
 seed request's time with tracing off. If it is most of the 10%, no cheaper code can meet it."""
 import contextlib

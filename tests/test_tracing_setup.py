@@ -1,5 +1,6 @@
-"""app/tracing.py in this process, without a server: off unless an OTLP endpoint is set, and
-the batch processor counts the spans its full queue drops (an exporter held at a known point)."""
+"""app/tracing.py in this process, without a server: off unless an OTLP endpoint is set (and the
+SDK not disabled), a request's span decided as the SDK's start_span decides one, and the spans a
+full queue drops counted (an exporter held at a known point)."""
 import threading
 
 from opentelemetry import trace
@@ -11,19 +12,54 @@ import app.tracing as tracing
 
 def test_off_without_an_endpoint_sets_no_provider():
     assert tracing.configure({"OTEL_SERVICE_NAME": "x", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}) is False
+    assert tracing.configure({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "OTEL_SDK_DISABLED": "True"}) is False
     assert tracing.TRACER is None and tracing.PROCESSOR is None
     assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+def test_a_request_span_is_decided_as_the_sdks_start_span_decides_and_handed_over_with_its_stages(monkeypatch):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    tracer = provider.get_tracer("test")
+    for name, value in (("TRACER", tracer), ("SCOPE", tracer._instrumentation_scope), ("ReadableSpan", ReadableSpan),
+                        ("PROCESSOR", BatchSpanProcessor(exporter))):
+        monkeypatch.setattr(tracing, name, value)
+    caller = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-0{}"
+    for carrier in ({}, {"traceparent": caller.format(1)}, {"traceparent": caller.format(3)}):
+        ours = tracing.RequestSpan("POST /v1/gradients", carrier, 5, {"blockgrad.request_id": "r"})
+        theirs = tracer.start_span("x", TraceContextTextMapPropagator().extract(carrier) if carrier else None)
+        theirs = theirs.get_span_context()
+        assert ours.context.trace_flags == theirs.trace_flags and ours.recording
+        assert (ours.context.trace_id == theirs.trace_id) == bool(carrier)
+        ours.end([("decode", 5, None), ("admit", 7, {"a": 1})], 9, 422, "validation_error")
+    unsampled = tracing.RequestSpan("POST /v1/gradients", {"traceparent": caller.format(0)}, 5, {})
+    assert not unsampled.recording and unsampled.context.trace_flags == 0
+    unsampled.end([("decode", 5, None)], 9, 200, None)
+    assert tracing.PROCESSOR.force_flush(60_000)
+    spans = exporter.get_finished_spans()
+    assert [span.name for span in spans] == ["POST /v1/gradients", "decode", "admit"] * 3
+    server, decode, admit = spans[-3:]
+    assert server.parent.span_id == 0xB7AD6B7169203331 and server.kind == trace.SpanKind.SERVER
+    assert (server.status.status_code, server.status.description) == (trace.StatusCode.ERROR, "validation_error")
+    assert dict(server.attributes) == {"blockgrad.request_id": "r", "blockgrad.status": 422,
+                                       "blockgrad.outcome": "validation_error"}
+    assert decode.parent.span_id == admit.parent.span_id == server.context.span_id
+    assert [(s.start_time, s.end_time) for s in (server, decode, admit)] == [(5, 9), (5, 7), (7, 9)]
+    assert dict(admit.attributes) == {"a": 1, "blockgrad.outcome": "validation_error"}
 
 
 class HeldExporter:
     """Holds its first export until released: the processor's queue then fills."""
 
     def __init__(self):
-        self.entered, self.release = threading.Event(), threading.Event()
+        self.entered, self.release, self.exported = threading.Event(), threading.Event(), 0
 
     def export(self, batch):
         self.entered.set()
         assert self.release.wait(60), "never released"
+        self.exported += len(batch)
         return SpanExportResult.SUCCESS
 
     def shutdown(self, *args, **kwargs):
@@ -44,6 +80,9 @@ def test_a_full_queue_drops_spans_and_counts_them(monkeypatch):
         assert sum(drops) == 3
         tracing.hand_over([span])
         assert sum(drops) == 4
+        exporter.release.set()
+        assert processor.force_flush(60_000)
+        assert exporter.exported == 2 + 5 + 1 - sum(drops)  # what was counted is what never arrived
     finally:
         exporter.release.set()
         processor.shutdown()
