@@ -8,19 +8,23 @@ HTTP glue, serving and the job tasks import it; it imports only opentelemetry
 import os
 from collections.abc import Mapping
 
-from opentelemetry import propagate, trace
+from opentelemetry import trace
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 TRACER: trace.Tracer | None = None
 PROCESSOR = None  # the batch processor
-SCOPE = ReadableSpan = None  # the SDK's, for the spans made as finished ones (RequestSpan), from configure() on
+ReadableSpan = None  # the SDK's, for the spans made as finished ones (RequestSpan), from configure() on
+# W3C traceparent alone: opentelemetry.propagate would read OTEL_PROPAGATORS at import and fail
+# the service's start, tracing off or not, on a format it does not have (b3).
+PROPAGATOR = TraceContextTextMapPropagator()
 DROPPED = lambda amount=1: None  # noqa: E731 - given the spans a full queue drops (app/http/record.py counts them)
 
 
 def configure(environ: Mapping[str, str] = os.environ) -> bool:
     """Set this process's tracer provider (once) when an endpoint is set (and the SDK not disabled);
     whether tracing is on."""
-    global TRACER, PROCESSOR, SCOPE, ReadableSpan
+    global TRACER, PROCESSOR, ReadableSpan
     wanted = any(environ.get(name) for name in ENDPOINTS) and environ.get("OTEL_SDK_DISABLED", "").lower() != "true"
     if TRACER is not None or not wanted:
         return TRACER is not None
@@ -42,7 +46,6 @@ def configure(environ: Mapping[str, str] = os.environ) -> bool:
     provider.add_span_processor(PROCESSOR)
     trace.set_tracer_provider(provider)
     TRACER = provider.get_tracer("blockgrad")
-    SCOPE = TRACER._instrumentation_scope  # noqa: SLF001 - the scope its own spans carry
     return True
 
 
@@ -66,7 +69,7 @@ class RequestSpan:
 
     def __init__(self, name: str, carrier: Mapping[str, str], start_ns: int, attributes: dict):
         """`carrier` (headers, gRPC metadata): its W3C traceparent is the parent; none: a new trace."""
-        context = propagate.extract(carrier) if carrier.get("traceparent") else None  # (`in` walks werkzeug's headers)
+        context = PROPAGATOR.extract(carrier) if carrier.get("traceparent") else None  # (`in` walks werkzeug's headers)
         above, ids = trace.get_current_span(context).get_span_context(), TRACER.id_generator
         trace_id, self.parent = (above.trace_id, above) if above.is_valid else (ids.generate_trace_id(), None)
         sampled = TRACER.sampler.should_sample(context, trace_id, name, trace.SpanKind.SERVER, attributes)
@@ -80,27 +83,26 @@ class RequestSpan:
         """The span, with the answer's `status` and `outcome` (the error code if any), and its stages'
         (`stages`: name, start, attributes; each ends where the next starts, the last at `end_ns`
         with the outcome when there is one, where the request stopped), handed to the processor at
-        once as the finished spans the SDK makes at a span's end."""
+        once as the finished spans the SDK makes at a span's end, with the tracer's own scope."""
         if not self.recording:
             return
-        context, new_id = self.context, TRACER.id_generator.generate_span_id
+        context, new_id, scope = self.context, TRACER.id_generator.generate_span_id, TRACER._instrumentation_scope
         answered = trace.Status(trace.StatusCode.ERROR, outcome) if outcome else trace.Status()
         spans = [ReadableSpan(self.name, context, self.parent, TRACER.resource,
                               {**self.attributes, "blockgrad.status": status, "blockgrad.outcome": outcome or "ok"},
                               kind=trace.SpanKind.SERVER, status=answered, start_time=self.start_time, end_time=end_ns,
-                              instrumentation_scope=SCOPE)]
+                              instrumentation_scope=scope)]
         for i, (name, start, attributes) in enumerate(stages):
             last = i + 1 == len(stages)
             if last and outcome:
                 attributes = {**(attributes or {}), "blockgrad.outcome": outcome}
             own = trace.SpanContext(context.trace_id, new_id(), False, context.trace_flags, context.trace_state)
             spans.append(ReadableSpan(name, own, context, TRACER.resource, attributes, start_time=start,
-                                      end_time=end_ns if last else stages[i + 1][1], instrumentation_scope=SCOPE))
+                                      end_time=end_ns if last else stages[i + 1][1], instrumentation_scope=scope))
         hand_over(spans)
 
 
 def current_traceparent() -> str | None:
     """The W3C traceparent of the current span (None: none), to carry into a job's tasks."""
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    return carrier.get("traceparent")
+    context = trace.get_current_span().get_span_context()
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}" if context.is_valid else None

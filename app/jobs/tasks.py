@@ -52,7 +52,7 @@ def traced(traceparent: str | None, name: str, attributes: dict):
 
     if traceparent is None or not tracing.configure():
         return nullcontext()
-    return tracing.TRACER.start_as_current_span(name, tracing.propagate.extract({"traceparent": traceparent}),
+    return tracing.TRACER.start_as_current_span(name, tracing.PROPAGATOR.extract({"traceparent": traceparent}),
                                                 attributes=attributes)
 
 
