@@ -14,10 +14,13 @@ gunicorn.conf.py otherwise) against the peer, the apps alone as served; and the 
 the same app and settings under gunicorn's stock gthread worker, what ConnectionWorker adds.
 Then the same comparison as the row's with the no-op WSGI app (bench/noop.py) under each app's
 server (the service's gunicorn.conf.py, the peer's sync settings): what the servers alone
-cost, the part of the ratio no change to the app can move (docs/small-requests.md).
+cost, the part of the ratio no change to the app can move (docs/small-requests.md). And what
+the threaded server buys, on the same two servers: the seed request sent behind one silent
+connection per worker (connected, nothing sent yet: a slow client, a balancer's spare).
 """
 import contextlib
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +45,7 @@ ROUNDS = 5  # alternating rounds per client count (service, peer, service, peer,
 PHASE_S = 3.0  # seconds of one app's load in one round, after its warm-up
 TARGET = 0.95  # issue 28: at least 0.95x of the peer, by cutting work from the app's path, never by scheduling threads
 LOAD_WARM_UP = 5  # requests rows.load sends per client before it starts counting
+SILENT_WAIT_S = 5.0  # how long the request behind the silent connections is given
 PEER_APP = "bench.peer:app"
 NOOP_APP = "bench.noop:app"
 PEER_CONFIG = "bench/peer_gunicorn.py"
@@ -165,6 +169,11 @@ def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S
                 f"18. seed 10x5 example, {clients_label(clients)}: service vs minimal "
                 f"Flask app (sync)", f">= {TARGET}x", f"{ratio:.2f}x", at_least(ratio, TARGET),
                 detail(pairs, rounds, seconds)))
+        results.append(Result(
+            f"18. seed 10x5 example behind {WORKERS} silent connections (one per worker): the service "
+            f"vs the peer (sync)", "- (info)", f"{behind_silent(service)} vs {behind_silent(peer)}", "-",
+            "a sync worker reads a connection's head in its only thread, until gunicorn's timeout (30 s) "
+            "ends it; the service's poller waits for heads (docs/connections.md)"))
     floor_rounds = max(1, rounds // 2 + 1)
     results += taken_apart(bench, floor_rounds, seconds)
     with gunicorn_server(workers=WORKERS, device=None, ready_path="/", app=NOOP_APP) as service, \
@@ -179,6 +188,23 @@ def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S
                 f"peer's (sync), the servers alone", "- (info)", f"{ratio:.2f}x", "-",
                 detail(pairs, floor_rounds, seconds)))
     return results
+
+
+def behind_silent(server: Server, silent: int = WORKERS) -> str:
+    """The seed request's answer time behind `silent` connections open that have sent nothing
+    (a sync worker each: they wait first in the peer's one listening socket), or that no answer
+    came within SILENT_WAIT_S."""
+    quiet = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(silent)]
+    start = time.perf_counter()
+    try:
+        response = requests.post(server.url + "/v1/gradients", data=BODY, timeout=SILENT_WAIT_S,
+                                 headers={"Content-Type": "application/json"})
+        return f"{1e3 * (time.perf_counter() - start):.0f} ms ({response.status_code})"
+    except requests.Timeout:
+        return f"no answer in {SILENT_WAIT_S:g} s"
+    finally:
+        for sock in quiet:
+            sock.close()
 
 
 def clients_label(clients: int) -> str:
