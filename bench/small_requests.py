@@ -194,17 +194,18 @@ def behind_silent(server: Server, silent: int = WORKERS) -> str:
     """The seed request's answer time behind `silent` connections open that have sent nothing
     (a sync worker each: they wait first in the peer's one listening socket), or that no answer
     came within SILENT_WAIT_S."""
-    quiet = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(silent)]
-    start = time.perf_counter()
-    try:
-        response = requests.post(server.url + "/v1/gradients", data=BODY, timeout=SILENT_WAIT_S,
-                                 headers={"Content-Type": "application/json"})
-        return f"{1e3 * (time.perf_counter() - start):.0f} ms ({response.status_code})"
-    except requests.Timeout:
-        return f"no answer in {SILENT_WAIT_S:g} s"
-    finally:
-        for sock in quiet:
-            sock.close()
+    with contextlib.ExitStack() as quiet:
+        try:
+            for _ in range(silent):
+                quiet.enter_context(socket.create_connection(("127.0.0.1", server.port), timeout=SILENT_WAIT_S))
+            start = time.perf_counter()
+            response = requests.post(server.url + "/v1/gradients", data=BODY, timeout=SILENT_WAIT_S,
+                                     headers={"Content-Type": "application/json"})
+            return f"{1e3 * (time.perf_counter() - start):.0f} ms ({response.status_code})"
+        except requests.Timeout:
+            return f"no answer in {SILENT_WAIT_S:g} s"
+        except (requests.RequestException, OSError) as exc:  # an info row: reported, never the row's end
+            return f"failed: {type(exc).__name__}"
 
 
 def clients_label(clients: int) -> str:
