@@ -31,7 +31,7 @@ from .measure import Result, at_most
 from .rows import load
 
 BEFORE = "4e7dd7c"  # main before tracing (the merge of issue 31 and its last test fix)
-ROUNDS = 15  # at 5, off against the same code before tracing read 1.11x on a noisy host (docs/benchmarks.md)
+ROUNDS = 15  # at 5, off against the same code before tracing read 1.11x on a noisy host (docs/benchmarks.md, "Traces")
 ROUND_S = 2.0
 SAMPLED = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
 
