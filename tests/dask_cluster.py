@@ -89,12 +89,30 @@ def running(address: str, config: dict, objectives=None):
     from app.jobs.settings import JobSettings
 
     settings = JobSettings.from_env(environment(config))
-    runner = Runner(settings, OBJECTIVES if objectives is None else objectives,
-                    db.open_store(settings.database_url()), address).start()
+    runner = threaded(Runner(settings, OBJECTIVES if objectives is None else objectives,
+                             db.open_store(settings.database_url()), address))
     try:
         yield runner
     finally:
         runner.stop()
+
+
+def threaded(runner):
+    """`runner` (app/jobs/runner.py's Runner) run on a thread of this process, as `python -m
+    app.jobs.runner` runs it; `runner.stop()`, made here, stops it as SIGTERM does (its jobs
+    handed back) and waits for the thread."""
+    import threading
+
+    stopping = threading.Event()
+    thread = threading.Thread(target=runner.run, args=(stopping,), name="blockgrad-runner", daemon=True)
+
+    def stop():
+        stopping.set()
+        runner.wake.set()
+        thread.join(60)
+    runner.stop = stop
+    thread.start()
+    return runner
 
 
 def insert_job(engine, vectors: np.ndarray, factor: int, objective: str = "sum", offset: float = 5.0,

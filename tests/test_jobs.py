@@ -19,6 +19,7 @@ from app import create_app
 from app.api.v1 import jobs as jobs_api
 from app.extensions import services_of
 from app.jobs import db
+from tests.dask_cluster import threaded
 from tests.events import HANG_S, answered
 from tests.oracle import assert_matches_oracle, request_oracle
 from tools.server import free_port, gunicorn_server, wait_until
@@ -484,7 +485,7 @@ def test_jobs_the_runner_computed_are_exact_against_the_literal_loops(request, s
     jobs = [submit(client, body) for body in COMPUTED]
     spy = Client(cluster.address, set_as_default=False)
     spy.run_on_scheduler(count_results_through_the_scheduler)
-    running = runner.Runner(served.jobs.settings, served.objectives, db.open_store(store_url), cluster.address).start()
+    running = threaded(runner.Runner(served.jobs.settings, served.objectives, db.open_store(store_url), cluster.address))
     try:
         for body, job in zip(COMPUTED, jobs, strict=True):
             records = []

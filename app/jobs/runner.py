@@ -70,24 +70,11 @@ class Runner:
         self.client = None
         self.attempts: dict[str, Attempt] = {}
         self.outage: str | None = None  # what is down, logged once until it is back
-        self.next_beat = self.next_sweep = self.claim_after = 0.0
+        self.next_beat = self.next_sweep = self.claim_after = self.stuck_at = 0.0
         self.workers = 0  # Dask workers seen at the last step
         # Tests: called with the job's id once its outcome is computed, before it is gathered and stored.
         self.before_finish: Callable[[str], None] | None = None
-        self._stop = threading.Event()
         self.wake = threading.Event()  # set when a graph ends, or to stop
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> "Runner":
-        self._thread = threading.Thread(target=self.run, args=(self._stop,), name="blockgrad-runner", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.wake.set()
-        if self._thread is not None:
-            self._thread.join(60)
 
     def run(self, stop_event: threading.Event) -> None:
         try:
@@ -108,10 +95,20 @@ class Runner:
             log.warning(json.dumps({"event": "jobs_waiting", "on": what, "why": why}))
         self.outage = what
 
-    def connected(self):
+    def connected(self, now: float):
         """This runner's Client, connected now if it has none; None while the cluster is down."""
         if self.client is not None and self.client.status in ("running", "connecting"):
-            return self.client if self.client.status == "running" else None
+            if self.client.status == "running":
+                self.stuck_at = now + 2 * CONNECT_TIMEOUT_S
+                return self.client
+            if now < self.stuck_at:
+                return None
+            # Past its own reconnect deadline: an error other than OSError (tornado's "IOStream is
+            # not idle") ended distributed's reconnect and left it connecting for ever. Its futures
+            # are cancelled: the jobs' next attempts go to a new Client.
+            event("dask_client_replaced", why="still reconnecting past its deadline")
+            with suppress(Exception):
+                self.client.close(timeout=CONNECT_TIMEOUT_S)
         from distributed import Client, Security  # here: importing the module loads no Dask
 
         if self.address.startswith("tls://") and Security().get_connection_args("client")["ssl_context"] is None:
@@ -124,6 +121,7 @@ class Runner:
         except DASK_ERRORS as exc:
             self.down("cluster", f"{self.address}: {exc}")
             return None
+        self.stuck_at = now + 2 * CONNECT_TIMEOUT_S
         return self.client
 
     def step(self, now: float) -> None:
@@ -138,7 +136,7 @@ class Runner:
                     self.drop(attempt)
             db.beat(self.engine, self.owner, self.address, self.workers, now)
             self.next_beat = now + settings.job_lease_s / 5
-        client = self.connected()
+        client = self.connected(now)
         try:
             workers = len(client.nthreads()) if client is not None else 0
         except DASK_ERRORS as exc:
