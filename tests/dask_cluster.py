@@ -1,6 +1,6 @@
 """Helpers of the job tests: this process's own Dask Client (app/ has only the runner's), waiting
 for a local Dask cluster's workers (the `cluster` fixture in conftest.py, and tests that start
-a cluster of their own) and for a job, a job runner thread on a store (`running`), a .npy
+a cluster of their own) and for a job, a job runner thread on a store (`running`, `threaded`), a .npy
 body, and `tile_faults`, the page faults of one tile computed as a Dask worker computes it."""
 import contextlib
 import dataclasses

@@ -95,20 +95,25 @@ class Runner:
             log.warning(json.dumps({"event": "jobs_waiting", "on": what, "why": why}))
         self.outage = what
 
-    def connected(self, now: float):
-        """This runner's Client, connected now if it has none; None while the cluster is down."""
+    def connected(self):
+        """This runner's Client, connected now if it has none, or in place of one stuck
+        reconnecting; None while the cluster is down."""
         if self.client is not None and self.client.status in ("running", "connecting"):
             if self.client.status == "running":
-                self.stuck_at = now + 2 * CONNECT_TIMEOUT_S
+                self.stuck_at = 0.0  # 0: not seen reconnecting
                 return self.client
-            if now < self.stuck_at:
+            self.stuck_at = self.stuck_at or time.time() + 2 * CONNECT_TIMEOUT_S
+            if time.time() < self.stuck_at:
                 return None
-            # Past its own reconnect deadline: an error other than OSError (tornado's "IOStream is
-            # not idle") ended distributed's reconnect and left it connecting for ever. Its futures
-            # are cancelled: the jobs' next attempts go to a new Client.
+            # Twice distributed's own reconnect deadline: an error other than OSError (tornado's
+            # "IOStream is not idle") ended its reconnect and left it connecting for ever, and its
+            # close fails the same way. Every running graph is submitted again on a new Client.
             event("dask_client_replaced", why="still reconnecting past its deadline")
+            for attempt in [a for a in self.attempts.values() if a.graph is not None]:
+                self.again(attempt, "dask client replaced")
             with suppress(Exception):
                 self.client.close(timeout=CONNECT_TIMEOUT_S)
+            self.stuck_at = 0.0
         from distributed import Client, Security  # here: importing the module loads no Dask
 
         if self.address.startswith("tls://") and Security().get_connection_args("client")["ssl_context"] is None:
@@ -121,7 +126,6 @@ class Runner:
         except DASK_ERRORS as exc:
             self.down("cluster", f"{self.address}: {exc}")
             return None
-        self.stuck_at = now + 2 * CONNECT_TIMEOUT_S
         return self.client
 
     def step(self, now: float) -> None:
@@ -136,7 +140,7 @@ class Runner:
                     self.drop(attempt)
             db.beat(self.engine, self.owner, self.address, self.workers, now)
             self.next_beat = now + settings.job_lease_s / 5
-        client = self.connected(now)
+        client = self.connected()
         try:
             workers = len(client.nthreads()) if client is not None else 0
         except DASK_ERRORS as exc:
@@ -223,8 +227,7 @@ class Runner:
             attempt.blocks_done += blocks
 
     def check(self, attempt: Attempt) -> None:
-        final = attempt.graph.final
-        status = final.status
+        status = (final := attempt.graph.final).status  # read once: a callback may change it
         if status in ("pending", "lost"):  # lost: Dask computes it again from the held vectors
             return
         if status == "error":
@@ -274,7 +277,8 @@ class Runner:
             self.drop(attempt)
             db.release(self.engine, attempt.job_id, self.owner, attempt.number)
         if self.client is not None:
-            self.client.close(timeout=CONNECT_TIMEOUT_S)
+            with suppress(Exception):  # a Client stuck reconnecting fails to close (connected())
+                self.client.close(timeout=CONNECT_TIMEOUT_S)
 
 
 def main(argv: list[str]) -> None:
