@@ -20,6 +20,7 @@ from tools.server import wait_until
 WAIT_S = 120  # bounded: the cluster starts (workers import torch) beside the session's server
 CONNECT_S = 10  # each attempt's; a refusal comes at once (a TLS alert, a closed connection)
 DEADLINE_S = 30  # all attempts', tried at once: far above what the control (the service's own credentials) needs
+# The others then get CONNECT_S more: the HTTP ports' attempts never end (see PROBE).
 
 
 def http_status(port: int, path: str) -> int | None:
@@ -65,6 +66,8 @@ threads = [threading.Thread(target=attempt, args=pair, daemon=True) for pair in 
 for thread in threads:
     thread.start()
 end = time.monotonic() + deadline_s
+threads[-1].join(max(0, end - time.monotonic()))  # the control: every attempt started with it
+end = min(end, time.monotonic() + connect_s)  # an open door would have run by then, as the control did
 for thread in threads:
     thread.join(max(0, end - time.monotonic()))
 print(json.dumps(ran), flush=True)
@@ -76,7 +79,8 @@ def what_runs(attempts: list[tuple[str, str]], own: dict) -> dict[str, list]:
     """{"WHO ADDRESS": the pids it ran in} for each (address, who) attempt whose `distributed.Client`
     ran code on the scheduler and through a task, all tried at once; who: `none` (no TLS
     configuration), `stranger` (a certificate of another CA: Security.temporary()) or `own` (the
-    Security arguments `own`)."""
+    Security arguments `own`). The last attempt is the control: the others end with it, or
+    CONNECT_S after it."""
     env = {name: value for name, value in os.environ.items() if not name.startswith("DASK_")}
     out = subprocess.run([sys.executable, "-c", PROBE, json.dumps([attempts, own, CONNECT_S, DEADLINE_S])],
                          env=env, capture_output=True, text=True, timeout=DEADLINE_S + WAIT_S, check=True)
