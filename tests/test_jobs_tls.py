@@ -19,8 +19,8 @@ from tools.server import wait_until
 
 WAIT_S = 120  # bounded: the cluster starts (workers import torch) beside the session's server
 CONNECT_S = 10  # each attempt's; a refusal comes at once (a TLS alert, a closed connection)
-DEADLINE_S = 30  # all attempts', tried at once: far above what the control (the service's own credentials) needs
-# The others then get CONNECT_S more: the HTTP ports' attempts never end (see PROBE).
+DEADLINE_S = 30  # the control's (the service's own credentials), far above what it needs; the others
+# count until as long again after it ends (CONNECT_S at least): those on HTTP ports never end (see PROBE)
 
 
 def http_status(port: int, path: str) -> int | None:
@@ -47,8 +47,8 @@ def listening_ports(root: int) -> set[int]:
     return ports
 
 
-# Run in a process of its own, which ends when its deadline has passed: a plain Dask Client of
-# an HTTP port (distributed's HTTP servers) waits for ever, whatever its timeout.
+# Run in a process of its own, which ends soon after its control: a plain Dask Client of an
+# HTTP port (distributed's HTTP servers) waits for ever, whatever its timeout.
 PROBE = """
 import json, os, sys, threading, time
 from distributed import Client, Security
@@ -65,9 +65,10 @@ def attempt(address, who):
 threads = [threading.Thread(target=attempt, args=pair, daemon=True) for pair in attempts]
 for thread in threads:
     thread.start()
-end = time.monotonic() + deadline_s
-threads[-1].join(max(0, end - time.monotonic()))  # the control: every attempt started with it
-end = min(end, time.monotonic() + connect_s)  # an open door would have run by then, as the control did
+start = time.monotonic()
+threads[-1].join(deadline_s)  # the control: every other attempt started before it
+# An open door does what the control did: given as long again (CONNECT_S at least), it has run.
+end = time.monotonic() + max(connect_s, time.monotonic() - start)
 for thread in threads:
     thread.join(max(0, end - time.monotonic()))
 print(json.dumps(ran), flush=True)
@@ -79,8 +80,9 @@ def what_runs(attempts: list[tuple[str, str]], own: dict) -> dict[str, list]:
     """{"WHO ADDRESS": the pids it ran in} for each (address, who) attempt whose `distributed.Client`
     ran code on the scheduler and through a task, all tried at once; who: `none` (no TLS
     configuration), `stranger` (a certificate of another CA: Security.temporary()) or `own` (the
-    Security arguments `own`). The last attempt is the control: the others end with it, or
-    CONNECT_S after it."""
+    Security arguments `own`). The last attempt is the control: the others count if they have
+    run by as long again after it ends."""
+    assert attempts[-1][1] == "own", "the control comes last"
     env = {name: value for name, value in os.environ.items() if not name.startswith("DASK_")}
     out = subprocess.run([sys.executable, "-c", PROBE, json.dumps([attempts, own, CONNECT_S, DEADLINE_S])],
                          env=env, capture_output=True, text=True, timeout=DEADLINE_S + WAIT_S, check=True)
