@@ -221,15 +221,16 @@ def test_block_limit_suggests_a_factor():
 
 
 def test_block_limit_advice_names_a_factor_that_fits():
-    # N=1000, D=64: factor 334 leaves a last block of 334 rows; 250 (blocks of side 4) is the
-    # factor with the fewest blocks that fits, so the cost model's fastest (issue 10).
+    # N=200, D=64, blocks of at most 4 x 4 pairs of 128 numbers: factor 67 leaves a last block of
+    # 68 rows; 50 (blocks of side 4) is the factor with the fewest blocks that fits (below it a
+    # side is 5 or more), so the cost model's fastest (issue 10).
     client = create_app({"BLOCKGRAD_MAX_BLOCK_ELEMENTS": 4 * 4 * 128}).test_client()
-    error = assert_error(client.post("/v1/gradients", json={"vectors": [[0.5] * 64] * 1000, "factor": 334,
+    error = assert_error(client.post("/v1/gradients", json={"vectors": [[0.5] * 64] * 200, "factor": 67,
                                                             "outputs": ["losses"]}), 413, "limit_exceeded")
     suggested = error["details"]["suggested_factor"]
     assert f"factor {suggested} fits" in error["message"]
-    response, _ = post(client, {"vectors": [[0.5] * 64] * 1000, "factor": suggested, "outputs": ["losses"]})
-    assert suggested == 250 and response.status_code == 200
+    response, _ = post(client, {"vectors": [[0.5] * 64] * 200, "factor": suggested, "outputs": ["losses"]})
+    assert suggested == 50 and response.status_code == 200
 
 
 def test_output_limit_allows_fewer_outputs():
