@@ -221,11 +221,12 @@ def test_block_limit_suggests_a_factor():
 
 
 def test_block_limit_advice_names_a_factor_that_fits():
-    # N=200, D=64, blocks of at most 4 x 4 pairs of 128 numbers: factor 67 leaves a last block of
-    # 68 rows; 50 (blocks of side 4) is the factor with the fewest blocks that fits (below it a
-    # side is 5 or more), so the cost model's fastest (issue 10).
+    # N=200, D=64, blocks of at most 4 x 4 pairs of 128 numbers: factor 101 leaves a last block of
+    # 100 rows; 50 (blocks of side 4) is the factor with the fewest blocks that fits (below it a
+    # side is 5 or more), so the cost model's fastest (issue 10), not the nearest that fits (100)
+    # nor the next larger (197).
     client = create_app({"BLOCKGRAD_MAX_BLOCK_ELEMENTS": 4 * 4 * 128}).test_client()
-    error = assert_error(client.post("/v1/gradients", json={"vectors": [[0.5] * 64] * 200, "factor": 67,
+    error = assert_error(client.post("/v1/gradients", json={"vectors": [[0.5] * 64] * 200, "factor": 101,
                                                             "outputs": ["losses"]}), 413, "limit_exceeded")
     suggested = error["details"]["suggested_factor"]
     assert f"factor {suggested} fits" in error["message"]
