@@ -70,7 +70,7 @@ class Runner:
         self.client = None
         self.attempts: dict[str, Attempt] = {}
         self.outage: str | None = None  # what is down, logged once until it is back
-        self.next_beat = self.next_sweep = self.claim_after = self.stuck_at = 0.0
+        self.next_beat = self.next_sweep = self.claim_after = self.replace_at = 0.0
         self.workers = 0  # Dask workers seen at the last step
         # Tests: called with the job's id once its outcome is computed, before it is gathered and stored.
         self.before_finish: Callable[[str], None] | None = None
@@ -100,10 +100,10 @@ class Runner:
         reconnecting; None while the cluster is down."""
         if self.client is not None and self.client.status in ("running", "connecting"):
             if self.client.status == "running":
-                self.stuck_at = 0.0  # 0: not seen reconnecting
+                self.replace_at = 0.0  # 0: not seen reconnecting
                 return self.client
-            self.stuck_at = self.stuck_at or time.time() + 2 * CONNECT_TIMEOUT_S
-            if time.time() < self.stuck_at:
+            self.replace_at = self.replace_at or time.time() + 2 * CONNECT_TIMEOUT_S
+            if time.time() < self.replace_at:
                 return None
             # Twice distributed's own reconnect deadline: an error other than OSError (tornado's
             # "IOStream is not idle") ended its reconnect and left it connecting for ever, and its
@@ -113,7 +113,7 @@ class Runner:
                 self.again(attempt, "dask client replaced")
             with suppress(Exception):
                 self.client.close(timeout=CONNECT_TIMEOUT_S)
-            self.stuck_at = 0.0
+            self.replace_at = 0.0
         from distributed import Client, Security  # here: importing the module loads no Dask
 
         if self.address.startswith("tls://") and Security().get_connection_args("client")["ssl_context"] is None:
