@@ -54,6 +54,7 @@ ROWS = [
     jobs.result_download,
     jobs.kept_jobs,
     jobs.runner_peak,
+    jobs.idle_cluster_cpu,
 ]
 
 

@@ -1,4 +1,4 @@
-"""Job rows J1-J7 (docs/jobs.md, "Benchmarks"): each starts gunicorn as `make serve` does,
+"""Job rows J1-J8 (docs/jobs.md, "Benchmarks"): each starts gunicorn as `make serve` does,
 with its embedded Dask cluster (BLOCKGRAD_DASK_WORKERS workers at nice 19), and stops it.
 
 A job's compute time is its record's finished_at - started_at (the first tile's start to the
@@ -18,7 +18,10 @@ J6 times a POST, a GET and a scrape against a store of 10,000 kept jobs and one 
 
 J7 reads the runner's peak memory while it stores the largest result admitted.
 
-Usage: python -m bench.jobs [J1 J2 J3 J4 J5 J6 J7 TP]
+J8 reads the CPU an idle embedded cluster uses, with app/jobs/cluster.py's IDLE_CONFIG and with
+distributed's defaults, both servers idle at once.
+
+Usage: python -m bench.jobs [J1 J2 J3 J4 J5 J6 J7 J8 TP]
 """
 import contextlib
 import io
@@ -507,8 +510,37 @@ def runner_peak(bench=None, factor: int = 5792) -> list[Result]:
                    f"{record['status']}; grew {grown / 2**20:.0f} MiB from {before / 2**20:.0f} MiB; {load()}")]
 
 
+# J8 ---------------------------------------------------------------------------------------
+# distributed's own defaults for what IDLE_CONFIG sets (its distributed.yaml)
+DISTRIBUTED_DEFAULTS = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "True",
+                        "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "20ms",
+                        "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "500ms"}
+
+
+def idle_cluster_cpu(bench=None, window_s: float = 30.0) -> list[Result]:
+    """Two servers with embedded clusters of 2 workers, idle over the same window: the CPU of
+    every process below each master (cluster, runner, gunicorn's workers), IDLE_CONFIG's
+    against distributed's defaults (docs/jobs.md, "Idle")."""
+    from app.jobs.cluster import IDLE_CONFIG
+
+    assert DISTRIBUTED_DEFAULTS.keys() == IDLE_CONFIG.keys()
+    with job_server(2) as quiet, job_server(2, **DISTRIBUTED_DEFAULTS) as defaults:
+        def ticks() -> list[int]:
+            return [sum(cpu_ticks(pid) for pid in descendants(s.pid) if Path(f"/proc/{pid}").exists())
+                    for s in (quiet, defaults)]
+        time.sleep(5.0)  # the first job's and the joins' work over
+        before = ticks()
+        time.sleep(window_s)
+        after = ticks()
+    share = [(b - a) / os.sysconf("SC_CLK_TCK") / window_s for a, b in zip(before, after)]
+    ratio = share[0] / share[1]
+    return [Result("J8. an idle service with its embedded cluster (2 workers): CPU with IDLE_CONFIG / with "
+                   "distributed's defaults", "<= 0.5x", f"{ratio:.2f}x", at_most(ratio, 0.5),
+                   f"{100 * share[0]:.1f}% vs {100 * share[1]:.1f}% of a core over the same {window_s:g} s; {load()}")]
+
+
 ROWS = {"J1": job_overhead, "J2": job_scaling, "J3": lambda: job_size(named=True), "J4": job_model,
-        "J5": result_download, "J6": kept_jobs, "J7": runner_peak}
+        "J5": result_download, "J6": kept_jobs, "J7": runner_peak, "J8": idle_cluster_cpu}
 NAMED_ONLY = {"TP": tile_profile}
 
 

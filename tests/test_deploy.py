@@ -418,9 +418,11 @@ def test_the_external_cluster_speaks_tls_with_the_secrets_certificates(name, rol
     if name == "blockgrad":  # the base (embedded cluster) needs no Secret: it makes its own credentials
         assert DASK_TLS not in (K8S / "deployment.yaml").read_text()
         return
-    from app.jobs.cluster import HEALTH_ONLY
+    from app.jobs.cluster import HEALTH_ONLY, IDLE_CONFIG
 
     assert env[f"DASK_DISTRIBUTED__{role}__HTTP__ROUTES"] == HEALTH_ONLY  # as the embedded cluster's
+    upkeep = {k: v for k, v in IDLE_CONFIG.items() if role == "WORKER" or "__WORKER__" not in k}
+    assert {k: env.get(k) for k in upkeep} == upkeep and len(upkeep) == (3 if role == "WORKER" else 2)
     command = main["command"]
     if role == "SCHEDULER":
         assert command[command.index("--protocol") + 1] == "tls"

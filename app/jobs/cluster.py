@@ -51,6 +51,12 @@ HEALTH_ONLY = '["distributed.http.health"]'
 # configuration, given in the environment: deploy/k8s/dask/scheduler.yaml sets the same.
 SCHEDULER_CONFIG = {"DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
                     "DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES": HEALTH_ONLY}
+# An idle cluster's upkeep, defaults unless the environment sets them: distributed's own took
+# ~16% of a core (2 workers), mostly a profiler sampling every worker thread each 10 ms for a
+# dashboard no one is shown; here ~6% (docs/jobs.md). Event loops are checked once a second
+# (a 3 s stall is still reported), process statistics taken every 5 s.
+IDLE_CONFIG = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False", "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
+               "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "5s"}
 
 
 @dataclass
@@ -76,12 +82,12 @@ def die_with_parent(nice: int = 0):
 
 
 def cluster_env() -> dict[str, str]:
-    env = dict(os.environ)
+    """This environment over the cluster's defaults: one core per task (the tasks also set
+    torch's threads); distributed.batched quiet, since a stop closes the workers before the
+    scheduler and a message it was sending one would end in an INFO line with a traceback;
+    IDLE_CONFIG."""
+    env = {"OMP_NUM_THREADS": "1", "DASK_LOGGING": '{"distributed.batched": "warning"}', **IDLE_CONFIG, **os.environ}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")  # one core per task (the tasks also set torch's threads)
-    # A stop closes the workers before the scheduler: a message it was sending one then ends in
-    # an INFO line with a traceback (distributed.batched), which a stop must not print.
-    env.setdefault("DASK_LOGGING", '{"distributed.batched": "warning"}')
     return env
 
 
