@@ -186,17 +186,18 @@ class PodSlots:
 
     def sibling_should_take(self) -> bool:
         """Whether a new connection is better left to a ready sibling than taken here: one
-        ranks before this worker by (serving, slots held, connections held). So an idle
-        sibling takes it from a serving worker; among serving ones, the one holding fewer
-        slots (a lone request spread over every slot leaves the next to a sibling, whose
-        request then gets a slot at the next chunk boundary), then the one with fewer kept-
-        alive connections. The first in that order always accepts (ties all do), and a
-        booting, stopping or dead sibling never counts. One read of /proc/locks; a worker
-        asks only when a new connection is waiting."""
+        ranks before this worker by (serving, connections held, slots held). So an idle
+        sibling takes it from a serving worker; among serving ones, the one with fewer
+        connections (a kept-alive client stays where it lands, while the slots held change
+        with every request: docs/cores.md), then the one holding fewer slots (a lone request
+        spread over every slot leaves the next to a sibling, whose request then gets a slot
+        at the next chunk boundary). The first in that order always accepts (ties all do),
+        and a booting, stopping or dead sibling never counts. One read of /proc/locks; a
+        worker asks only when a new connection is waiting."""
         state = self.pod_state()
         # Its own marks as it knows them, not as last read (none before this process opened the files).
-        mine = (SERVING_NAME in self._marked, len(self._held), sum(n.startswith(CONNS_PREFIX) for n in self._marked))
-        return any((pid in state.serving, state.holders.get(pid, 0), state.connections.get(pid, 0)) < mine
+        mine = (SERVING_NAME in self._marked, sum(n.startswith(CONNS_PREFIX) for n in self._marked), len(self._held))
+        return any((pid in state.serving, state.connections.get(pid, 0), state.holders.get(pid, 0)) < mine
                    for pid in state.ready - {os.getpid()})
 
     def pod_state(self) -> PodState:

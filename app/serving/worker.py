@@ -268,7 +268,7 @@ class ConnectionWorker(gthread.ThreadWorker):
 
     def accept(self, listener):
         # A new connection waits: left to a ready sibling ranking before this worker by (serving,
-        # slots held, connections held) (app/serving/slots.py), so that concurrent fresh
+        # connections held, slots held) (app/serving/slots.py), so that concurrent fresh
         # connections land on different workers instead of whichever wins the accept race
         # (docs/cores.md); this worker stops polling the listener for a while.
         pod = host.slots
