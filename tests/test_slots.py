@@ -289,8 +289,7 @@ def test_a_worker_holding_more_slots_than_a_serving_sibling_leaves_it_the_connec
 def test_among_serving_workers_connections_rank_before_slots(two_slots):
     """Both serving: the sibling with fewer connections takes the next one even while it holds
     a slot and this worker none, since a kept-alive client stays where it lands and the slots
-    held change with every request (ranked the other way, 3 of 4 kept-alive clients sat on one
-    worker in 14% of samples: docs/cores.md); connections even, fewer slots takes it."""
+    held change with every request (docs/cores.md); connections even, fewer slots takes it."""
     other = Sibling(two_slots)
     two_slots.mark_serving(True)
     try:

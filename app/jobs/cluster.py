@@ -51,10 +51,8 @@ HEALTH_ONLY = '["distributed.http.health"]'
 # configuration, given in the environment: deploy/k8s/dask/scheduler.yaml sets the same.
 SCHEDULER_CONFIG = {"DASK_DISTRIBUTED__SCHEDULER__ACTIVE_MEMORY_MANAGER__START": "False",
                     "DASK_DISTRIBUTED__SCHEDULER__HTTP__ROUTES": HEALTH_ONLY}
-# An idle cluster's upkeep, defaults unless the environment sets them: distributed's own took
-# ~16% of a core (2 workers), mostly a profiler sampling every worker thread each 10 ms for a
-# dashboard no one is shown; here ~6% (docs/jobs.md). Event loops are checked once a second
-# (a 3 s stall is still reported), process statistics taken every 5 s.
+# An idle cluster's upkeep (docs/jobs.md, "Idle"): no profiler for a dashboard no one is shown,
+# event loops checked once a second (a 3 s stall is still logged), statistics every 5 s.
 IDLE_CONFIG = {"DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED": "False", "DASK_DISTRIBUTED__ADMIN__TICK__INTERVAL": "1s",
                "DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__INTERVAL": "5s"}
 
