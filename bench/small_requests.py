@@ -3,20 +3,19 @@ Flask app doing the same computation (bench/peer.py, gunicorn sync workers), sid
 
 Same conditions for both: 2 workers, the same body and default outputs (blocks and accumulated,
 1050 numbers), the same load driver (rows.load: each client thread its own requests.Session,
-a warm-up, then back to back for a phase). The two servers run at once and are measured in
-alternating rounds, so both see the same load on a shared machine; the ratio is the median
-over rounds. Beside the rate, each app's server CPU time per request, read from /proc: the
-machine's noise moves it much less than the rate.
+a warm-up, then back to back for a phase). Every server of the row and of its info rows runs
+throughout; each comparison alternates its two servers in short phases, ABBA, so that both
+phases of a round see the same seconds of a shared, noisy host, and its ratio is the median
+over rounds of the round's quotient. Beside the rate, each side's workers' CPU time per
+request, read from /proc, and the load driver's own (the same client code throughout: a gauge
+of how busy the host is).
 
-In the same run, the ratio taken apart (info rows, `taken_apart`): the service's app under
-gunicorn's sync worker (the peer's worker class, one thread, no gRPC; the service's
-gunicorn.conf.py otherwise) against the peer, the apps alone as served; and the service against
-the same app and settings under gunicorn's stock gthread worker, what ConnectionWorker adds.
-Then the same comparison as the row's with the no-op WSGI app (bench/noop.py) under each app's
-server (the service's gunicorn.conf.py, the peer's sync settings): what the servers alone
-cost, the part of the ratio no change to the app can move (docs/small-requests.md). And what
-the threaded server buys, on the same two servers: the seed request sent behind one silent
-connection per worker (connected, nothing sent yet: a slow client, a balancer's spare).
+The info rows take the ratio apart (TAKEN_APART): the apps on the peer's sync worker; the apps
+on gunicorn's stock gthread worker (a threaded server, as the connection requirements need);
+what gthread costs the peer's own app; what ConnectionWorker adds to stock gthread; the no-op
+WSGI app (bench/noop.py) under each side's server, the part no change to the app can move
+(docs/small-requests.md). And what the threaded server buys: the seed request sent behind one
+silent connection per worker (connected, nothing sent yet: a slow client, a balancer's spare).
 """
 import contextlib
 import os
@@ -41,8 +40,10 @@ from .rows import load
 
 WORKERS = 2
 CLIENTS = (1, 4)
-ROUNDS = 5  # alternating rounds per client count (service, peer, service, peer, ...)
-PHASE_S = 3.0  # seconds of one app's load in one round, after its warm-up
+ROUNDS = 12  # alternated rounds of the row, per client count (ABBA: service, peer, peer, service, ...)
+INFO_ROUNDS = 6  # alternated rounds of each info row
+PHASE_S = 1.5  # seconds of one server's load in one round, after its warm-up: short, so that
+# both phases of a round see the same seconds of a shared host
 TARGET = 0.95  # issue 28: at least 0.95x of the peer, by cutting work from the app's path, never by scheduling threads
 LOAD_WARM_UP = 5  # requests rows.load sends per client before it starts counting
 SILENT_WAIT_S = 5.0  # how long the request behind the silent connections is given
@@ -53,19 +54,22 @@ BODY = workloads.body(workloads.SEED_EXAMPLE, factor=2)
 # --threads 1: with threads > 1 gunicorn runs gthread whatever --worker-class says.
 APP_ON_SYNC_ENV = {"GUNICORN_CMD_ARGS": "--worker-class sync --threads 1", "BLOCKGRAD_GRPC_BIND": "off"}
 STOCK_GTHREAD_ENV = {"GUNICORN_CMD_ARGS": "--worker-class gthread"}
+PEER_GTHREAD_ARGS = "--worker-class gthread --threads 4 --keep-alive 75"  # the service's keep-alive
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
-def peer_server(workers: int = WORKERS, torch_threads: int = 1, app: str = PEER_APP):
-    """The peer (or `app`) under gunicorn's sync worker on 127.0.0.1:<free port>; the whole process group
-    is killed in `finally` (tools.server.stop)."""
+def peer_server(workers: int = WORKERS, torch_threads: int = 1, app: str = PEER_APP, cmd_args: str | None = None):
+    """The peer (or `app`) under gunicorn's sync worker (or `cmd_args`' worker) on 127.0.0.1:<free port>;
+    the whole process group is killed in `finally` (tools.server.stop)."""
     port = free_port()
     script = Path(sys.executable).parent / "gunicorn"
     launcher = [str(script)] if script.exists() else [sys.executable, "-m", "gunicorn"]
     command = [*launcher, "-c", PEER_CONFIG, "--bind", f"127.0.0.1:{port}", app]
     env = {**os.environ, "PEER_WORKERS": str(workers), "PEER_TORCH_THREADS": str(torch_threads)}
-    env.pop("GUNICORN_CMD_ARGS", None)  # the peer's settings are its own file's
+    env.pop("GUNICORN_CMD_ARGS", None)  # the peer's settings are its own file's, and cmd_args
+    if cmd_args:
+        env["GUNICORN_CMD_ARGS"] = cmd_args
     with tempfile.TemporaryDirectory() as tmp:
         log_path = Path(tmp) / "peer.log"
         with open(log_path, "wb") as log_file:
@@ -123,71 +127,87 @@ def same_answer(service: Server, peer: Server) -> None:
         raise RuntimeError(f"expected 1050 numbers, got {sum(a.size for a in mine)}")
 
 
-def medians(pairs: list[tuple[Phase, Phase]], field: str) -> tuple[float, float]:
-    """The median of one Phase field over the rounds: (first server, second)."""
-    first, second = zip(*pairs)
-    return statistics.median(getattr(p, field) for p in first), statistics.median(getattr(p, field) for p in second)
+def medians(phases: list[Phase], field: str) -> float:
+    return statistics.median(getattr(p, field) for p in phases)
 
 
-def median_ratio(pairs: list[tuple[Phase, Phase]]) -> float:
-    """The median over rounds of the first server's rate over the second's."""
-    return statistics.median(first.rate / second.rate for first, second in pairs)
-
-
-def alternate(first: Server, second: Server, clients: int, rounds: int, seconds: float,
-              path: str = "/v1/gradients") -> list[tuple[Phase, Phase]]:
-    pairs = []
+def alternate(first: tuple[Server, str], second: tuple[Server, str], clients: int, rounds: int,
+              seconds: float) -> tuple[list[Phase], list[Phase]]:
+    """A phase of each server per round, back to back, in the order ABBA ABBA ...: each
+    round's two phases see the same seconds of a noisy host, and drift falls on both sides."""
+    measured: tuple[list[Phase], list[Phase]] = ([], [])
     for k in range(rounds):
-        pairs.append((phase(first, clients, seconds, path), phase(second, clients, seconds, path)))
-        print(f"  {path} {clients} client(s), round {k + 1}: {pairs[-1][0].rate:.0f} vs {pairs[-1][1].rate:.0f} req/s",
-              file=sys.stderr, flush=True)
-    return pairs
+        order = (0, 1) if k % 2 == 0 else (1, 0)
+        for side in order:
+            server, path = (first, second)[side]
+            measured[side].append(phase(server, clients, seconds, path))
+        print(f"  {first[1]} {clients} client(s), round {k + 1}: {measured[0][-1].rate:.0f} vs "
+              f"{measured[1][-1].rate:.0f} req/s", file=sys.stderr, flush=True)
+    return measured
 
 
-def detail(pairs: list[tuple[Phase, Phase]], rounds: int, seconds: float) -> str:
-    rate_s, rate_p = medians(pairs, "rate")
-    cpu_s, cpu_p = medians(pairs, "cpu_ms")
-    client_s, client_p = medians(pairs, "client_cpu_ms")
-    return (f"{rate_s:.0f} vs {rate_p:.0f} req/s, medians of {rounds} alternating rounds of {seconds:g} s, "
-            f"{WORKERS} workers each; CPU per request: workers {cpu_s:.2f} vs {cpu_p:.2f} ms, "
-            f"load driver {client_s:.2f} vs {client_p:.2f} ms")
+def compared(name: str, target: str, measured: tuple[list[Phase], list[Phase]], rounds: int,
+             seconds: float, bar: float | None = None) -> Result:
+    """A row: the median over rounds of the first server's rate over the second's, and beside
+    it the medians of each side's rate and CPU per request."""
+    a, b = measured
+    quotient = statistics.median(x.rate / y.rate for x, y in zip(a, b, strict=True))
+    detail = (f"{medians(a, 'rate'):.0f} vs {medians(b, 'rate'):.0f} req/s, medians of {rounds} alternated "
+              f"rounds of {seconds:g} s, {WORKERS} workers each; CPU per request: workers "
+              f"{medians(a, 'cpu_ms'):.2f} vs {medians(b, 'cpu_ms'):.2f} ms, load driver "
+              f"{medians(a, 'client_cpu_ms'):.2f} vs {medians(b, 'client_cpu_ms'):.2f} ms")
+    verdict = "-" if bar is None else at_least(quotient, bar)
+    return Result(name, target, f"{quotient:.2f}x", verdict, detail)
+
+
+# Row 18's ratio taken apart (info rows): (first, second, what it shows), each alternated as the row is.
+TAKEN_APART = (
+    ("app_on_sync", "peer", "the service's app under gunicorn's sync worker (one thread, no gRPC) vs the peer, "
+     "the apps alone on the peer's server"),
+    ("stock_gthread", "peer_gthread", "the service's app vs the peer's, both under gunicorn's stock gthread "
+     "worker, the apps alone on a threaded server"),
+    ("peer_gthread", "peer", "the peer under gunicorn's stock gthread worker vs under sync, what a threaded "
+     "server costs the peer's own app"),
+    ("service", "stock_gthread", "the service vs the same app and settings under gunicorn's stock gthread "
+     "worker, what ConnectionWorker adds"),
+    ("noop_service", "noop_peer", "the no-op WSGI app under the service's server vs under the peer's (sync), "
+     "the servers alone"),
+)
 
 
 def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S) -> list[Result]:
     """The service's requests/s over the peer's on the 10x5 example, at 1 and 4 clients; then
-    the ratio taken apart and the no-op app under each one's server (info rows)."""
-    results = []
-    with gunicorn_server(workers=WORKERS, device="cpu", ready_path="/readyz") as service, \
-            peer_server(WORKERS, bench.torch_threads) as peer:
-        same_answer(service, peer)
-        for server in (service, peer):  # warm-up: every worker has served before the first round
-            load(server, "/v1/gradients", BODY, clients=max(CLIENTS), seconds=min(1.0, seconds))
+    the ratio taken apart and the servers alone (info rows), every server running throughout."""
+    served = partial(gunicorn_server, workers=WORKERS, device="cpu", ready_path="/readyz")
+    peer = partial(peer_server, WORKERS, bench.torch_threads)
+    with contextlib.ExitStack() as stack:
+        servers = {name: (stack.enter_context(start), path) for name, start, path in (
+            ("service", served(), "/v1/gradients"), ("peer", peer(), "/v1/gradients"),
+            ("app_on_sync", served(env=APP_ON_SYNC_ENV), "/v1/gradients"),
+            ("stock_gthread", served(env=STOCK_GTHREAD_ENV), "/v1/gradients"),
+            ("peer_gthread", peer(cmd_args=PEER_GTHREAD_ARGS), "/v1/gradients"),
+            ("noop_service", gunicorn_server(workers=WORKERS, device=None, ready_path="/", app=NOOP_APP), "/"),
+            ("noop_peer", peer(app=NOOP_APP), "/"))}
+        same_answer(servers["service"][0], servers["peer"][0])
+        for server, path in servers.values():  # warm-up: every worker has served before the first round
+            load(server, path, BODY, clients=max(CLIENTS), seconds=1.0)
+        results, info = [], []
         for clients in CLIENTS:
-            pairs = alternate(service, peer, clients, rounds, seconds)
-            ratio = median_ratio(pairs)
-            results.append(Result(
-                f"18. seed 10x5 example, {clients_label(clients)}: service vs minimal "
-                f"Flask app (sync)", f">= {TARGET}x", f"{ratio:.2f}x", at_least(ratio, TARGET),
-                detail(pairs, rounds, seconds)))
+            results.append(compared(
+                f"18. seed 10x5 example, {clients_label(clients)}: service vs minimal Flask app (sync)",
+                f">= {TARGET}x", alternate(servers["service"], servers["peer"], clients, rounds, seconds),
+                rounds, seconds, TARGET))
+            info += [compared(f"18. seed 10x5 example, {clients_label(clients)}: {what}", "- (info)",
+                              alternate(servers[first], servers[second], clients, INFO_ROUNDS, seconds),
+                              INFO_ROUNDS, seconds)
+                     for first, second, what in TAKEN_APART]
         results.append(Result(
             f"18. seed 10x5 example behind {WORKERS} silent connections (one per worker): the service "
-            f"vs the peer (sync)", "- (info)", f"{behind_silent(service)} vs {behind_silent(peer)}", "-",
+            f"vs the peer (sync)", "- (info)",
+            f"{behind_silent(servers['service'][0])} vs {behind_silent(servers['peer'][0])}", "-",
             "a sync worker reads a connection's head in its only thread, until gunicorn's timeout (30 s) "
             "ends it; the service's poller waits for heads (docs/connections.md)"))
-    floor_rounds = max(1, rounds // 2 + 1)
-    results += taken_apart(bench, floor_rounds, seconds)
-    with gunicorn_server(workers=WORKERS, device=None, ready_path="/", app=NOOP_APP) as service, \
-            peer_server(WORKERS, bench.torch_threads, app=NOOP_APP) as peer:
-        for server in (service, peer):
-            load(server, "/", BODY, clients=max(CLIENTS), seconds=min(1.0, seconds))
-        for clients in CLIENTS:
-            pairs = alternate(service, peer, clients, floor_rounds, seconds, path="/")
-            ratio = median_ratio(pairs)
-            results.append(Result(
-                f"18. no-op WSGI app, {clients_label(clients)}: the service's server vs the "
-                f"peer's (sync), the servers alone", "- (info)", f"{ratio:.2f}x", "-",
-                detail(pairs, floor_rounds, seconds)))
-    return results
+    return results + info
 
 
 def behind_silent(server: Server, silent: int = WORKERS) -> str:
@@ -210,24 +230,3 @@ def behind_silent(server: Server, silent: int = WORKERS) -> str:
 
 def clients_label(clients: int) -> str:
     return f"{clients} client{'s' if clients > 1 else ''}"
-
-
-def taken_apart(bench, rounds: int, seconds: float) -> list[Result]:
-    """Row 18's gap in two parts, measured in the same run (info rows)."""
-    results = []
-    served = partial(gunicorn_server, workers=WORKERS, device="cpu", ready_path="/readyz")
-    with served() as service, served(env=STOCK_GTHREAD_ENV) as stock_gthread, \
-            served(env=APP_ON_SYNC_ENV) as app_on_sync, peer_server(WORKERS, bench.torch_threads) as peer:
-        for server in (service, stock_gthread, app_on_sync, peer):
-            load(server, "/v1/gradients", BODY, clients=max(CLIENTS), seconds=min(1.0, seconds))
-        for clients in CLIENTS:
-            for name, first, second in (
-                    ("the service's app under gunicorn's sync worker (one thread, no gRPC) vs the peer, "
-                     "the apps alone as served", app_on_sync, peer),
-                    ("the service vs the same app and settings under gunicorn's stock gthread worker, "
-                     "what ConnectionWorker adds", service, stock_gthread)):
-                pairs = alternate(first, second, clients, rounds, seconds)
-                ratio = median_ratio(pairs)
-                results.append(Result(f"18. seed 10x5 example, {clients_label(clients)}: {name}", "- (info)",
-                                      f"{ratio:.2f}x", "-", detail(pairs, rounds, seconds)))
-    return results
