@@ -1,4 +1,5 @@
-"""gunicorn settings for the reference peer (bench/peer.py): sync workers, nothing else.
+"""gunicorn settings for the reference peer (bench/peer.py): sync workers, nothing else (an
+info row of bench/small_requests.py switches it to gthread through GUNICORN_CMD_ARGS).
 
 The launcher (bench/small_requests.py) gives the bind on the command line and the worker and
 torch-thread counts in the environment, so that the peer runs as many of each as the service.
