@@ -148,13 +148,13 @@ def alternate(first: tuple[Server, str], second: tuple[Server, str], clients: in
     return measured
 
 
-def compared(name: str, target: str, measured: tuple[list[Phase], list[Phase]], rounds: int,
-             seconds: float, bar: float | None = None) -> Result:
+def compared(name: str, target: str, measured: tuple[list[Phase], list[Phase]], seconds: float,
+             bar: float | None = None) -> Result:
     """A row: the median over rounds of the first server's rate over the second's, and beside
     it the medians of each side's rate and CPU per request."""
     a, b = measured
     quotient = statistics.median(x.rate / y.rate for x, y in zip(a, b, strict=True))
-    detail = (f"{medians(a, 'rate'):.0f} vs {medians(b, 'rate'):.0f} req/s, medians of {rounds} alternated "
+    detail = (f"{medians(a, 'rate'):.0f} vs {medians(b, 'rate'):.0f} req/s, medians of {len(a)} alternated "
               f"rounds of {seconds:g} s, {WORKERS} workers each; CPU per request: workers "
               f"{medians(a, 'cpu_ms'):.2f} vs {medians(b, 'cpu_ms'):.2f} ms, load driver "
               f"{medians(a, 'client_cpu_ms'):.2f} vs {medians(b, 'client_cpu_ms'):.2f} ms")
@@ -200,11 +200,11 @@ def small_requests_vs_peer(bench, rounds: int = ROUNDS, seconds: float = PHASE_S
                 f"18. seed 10x5 example, {clients_label(clients)}: service vs minimal Flask app (sync)",
                 f">= {TARGET}x",
                 alternate(servers["service"], servers["peer"], clients, rounds, seconds, "service vs peer"),
-                rounds, seconds, TARGET))
+                seconds, TARGET))
             info += [compared(f"18. {what.format(clients=clients_label(clients))}", "- (info)",
                               alternate(servers[first], servers[second], clients, INFO_ROUNDS, seconds,
                                         f"{first} vs {second}"),
-                              INFO_ROUNDS, seconds)
+                              seconds)
                      for first, second, what in TAKEN_APART]
         results.append(Result(
             f"18. seed 10x5 example behind {WORKERS} silent connections (one per worker): the service "
